@@ -1,0 +1,144 @@
+"""Input validation: every check runs here, before anything launches.
+
+CuPy's raw kernels check nothing, so shapes, dtypes, devices and strides are
+settled in Python. Errors name the argument and the shapes or dtypes seen.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy
+
+from ._tiles import MAX_HEAD_DIM, dtype_name
+
+SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+def array_module(arrays: dict):
+    """``numpy`` or ``cupy`` for the named arrays; TypeError on anything else or on a mix."""
+    cupy = _cupy()
+    kinds = {}
+    for name, x in arrays.items():
+        if isinstance(x, numpy.ndarray):
+            kinds[name] = "numpy"
+        elif cupy is not None and isinstance(x, cupy.ndarray):
+            kinds[name] = "cupy"
+        else:
+            raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray, got {type(x).__name__}")
+    if len(set(kinds.values())) > 1:
+        seen = ", ".join(f"{n}: {k}" for n, k in kinds.items())
+        raise TypeError(f"cannot mix NumPy and CuPy arrays ({seen})")
+    return numpy if "numpy" in kinds.values() else cupy
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What a validated call computes."""
+
+    xp: object              # numpy or cupy
+    dtype: numpy.dtype
+    batch_shape: tuple
+    Nq: int
+    Nk: int
+    D: int
+    scale: float
+    causal: bool
+
+
+def _stats_dtype(dtype) -> numpy.dtype:
+    return numpy.dtype(numpy.float64 if dtype == numpy.float64 else numpy.float32)
+
+
+def check_forward(q, k, v, causal, softmax_scale) -> Problem:
+    """Validate ``q, k, v`` and the flags of a forward call."""
+    xp = array_module({"q": q, "k": k, "v": v})
+    dtypes = {name: x.dtype for name, x in (("q", q), ("k", k), ("v", v))}
+    for name, dt in dtypes.items():
+        if dt.name not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {dt}; supported: {', '.join(SUPPORTED_DTYPES)}")
+    if len(set(dtypes.values())) > 1:
+        raise TypeError("q, k, v must share one dtype, got " + ", ".join(f"{n}: {d}" for n, d in dtypes.items()))
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have shape (..., N, D), got shape {x.shape}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v must have the same number of keys Nk, got k {k.shape} and v {v.shape}")
+    D = q.shape[-1]
+    if k.shape[-1] != D or v.shape[-1] != D:
+        raise ValueError(f"q, k, v must share the head dim D, got q {q.shape}, k {k.shape}, v {v.shape}")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim D must be in [1, {MAX_HEAD_DIM}], got D={D} (q {q.shape})")
+    try:
+        batch_shape = numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except ValueError:
+        raise ValueError(f"batch dims of q {q.shape}, k {k.shape}, v {v.shape} do not broadcast") from None
+    if not isinstance(causal, (bool, numpy.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(D)
+    else:
+        if isinstance(softmax_scale, (bool, numpy.bool_)) or not isinstance(softmax_scale, (int, float, numpy.number)):
+            raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+        scale = float(softmax_scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if xp is not numpy:
+        devices = {name: x.device.id for name, x in (("q", q), ("k", k), ("v", v))}
+        if len(set(devices.values())) > 1:
+            raise ValueError("q, k, v are on different devices: " + ", ".join(f"{n}: {d}" for n, d in devices.items()))
+    return Problem(xp, q.dtype, tuple(batch_shape), q.shape[-2], k.shape[-2], D, scale, bool(causal))
+
+
+def check_backward(do, q, k, v, o, m, l, causal, softmax_scale) -> Problem:
+    """Validate a backward call: ``q, k, v`` as in the forward, then ``do, o, m, l`` against them."""
+    array_module({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l})
+    prob = check_forward(q, k, v, causal, softmax_scale)
+    out_shape = (*prob.batch_shape, prob.Nq, prob.D)
+    stats_shape = (*prob.batch_shape, prob.Nq)
+    for name, x in (("do", do), ("o", o)):
+        if x.dtype != prob.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({prob.dtype}), got {x.dtype}")
+        if x.shape != out_shape:
+            raise ValueError(f"{name} must have the output shape {out_shape}, got {x.shape}")
+    stats_dtype = _stats_dtype(prob.dtype)
+    for name, x in (("m", m), ("l", l)):
+        if x.dtype != stats_dtype:
+            raise TypeError(f"{name} must be {stats_dtype} for {prob.dtype} inputs, got {x.dtype}")
+        if x.shape != stats_shape:
+            raise ValueError(f"{name} must have shape {stats_shape} (batch..., Nq), got {x.shape}")
+    if prob.xp is not numpy:
+        for name, x in (("do", do), ("o", o), ("m", m), ("l", l)):
+            if x.device.id != q.device.id:
+                raise ValueError(f"{name} is on device {x.device.id}, q on device {q.device.id}")
+    return prob
+
+
+def kernel_ready(x):
+    """``x`` itself when the kernels can read it through strides, else a C-contiguous copy.
+
+    Readable: last axis contiguous, every stride a non-negative multiple of the item size.
+    Zero strides (broadcast views) are kept.
+    """
+    itemsize = x.itemsize
+    ok = x.size == 0 or (
+        (x.shape[-1] == 1 or x.strides[-1] == itemsize)
+        and all(s >= 0 and s % itemsize == 0 for s in x.strides)
+    )
+    if ok:
+        return x
+    import cupy
+
+    return cupy.ascontiguousarray(x)
+
+
+__all__ = ["Problem", "array_module", "check_forward", "check_backward", "kernel_ready", "dtype_name"]

@@ -1,0 +1,107 @@
+"""Kernel sources, NVRTC compilation and the per-device module cache.
+
+Sources live in ``kernels_cu/``. Each kernel file starts with
+``#include "flash_common.cuh"``; the header's text is pasted in its place
+before compiling, so CuPy's on-disk cache (keyed on the source text and the
+options) sees every edit of the header.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+from ._tiles import TileConfig
+
+HEADER = "flash_common.cuh"
+KERNEL_FILES = {"fwd_v1": "flash_fwd_v1.cu", "bwd_v1": "flash_bwd_v1.cu"}
+KERNEL_NAMES = {
+    "fwd_v1": ("flash_fwd_v1",),
+    "bwd_v1": ("flash_bwd_prep_v1", "flash_bwd_v1", "flash_convert"),
+}
+BASE_OPTIONS = ("-std=c++17",)
+
+
+def kernel_dir() -> Path:
+    """Folder of the CUDA sources: ``kernels_cu/`` beside the package, or inside it."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here.parent / "kernels_cu", here / "kernels_cu"):
+        if (candidate / HEADER).is_file():
+            return candidate
+    raise FileNotFoundError(f"cupyflash kernel sources ({HEADER}) not found next to {here}")
+
+
+@lru_cache(maxsize=None)
+def kernel_source(kernel: str) -> str:
+    """Full translation unit for ``kernel``, the shared header pasted in."""
+    folder = kernel_dir()
+    header = (folder / HEADER).read_text()
+    body = (folder / KERNEL_FILES[kernel]).read_text()
+    include = f'#include "{HEADER}"'
+    if include not in body:
+        raise RuntimeError(f"{KERNEL_FILES[kernel]} does not include {HEADER}")
+    return body.replace(include, header, 1)
+
+
+def nvrtc_options(cfg: TileConfig) -> tuple[str, ...]:
+    return BASE_OPTIONS + cfg.defines()
+
+
+_modules: dict = {}
+_modules_lock = threading.Lock()
+
+
+def get_kernels(cfg: TileConfig):
+    """Compiled kernels of ``cfg`` on the current device, compiled once per device.
+
+    Returns
+    -------
+    dict
+        Kernel name -> ``cupy.RawKernel``, dynamic shared memory already opted in.
+    """
+    import cupy
+
+    key = (cfg, cupy.cuda.Device().id)
+    kernels = _modules.get(key)
+    if kernels is None:
+        with _modules_lock:
+            kernels = _modules.get(key)
+            if kernels is None:
+                module = cupy.RawModule(code=kernel_source(cfg.kernel), options=nvrtc_options(cfg))
+                kernels = {name: module.get_function(name) for name in KERNEL_NAMES[cfg.kernel]}
+                for kern in kernels.values():
+                    if cfg.smem_bytes > 48 * 1024:
+                        kern.max_dynamic_shared_size_bytes = cfg.smem_bytes
+                _modules[key] = kernels
+    return kernels
+
+
+def compile_for_arch(cfg: TileConfig, arch: str, *, verbose: bool = False) -> tuple[bytes, str]:
+    """Compile ``cfg`` to a cubin for ``arch`` (e.g. ``'sm_90'``) without a GPU.
+
+    Returns
+    -------
+    cubin : bytes
+    log : str
+        NVRTC's log; with ``verbose`` it holds ptxas' register and spill report.
+
+    Raises
+    ------
+    RuntimeError
+        With the compiler log, when NVRTC rejects the source.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    options = list(nvrtc_options(cfg)) + [f"-arch={arch}"]
+    if verbose:
+        options.append("--ptxas-options=-v")
+    prog = nvrtc.createProgram(kernel_source(cfg.kernel), KERNEL_FILES[cfg.kernel], [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as err:
+            raise RuntimeError(f"NVRTC failed for {cfg} on {arch}:\n{nvrtc.getProgramLog(prog)}") from err
+        return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)

@@ -1,0 +1,228 @@
+"""Shapes to launches: grids, workspaces and kernel arguments.
+
+Inputs reach this module validated (``_checks``): CuPy arrays of one dtype on
+the current device, last axis contiguous, non-negative element strides, and a
+broadcast batch shape. Batch dims are collapsed to at most three (the kernels
+index them as ``b0 * s0 + b1 * s1 + b2 * s2``, a zero stride along a
+broadcast dim); ``collapse_batch`` returns None when that is impossible and the
+caller peels a batch dim off in Python.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy
+
+from ._compile import get_kernels
+from ._tiles import TileConfig, choose_tiles
+
+LOG2E = math.log2(math.e)
+MAX_BATCH_DIMS = 3  # collapsed batch dims a kernel indexes (flash_common.cuh: split_batch)
+VECTOR_BYTES = 16   # width of the vectorised tile loads
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Collapsed batch dims ``sizes`` = (n0, n1, n2) and, per tensor, its element strides along them."""
+
+    sizes: tuple[int, int, int]
+    strides: tuple[tuple[int, int, int], ...]
+
+    @property
+    def count(self) -> int:
+        return self.sizes[0] * self.sizes[1] * self.sizes[2]
+
+
+def element_strides(x) -> tuple[int, ...]:
+    return tuple(s // x.itemsize for s in x.strides)
+
+
+def batch_strides(shape, strides, batch_shape) -> tuple[int, ...]:
+    """Strides of a tensor along the broadcast batch dims (0 where it broadcasts)."""
+    nb = len(batch_shape)
+    own = len(shape) - 2
+    out = []
+    for axis in range(nb):
+        src = axis - (nb - own)
+        out.append(0 if src < 0 or shape[src] == 1 else strides[src])
+    return tuple(out)
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def collapse_batch(batch_shape, tensor_strides) -> BatchLayout | None:
+    """Merge batch dims until at most ``MAX_BATCH_DIMS`` remain.
+
+    Parameters
+    ----------
+    batch_shape : tuple of int
+        Broadcast batch shape.
+    tensor_strides : sequence of tuple of int
+        Each tensor's strides along ``batch_shape`` (from ``batch_strides``).
+
+    Returns
+    -------
+    BatchLayout or None
+        None when more than ``MAX_BATCH_DIMS`` dims cannot be merged.
+    """
+    dims = [(n, [s[a] for s in tensor_strides]) for a, n in enumerate(batch_shape) if n != 1]
+    merged: list = []
+    for n, strides in dims:
+        if merged:
+            pn, ps = merged[-1]
+            if all(p == s * n for p, s in zip(ps, strides)):
+                merged[-1] = (pn * n, strides)
+                continue
+        merged.append((n, strides))
+    if len(merged) > MAX_BATCH_DIMS:
+        return None
+    while len(merged) < MAX_BATCH_DIMS:
+        merged.insert(0, (1, [0] * len(tensor_strides)))
+    sizes = tuple(n for n, _ in merged)
+    per_tensor = tuple(tuple(merged[a][1][t] for a in range(MAX_BATCH_DIMS)) for t in range(len(tensor_strides)))
+    return BatchLayout(sizes, per_tensor)
+
+
+@lru_cache(maxsize=None)
+def _device_limits(device_id: int) -> tuple[int, int, int]:
+    import cupy
+
+    attrs = cupy.cuda.Device(device_id).attributes
+    return (attrs["MaxSharedMemoryPerBlockOptin"], attrs["MaxSharedMemoryPerMultiprocessor"],
+            attrs["MultiProcessorCount"])
+
+
+def device_tiles(kernel: str, head_dim: int, dtype) -> TileConfig:
+    """``choose_tiles`` for the current device."""
+    import cupy
+
+    smem_block, _, _ = _device_limits(cupy.cuda.Device().id)
+    return choose_tiles(kernel, head_dim, dtype, smem_block)
+
+
+def _vector_ok(arrays, head_dim: int) -> bool:
+    """16-byte tile loads are safe: aligned base, rows and batch strides; whole vectors per row."""
+    itemsize = arrays[0].itemsize
+    if head_dim % (VECTOR_BYTES // itemsize):
+        return False
+    for x in arrays:
+        if x.data.ptr % VECTOR_BYTES or any(s % VECTOR_BYTES for s in x.strides[:-1]):
+            return False
+    return True
+
+
+def _acc_dtype(dtype) -> numpy.dtype:
+    return numpy.dtype(numpy.float64 if dtype == numpy.float64 else numpy.float32)
+
+
+def _strides4(x, layout_strides) -> tuple:
+    """Kernel stride arguments (s0, s1, s2, row) as int64."""
+    return tuple(numpy.int64(s) for s in layout_strides) + (numpy.int64(element_strides(x)[-2]),)
+
+
+def forward_v1(q, k, v, *, causal: bool, scale: float, batch_shape, layout: BatchLayout):
+    """Launch the V1 forward on validated inputs; returns ``(o, m, l)``."""
+    import cupy
+
+    Nq, D = q.shape[-2:]
+    Nk = k.shape[-2]
+    BH = layout.count
+    acc = _acc_dtype(q.dtype)
+    cfg = device_tiles("fwd_v1", D, q.dtype)
+    kernel = get_kernels(cfg)["flash_fwd_v1"]
+
+    o = cupy.empty((*batch_shape, Nq, D), q.dtype)
+    m = cupy.empty((*batch_shape, Nq), acc)
+    l = cupy.empty((*batch_shape, Nq), acc)
+    T_r = -(-Nq // cfg.block_r)
+    T_c = -(-Nk // cfg.block_c)
+    # running O_i between outer steps; with a single K/V tile every step is the last
+    o_run = cupy.empty((BH, Nq, cfg.d_pad), acc) if T_c > 1 else m
+
+    # splits: enough CTAs for one full wave even when batch*heads is small
+    _, smem_sm, sms = _device_limits(cupy.cuda.Device().id)
+    ctas_per_sm = max(1, min(4, smem_sm // max(cfg.smem_bytes, 1)))
+    n_splits = max(1, min(T_r, -(-sms * ctas_per_sm // BH)))
+
+    scalar = numpy.float64 if acc == numpy.float64 else numpy.float32
+    args = (q, k, v, o, o_run, m, l,
+            *_strides4(q, layout.strides[0]), *_strides4(k, layout.strides[1]), *_strides4(v, layout.strides[2]),
+            numpy.int64(layout.sizes[1]), numpy.int64(layout.sizes[2]),
+            numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D), scalar(scale * LOG2E),
+            numpy.int32(n_splits), numpy.int32(causal), numpy.int32(_vector_ok((q, k, v), D)))
+    kernel((BH * n_splits,), (cfg.threads,), args, shared_mem=cfg.smem_bytes)
+    return o, m, l
+
+
+def backward_v1(do, q, k, v, o, m, l, *, causal: bool, scale: float, batch_shape, layout: BatchLayout):
+    """Launch the V1 backward on validated inputs; returns ``(dq, dk, dv)``.
+
+    ``layout.strides`` holds, in order, q, k, v, o, do and the contiguous
+    own-shape layouts of dq, dk, dv.
+    """
+    import cupy
+
+    Nq, D = q.shape[-2:]
+    Nk = k.shape[-2]
+    BH = layout.count
+    acc = _acc_dtype(q.dtype)
+    scalar = numpy.float64 if acc == numpy.float64 else numpy.float32
+    cfg = device_tiles("bwd_v1", D, q.dtype)
+    kernels = get_kernels(cfg)
+    s_q, s_k, s_v, s_o, s_do, s_dq, s_dk, s_dv = layout.strides
+    n1, n2 = numpy.int64(layout.sizes[1]), numpy.int64(layout.sizes[2])
+
+    # D_i = rowsum(dO_i o O_i), lse2_i = log2(e) m_i + log2(l_i)
+    m = cupy.ascontiguousarray(m)
+    l = cupy.ascontiguousarray(l)
+    lse2 = cupy.empty((BH, Nq), acc)
+    d_sum = cupy.empty((BH, Nq), acc)
+    rows = BH * Nq
+    kernels["flash_bwd_prep_v1"](
+        (-(-rows // cfg.warps),), (cfg.threads,),
+        (o, do, m, l, lse2, d_sum, *_strides4(o, s_o), *_strides4(do, s_do),
+         n1, n2, numpy.int64(rows), numpy.int32(Nq), numpy.int32(D)))
+
+    # dK, dV are stored directly unless several batch entries share one K/V head
+    kv_atomic = math.prod(k.shape[:-2]) < BH or math.prod(v.shape[:-2]) < BH
+    dq_acc = cupy.zeros(q.shape, acc)
+    if kv_atomic:
+        dk_acc, dv_acc = cupy.zeros(k.shape, acc), cupy.zeros(v.shape, acc)
+        dk_out, dv_out = q, q   # not written
+    else:
+        dk_out, dv_out = cupy.empty(k.shape, q.dtype), cupy.empty(v.shape, q.dtype)
+        dk_acc, dv_acc = dq_acc, dq_acc   # not written
+    T_c = -(-Nk // cfg.block_c)
+    n_chunks = -(-D // cfg.d_chunk)
+    kernels["flash_bwd_v1"](
+        (BH * T_c * n_chunks,), (cfg.threads,),
+        (q, k, v, do, lse2, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc,
+         *_strides4(q, s_q), *_strides4(k, s_k), *_strides4(v, s_v), *_strides4(do, s_do),
+         *(numpy.int64(s) for s in s_dq), *(numpy.int64(s) for s in s_dk), *(numpy.int64(s) for s in s_dv),
+         n1, n2, numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D),
+         scalar(scale * LOG2E), scalar(scale),
+         numpy.int32(causal), numpy.int32(_vector_ok((q, k, v, do), D)), numpy.int32(kv_atomic)),
+        shared_mem=cfg.smem_bytes)
+
+    def to_dtype(x_acc):
+        if x_acc.dtype == q.dtype:
+            return x_acc
+        out = cupy.empty(x_acc.shape, q.dtype)
+        n = x_acc.size
+        if n:
+            kernels["flash_convert"]((min(-(-n // 256), 65535),), (256,), (x_acc, out, numpy.int64(n)))
+        return out
+
+    dq = to_dtype(dq_acc)
+    if kv_atomic:
+        return dq, to_dtype(dk_acc), to_dtype(dv_acc)
+    return dq, dk_out, dv_out

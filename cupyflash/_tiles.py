@@ -1,0 +1,199 @@
+"""Tile sizes: the one place that chooses them.
+
+A :class:`TileConfig` fixes one kernel specialisation. The same object gives
+the NVRTC defines (``FLASH_*``) and the dynamic shared-memory byte count used
+at launch; the kernels ``static_assert`` that their own layout matches
+``FLASH_SMEM_BYTES``, so the two can never drift apart.
+
+How tiles are chosen (``choose_tiles``):
+
+* The head dim ``D`` is padded up to a bucket ``DP`` in ``HEAD_DIM_BUCKETS``
+  (multiples of 16, the tensor-core k-step); padding columns are zero-filled.
+* Forward, FlashAttention V1 (Algorithm 1). The V1 seed bounds the tiles by
+  the shared memory ``M`` (in elements): ``B_c <= ceil(M / 4d)`` and
+  ``B_r <= min(B_c, d)``. Inside that bound we take the first candidate of
+  ``_FWD_CANDIDATES`` whose layout fits: B_r = 16 x warps (each warp owns 16
+  query rows), B_c = 128 keys while the score tile stays in registers
+  (D <= 128), else 64. fp64 tiles are smaller because every element is 8 bytes.
+* Backward: each warp owns 16 key rows of a K/V tile (B_c = 16 x warps); the
+  Q tiles walked by the inner loop have B_r rows. dK_j and dV_j live in
+  registers, so the head dim is split into chunks of ``d_chunk`` columns, one
+  CTA per chunk (S and dP are recomputed per chunk; D <= 128 is one chunk).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy
+
+HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
+MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
+DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
+KERNELS = ("fwd_v1", "bwd_v1")
+SMEM_PAD_BYTES = 16  # one 16-byte pad per shared row (flash_common.cuh: SMEM_PAD_BYTES)
+
+# (B_r, B_c, warps) in order of preference
+_FWD_CANDIDATES = {
+    "16bit": ((64, 128, 4), (64, 64, 4), (32, 64, 2), (16, 32, 1)),
+    "float32": ((64, 64, 4), (32, 64, 2), (32, 32, 2), (16, 16, 1)),
+    "float64": ((32, 32, 2), (16, 32, 1), (16, 16, 1)),
+}
+# (B_r, B_c, warps, max d_chunk) in order of preference
+_BWD_CANDIDATES = {
+    "16bit": ((32, 64, 4, 128), (32, 32, 2, 128), (16, 16, 1, 64)),
+    "float32": ((32, 64, 4, 128), (32, 32, 2, 64), (16, 16, 1, 32)),
+    "float64": ((32, 64, 4, 32), (32, 32, 2, 32), (16, 16, 1, 32)),
+}
+
+
+def dtype_name(dtype) -> str:
+    """Canonical name of a supported dtype (``'bfloat16'`` for ml_dtypes')."""
+    name = dtype if isinstance(dtype, str) else numpy.dtype(dtype).name
+    if name not in DTYPE_CODES:
+        raise TypeError(f"unsupported dtype {name}")
+    return name
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    """Smallest bucket in ``HEAD_DIM_BUCKETS`` holding ``head_dim``."""
+    for bucket in HEAD_DIM_BUCKETS:
+        if head_dim <= bucket:
+            return bucket
+    raise ValueError(f"head dim {head_dim} > {MAX_HEAD_DIM}")
+
+
+def _precision_class(dtype: str) -> str:
+    return "16bit" if dtype in ("float16", "bfloat16") else dtype
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One compiled kernel specialisation.
+
+    Attributes
+    ----------
+    kernel : {'fwd_v1', 'bwd_v1'}
+    dtype : str
+        Element dtype name.
+    d_pad : int
+        Head dim padded to its bucket (``DP``).
+    block_r : int
+        ``B_r``, query rows per tile.
+    block_c : int
+        ``B_c``, key rows per tile.
+    warps : int
+        Warps per CTA.
+    d_chunk : int
+        Head-dim columns of one output chunk (``DC``).
+    """
+
+    kernel: str
+    dtype: str
+    d_pad: int
+    block_r: int
+    block_c: int
+    warps: int
+    d_chunk: int
+
+    @property
+    def itemsize(self) -> int:
+        return 2 if _precision_class(self.dtype) == "16bit" else numpy.dtype(self.dtype).itemsize
+
+    @property
+    def acc_itemsize(self) -> int:
+        """Bytes of the accumulator type (float32, float64 for float64)."""
+        return 8 if self.dtype == "float64" else 4
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of the kernel's layout (see the .cu headers)."""
+        pad = SMEM_PAD_BYTES // self.itemsize
+        qkv_pitch = self.d_pad + pad
+        if self.kernel == "fwd_v1":
+            # s_K, s_V (B_c, DP); s_Q (B_r, DP); s_P (B_r, B_c)
+            elems = (2 * self.block_c + self.block_r) * qkv_pitch + self.block_r * (self.block_c + pad)
+            return elems * self.itemsize
+        # s_K, s_V (B_c, DP); s_Q, s_dO (B_r, DP); s_dS (B_c, B_r); s_lse, s_D (B_r)
+        elems = (2 * self.block_c + 2 * self.block_r) * qkv_pitch + self.block_c * (self.block_r + pad)
+        return elems * self.itemsize + 2 * self.block_r * self.acc_itemsize
+
+    def defines(self) -> tuple[str, ...]:
+        """NVRTC ``-D`` options of this specialisation."""
+        return (
+            f"-DFLASH_DTYPE={DTYPE_CODES[self.dtype]}",
+            f"-DFLASH_DP={self.d_pad}",
+            f"-DFLASH_BR={self.block_r}",
+            f"-DFLASH_BC={self.block_c}",
+            f"-DFLASH_WARPS={self.warps}",
+            f"-DFLASH_DC={self.d_chunk}",
+            f"-DFLASH_SMEM_BYTES={self.smem_bytes}",
+        )
+
+
+def _fwd_chunk(d_pad: int, max_chunk: int) -> int:
+    # fewest equal chunks of at most max_chunk columns, each a multiple of 16 (one mma k-step)
+    n = math.ceil(d_pad / max_chunk)
+    while d_pad % n or (d_pad // n) % 16:
+        n += 1
+    return d_pad // n
+
+
+def _bwd_chunk(d_pad: int, max_chunk: int) -> int:
+    # fewest equal chunks of at most max_chunk columns; each a multiple of 32 (the dQ warp split)
+    n = math.ceil(d_pad / max_chunk)
+    while d_pad % n or (d_pad // n) % 32:
+        n += 1
+    return d_pad // n
+
+
+def choose_tiles(kernel: str, head_dim: int, dtype, smem_limit: int) -> TileConfig:
+    """Tile sizes for ``kernel`` at ``head_dim`` and ``dtype`` on a device.
+
+    Parameters
+    ----------
+    kernel : {'fwd_v1', 'bwd_v1'}
+    head_dim : int
+        ``D``, 1 <= D <= 256.
+    dtype : dtype-like
+    smem_limit : int
+        Shared memory a block may use on the device (bytes, opt-in maximum).
+
+    Returns
+    -------
+    TileConfig
+    """
+    name = dtype_name(dtype)
+    d_pad = head_dim_bucket(head_dim)
+    prec = _precision_class(name)
+    itemsize = 2 if prec == "16bit" else numpy.dtype(name).itemsize
+    if kernel == "fwd_v1":
+        seed_bc = math.ceil(smem_limit / itemsize / (4 * d_pad))  # B_c <= ceil(M / 4d)
+        for block_r, block_c, warps in _FWD_CANDIDATES[prec]:
+            if block_c > seed_bc or block_r > min(block_c, d_pad):
+                continue
+            if block_c > 64 and d_pad > 128:  # the (16, B_c) score tile would not stay in registers
+                continue
+            d_chunk = _fwd_chunk(d_pad, 64 if name == "float64" else 128)
+            cfg = TileConfig(kernel, name, d_pad, block_r, block_c, warps, d_chunk)
+            if cfg.smem_bytes <= smem_limit:
+                return cfg
+    elif kernel == "bwd_v1":
+        for block_r, block_c, warps, max_chunk in _BWD_CANDIDATES[prec]:
+            cfg = TileConfig(kernel, name, d_pad, block_r, block_c, warps, _bwd_chunk(d_pad, max_chunk))
+            if cfg.smem_bytes <= smem_limit:
+                return cfg
+    else:
+        raise ValueError(f"unknown kernel {kernel!r}")
+    raise ValueError(f"no {kernel} tiles fit {smem_limit} bytes of shared memory (D={head_dim}, {name})")
+
+
+def all_tile_configs(smem_limit: int) -> list[TileConfig]:
+    """Every specialisation the library can launch on a device with ``smem_limit``."""
+    return [choose_tiles(kernel, bucket, dtype, smem_limit)
+            for kernel in KERNELS for dtype in DTYPE_CODES for bucket in HEAD_DIM_BUCKETS]

@@ -1,0 +1,205 @@
+"""Public API: validate, then dispatch to the GPU kernels or the NumPy path."""
+
+from __future__ import annotations
+
+import numpy
+
+from . import reference
+from ._checks import check_backward, check_forward, kernel_ready
+
+
+def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None):
+    """Exact attention with its softmax statistics, FlashAttention V1 forward.
+
+    Parameters
+    ----------
+    q : cupy.ndarray or numpy.ndarray, shape (..., Nq, D)
+    k : cupy.ndarray or numpy.ndarray, shape (..., Nk, D)
+    v : cupy.ndarray or numpy.ndarray, shape (..., Nk, D)
+        One dtype for all three: float16, bfloat16 (``ml_dtypes.bfloat16``),
+        float32 or float64. ``1 <= D <= 256``. The leading (batch) dims
+        broadcast as in ``numpy.matmul``, so GQA is ``q (B, Hkv, G, N, D)``
+        with ``k, v (B, Hkv, 1, N, D)``. Any strides.
+    causal : bool, optional
+        Query ``i`` sees key ``j`` iff ``j <= i + (Nk - Nq)`` (bottom-right
+        aligned; the lower triangle when ``Nq == Nk``).
+    softmax_scale : float, optional
+        Multiplies ``q kᵀ``; default ``1 / sqrt(D)``.
+
+    Returns
+    -------
+    o : ndarray, shape (*batch, Nq, D)
+        ``softmax(S) v`` with ``S = softmax_scale · q kᵀ``, in the input dtype,
+        C-contiguous; ``batch`` is the broadcast batch shape.
+    m : ndarray, shape (*batch, Nq)
+        Row max of ``S`` over visible keys; float32 (float64 for float64).
+    l : ndarray, shape (*batch, Nq)
+        ``Σ_j exp(S_j − m)`` over visible keys, natural exp; same dtype as
+        ``m``. ``lse = m + log(l)``. A row that sees no key has ``o = 0``,
+        ``m = −inf``, ``l = 0``.
+
+    Raises
+    ------
+    TypeError
+        Unsupported or mixed dtypes, non-array inputs, NumPy mixed with CuPy.
+    ValueError
+        Rank < 2, mismatched ``D`` or ``Nk``, batch dims that do not broadcast,
+        ``D`` outside [1, 256], inputs on different devices.
+
+    Notes
+    -----
+    CuPy inputs run the fused kernel of ``kernels_cu/flash_fwd_v1.cu``:
+    Algorithm 1 of FlashAttention (outer loop over K/V tiles, inner loop over
+    Q tiles, online softmax, O/m/l carried in HBM between outer steps), with
+    float32 accumulation (float64 for float64) and tensor cores for 16-bit
+    inputs. Extra memory is O(N). NumPy inputs run the same blocked algorithm
+    on the CPU. Inputs are never modified.
+
+    See Also
+    --------
+    cupyflash.reference.attention_forward : the naive float64 reference.
+    cupyflash.reference.blocked_forward : the NumPy Algorithm 1 (CPU path).
+    """
+    prob = check_forward(q, k, v, causal, softmax_scale)
+    if prob.xp is numpy:
+        return reference.blocked_forward(q, k, v, causal=prob.causal, softmax_scale=prob.scale)
+    import cupy
+
+    with q.device:
+        if prob.Nq == 0 or prob.Nk == 0:
+            acc = numpy.float64 if prob.dtype == numpy.float64 else numpy.float32
+            return (cupy.zeros((*prob.batch_shape, prob.Nq, prob.D), prob.dtype),
+                    cupy.full((*prob.batch_shape, prob.Nq), -numpy.inf, acc),
+                    cupy.zeros((*prob.batch_shape, prob.Nq), acc))
+        q, k, v = (kernel_ready(x) for x in (q, k, v))
+        return _forward_gpu(q, k, v, prob.batch_shape, prob)
+
+
+def _forward_gpu(q, k, v, batch_shape, prob):
+    from . import _launch
+
+    nb = len(batch_shape)
+    strides = [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch_shape) for x in (q, k, v)]
+    layout = _launch.collapse_batch(batch_shape, strides)
+    if layout is not None:
+        return _launch.forward_v1(q, k, v, causal=prob.causal, scale=prob.scale,
+                                  batch_shape=batch_shape, layout=layout)
+    # more than three batch dims that cannot be merged: peel the leading one
+    import cupy
+
+    parts = [_forward_gpu(*(_take_leading(x, i, nb) for x in (q, k, v)), batch_shape[1:], prob)
+             for i in range(batch_shape[0])]
+    return tuple(cupy.stack([p[n] for p in parts]) for n in range(3))
+
+
+def _take_leading(x, index, nb):
+    """Entry ``index`` of the leading broadcast batch dim of ``x`` (its batch dims right-aligned to ``nb``)."""
+    if x.ndim - 2 < nb:
+        return x
+    return x[0] if x.shape[0] == 1 else x[index]
+
+
+def flash_attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None):
+    """Gradients of exact attention from the forward's outputs, FlashAttention V1 backward.
+
+    Parameters
+    ----------
+    do : ndarray, shape (*batch, Nq, D)
+        Gradient of the loss with respect to ``o``; dtype of ``q``.
+    q, k, v : ndarray
+        The forward's inputs, shapes ``(..., Nq, D)``, ``(..., Nk, D)``,
+        ``(..., Nk, D)``.
+    o : ndarray, shape (*batch, Nq, D)
+        The forward's output.
+    m, l : ndarray, shape (*batch, Nq)
+        The forward's statistics, float32 (float64 for float64 inputs).
+    causal : bool, optional
+        As in the forward.
+    softmax_scale : float, optional
+        As in the forward.
+
+    Returns
+    -------
+    dq, dk, dv : ndarray
+        Exactly the shapes of ``q``, ``k``, ``v`` (summed over the batch dims
+        along which an input was broadcast), in the input dtype, C-contiguous.
+        Rows that saw no key contribute nothing.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As in the forward; also ``do``/``o`` of the wrong shape or dtype and
+        ``m``/``l`` of the wrong shape or dtype.
+
+    Notes
+    -----
+    The V1 recomputation backward (``kernels_cu/flash_bwd_v1.cu``): first
+    ``D_i = rowsum(dO_i ∘ O_i)``; then one CTA per K/V tile recomputes
+    ``P_ij = exp(S_ij − m_i) / l_i`` from the saved statistics, accumulates
+    ``dK_j``, ``dV_j`` on chip and ``dQ_i`` in a float32 (float64) buffer.
+    No N×N matrix is materialised. NumPy inputs run the blocked NumPy version.
+
+    See Also
+    --------
+    cupyflash.reference.attention_backward : the naive float64 reference.
+    cupyflash.reference.blocked_backward : the NumPy version (CPU path).
+    """
+    prob = check_backward(do, q, k, v, o, m, l, causal, softmax_scale)
+    if prob.xp is numpy:
+        return reference.blocked_backward(do, q, k, v, o, m, l, causal=prob.causal, softmax_scale=prob.scale)
+    import cupy
+
+    with q.device:
+        if prob.Nq == 0 or prob.Nk == 0:
+            return tuple(cupy.zeros(x.shape, prob.dtype) for x in (q, k, v))
+        do, q, k, v, o = (kernel_ready(x) for x in (do, q, k, v, o))
+        return _backward_gpu(do, q, k, v, o, m, l, prob.batch_shape, prob)
+
+
+def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob):
+    from . import _launch
+
+    nb = len(batch_shape)
+    own = [_launch.contiguous_strides(x.shape)[:-2] for x in (q, k, v)]
+    strides = [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch_shape)
+               for x in (q, k, v, o, do)]
+    strides += [_launch.batch_strides(x.shape, s, batch_shape) for x, s in zip((q, k, v), own)]
+    layout = _launch.collapse_batch(batch_shape, strides)
+    if layout is not None:
+        return _launch.backward_v1(do, q, k, v, o, m, l, causal=prob.causal, scale=prob.scale,
+                                   batch_shape=batch_shape, layout=layout)
+    # peel the leading batch dim; a gradient is summed where its input broadcast along it
+    import cupy
+
+    parts = [_backward_gpu(do[i], *(_take_leading(x, i, nb) for x in (q, k, v)), o[i], m[i], l[i],
+                           batch_shape[1:], prob)
+             for i in range(batch_shape[0])]
+    grads = []
+    for n, x in enumerate((q, k, v)):
+        g = [p[n] for p in parts]
+        if x.ndim - 2 < nb:
+            grads.append(sum(g[1:], g[0]))
+        elif x.shape[0] == 1:
+            grads.append(sum(g[1:], g[0])[None])
+        else:
+            grads.append(cupy.stack(g))
+    return tuple(grads)
+
+
+def flash_attention(q, k, v, *, causal=False, softmax_scale=None):
+    """Exact attention ``softmax(softmax_scale · q kᵀ) v``; the ``o`` of :func:`flash_attention_forward`.
+
+    Parameters
+    ----------
+    q, k, v, causal, softmax_scale
+        As in :func:`flash_attention_forward`.
+
+    Returns
+    -------
+    o : ndarray, shape (*batch, Nq, D)
+
+    See Also
+    --------
+    flash_attention_forward : also returns the statistics ``m`` and ``l``.
+    """
+    return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)[0]

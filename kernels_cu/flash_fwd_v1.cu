@@ -1,0 +1,206 @@
+// flash_fwd_v1.cu — FlashAttention V1 forward, the paper's Algorithm 1 schedule.
+//
+// Outer loop over K/V tiles j, inner loop over Q tiles i. K_j, V_j are read
+// from HBM once per CTA and stay in SRAM while the CTA walks its Q tiles; the
+// running O_i (normalised, float32/float64), m_i and l_i go back to HBM after
+// every inner step and are read again at the next outer step, exactly the V1
+// IO pattern (Q and O are re-read T_c times; V2 removes that).
+//
+// Parallelism: V1 alone runs one CTA per (batch, head), which leaves most of
+// 132 SMs idle at small batch. As FlashAttention 1 itself did, the grid is
+// (batch*heads) x n_splits: CTA `split` owns Q tiles split, split+n_splits,
+// ... (interleaved, so causal work is balanced). Different CTAs never touch
+// the same rows, so the HBM round trip of O_i, m_i, l_i needs no atomics.
+//
+// Inside a CTA warp w owns query rows 16w..16w+15 of each Q tile, so the inner
+// loop needs no block barrier: only the K_j/V_j loads are shared.
+//
+// Shared memory (elem_t, rows padded by PAD):
+//   s_K (B_C, DP)   K_j
+//   s_V (B_C, DP)   V_j
+//   s_Q (B_R, DP)   Q_i, warp-private row blocks
+//   s_P (B_R, B_C)  P~_ij = exp(S_ij - m_i^new), warp-private row blocks
+
+#include "flash_common.cuh"
+
+constexpr int DP = FLASH_DP;
+constexpr int B_R = FLASH_BR;
+constexpr int B_C = FLASH_BC;
+constexpr int DC = FLASH_DC;
+constexpr int NTHREADS = FLASH_WARPS * WARP_SIZE;
+constexpr int QKV_PITCH = DP + PAD;
+constexpr int P_PITCH = B_C + PAD;
+constexpr int SMEM_BYTES = ((2 * B_C + B_R) * QKV_PITCH + B_R * P_PITCH) * (int)sizeof(elem_t);
+
+static_assert(B_R == 16 * FLASH_WARPS, "each warp owns 16 query rows of a Q tile");
+static_assert(DP % DC == 0 && DC % 16 == 0 && B_C % 16 == 0, "tile shapes");
+static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
+
+// Last K/V tile holding a key visible from query row `row` (0 when it sees
+// none: tile 0 is still visited, so that such rows get o = 0, m = -inf, l = 0).
+__device__ __forceinline__ int last_kv_tile(int row, int Nq, int Nk, int T_c, bool causal) {
+    if (!causal) return T_c - 1;
+    const int key_last = min(row, Nq - 1) + (Nk - Nq);
+    return key_last < 0 ? 0 : min(key_last / B_C, T_c - 1);
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
+             const elem_t* __restrict__ k,    // (batch..., Nk, D) strided
+             const elem_t* __restrict__ v,    // (batch..., Nk, D) strided
+             elem_t* __restrict__ o,          // (BH, Nq, D)
+             acc_t* __restrict__ o_run,       // (BH, Nq, DP) running O_i between outer steps
+             acc_t* __restrict__ m_run,       // (BH, Nq) running m_i (log2 units); natural m at the end
+             acc_t* __restrict__ l_run,       // (BH, Nq) running l_i
+             i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
+             i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
+             i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
+             i64 n1, i64 n2,
+             int Nq, int Nk, int D, acc_t scale_log2, int n_splits, int causal_flag, int vec_flag) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    elem_t* s_K = reinterpret_cast<elem_t*>(smem);   // (B_C, DP)
+    elem_t* s_V = s_K + B_C * QKV_PITCH;               // (B_C, DP)
+    elem_t* s_Q = s_V + B_C * QKV_PITCH;               // (B_R, DP)
+    elem_t* s_P = s_Q + B_R * QKV_PITCH;               // (B_R, B_C)
+
+    const bool causal = causal_flag != 0, vec = vec_flag != 0;
+    const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
+    const int g = lane / 4, t = lane % 4;
+    const i64 bh = blockIdx.x / n_splits;
+    const int split = blockIdx.x % n_splits;
+
+    const BatchIndex bi = split_batch(bh, n1, n2);
+    q += batch_offset(bi, q_s0, q_s1, q_s2);
+    k += batch_offset(bi, k_s0, k_s1, k_s2);
+    v += batch_offset(bi, v_s0, v_s1, v_s2);
+    o += bh * Nq * D;
+    o_run += bh * Nq * DP;
+    m_run += bh * Nq;
+    l_run += bh * Nq;
+
+    const int T_r = (Nq + B_R - 1) / B_R;
+    const int T_c = (Nk + B_C - 1) / B_C;
+    if (split >= T_r) return;
+    const int i_own_last = split + (T_r - 1 - split) / n_splits * n_splits;
+    const int j_stop = last_kv_tile(i_own_last * B_R + B_R - 1, Nq, Nk, T_c, causal) + 1;
+
+    elem_t* s_Qw = s_Q + 16 * warp * QKV_PITCH;   // (16, DP) this warp's rows of Q_i
+    elem_t* s_Pw = s_P + 16 * warp * P_PITCH;     // (16, B_C) this warp's rows of P~_ij
+
+    for (int j = 0; j < j_stop; ++j) {
+        const int kv0 = j * B_C;
+        // load K_j, V_j from HBM into SRAM
+        __syncthreads();
+        load_tile<B_C, DP>(s_K, k + kv0 * k_sn, k_sn, min(B_C, Nk - kv0), D, vec, tid, NTHREADS);
+        load_tile<B_C, DP>(s_V, v + kv0 * v_sn, v_sn, min(B_C, Nk - kv0), D, vec, tid, NTHREADS);
+        __syncthreads();
+
+        for (int i = split; i < T_r; i += n_splits) {
+            const int r0 = i * B_R + 16 * warp;   // first query row of this warp
+            if (r0 >= Nq) break;
+            const int j_last = last_kv_tile(r0 + 15, Nq, Nk, T_c, causal);
+            if (j > j_last) continue;
+
+            // load Q_i from HBM into SRAM
+            __syncwarp();
+            load_tile<16, DP>(s_Qw, q + r0 * q_sn, q_sn, min(16, Nq - r0), D, vec, lane, WARP_SIZE);
+            __syncwarp();
+
+            // S_ij = Q_i K_j^T                                              (16, B_C)
+            acc_t S[B_C / 8][4];
+            zero_frag(S);
+            warp_mma<B_C / 8, DP, false, false>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
+
+            // scale into log2 units; invisible keys -> -inf (boundary tiles only)
+            const bool boundary = kv0 + B_C > Nk || (causal && kv0 + B_C - 1 > r0 + (Nk - Nq));
+#pragma unroll
+            for (int n = 0; n < B_C / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    S[n][e] *= scale_log2;
+                    if (boundary && !key_visible(r0 + g + (e / 2) * 8, kv0 + n * 8 + 2 * t + e % 2, Nq, Nk, causal))
+                        S[n][e] = NEG_INF;
+                }
+
+            // m_i, l_i from HBM (nothing yet at the first outer step)
+            acc_t m_i[2], l_i[2], m_new[2], m_use[2], l_new[2], alpha[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = r0 + g + 8 * h;
+                const bool read = j > 0 && row < Nq;
+                m_i[h] = read ? m_run[row] : NEG_INF;
+                l_i[h] = read ? l_run[row] : (acc_t)0;
+            }
+
+            // m~_ij = rowmax(S_ij);  m_i^new = max(m_i, m~_ij)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                acc_t mx = NEG_INF;
+#pragma unroll
+                for (int n = 0; n < B_C / 8; ++n) mx = max(mx, max(S[n][2 * h], S[n][2 * h + 1]));
+                m_new[h] = max(m_i[h], quad_max(mx));
+                // a row with no visible key so far: exponentiate against 0, not -inf (-inf - -inf = NaN)
+                m_use[h] = m_new[h] == NEG_INF ? (acc_t)0 : m_new[h];
+                alpha[h] = exp2_acc(m_i[h] - m_use[h]);
+            }
+
+            // P~_ij = exp(S_ij - m_i^new);  l_i^new = e^(m_i - m_i^new) l_i + rowsum(P~_ij)
+            acc_t rowsum[2] = {(acc_t)0, (acc_t)0};
+#pragma unroll
+            for (int n = 0; n < B_C / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    S[n][e] = exp2_acc(S[n][e] - m_use[e / 2]);
+                    rowsum[e / 2] += S[n][e];
+                }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) l_new[h] = alpha[h] * l_i[h] + quad_sum(rowsum[h]);
+
+            __syncwarp();
+            store_frag_smem(s_Pw, P_PITCH, S);
+            __syncwarp();
+
+            // O_i^new = diag(l_i^new)^-1 (diag(e^(m_i - m_i^new) l_i) O_i + P~_ij V_j), DC columns at a time
+            const bool last = j == j_last;
+            acc_t inv_l[2], keep[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                inv_l[h] = l_new[h] > (acc_t)0 ? (acc_t)1 / l_new[h] : (acc_t)0;
+                keep[h] = alpha[h] * l_i[h] * inv_l[h];
+            }
+#pragma unroll
+            for (int c0 = 0; c0 < DP; c0 += DC) {
+                if (c0 >= D) break;
+                acc_t PV[DC / 8][4];
+                zero_frag(PV);
+                warp_mma<DC / 8, B_C, false, true>(PV, s_Pw, P_PITCH, s_V + c0, QKV_PITCH);
+#pragma unroll
+                for (int n = 0; n < DC / 8; ++n)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int row = r0 + g + 8 * h, col = c0 + n * 8 + 2 * t;
+                        if (row >= Nq) continue;
+                        acc_t o0 = PV[n][2 * h] * inv_l[h], o1 = PV[n][2 * h + 1] * inv_l[h];
+                        if (j > 0) {
+                            acc_t p0, p1;
+                            load_acc_pair(o_run + row * DP + col, p0, p1);
+                            o0 += keep[h] * p0;
+                            o1 += keep[h] * p1;
+                        }
+                        if (last) store_row_pair(o + (i64)row * D, col, D, o0, o1);
+                        else      store_acc_pair(o_run + (i64)row * DP + col, o0, o1);
+                    }
+            }
+
+            // write m_i^new, l_i^new back to HBM (m in natural units once final)
+            if (t == 0)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = r0 + g + 8 * h;
+                    if (row >= Nq) continue;
+                    m_run[row] = last ? m_new[h] * (acc_t)LN2 : m_new[h];
+                    l_run[row] = l_new[h];
+                }
+        }
+    }
+}
