@@ -14,6 +14,7 @@ import numpy
 from ._tiles import MAX_HEAD_DIM, dtype_name
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+LOG2E = math.log2(math.e)
 
 
 def _cupy():
@@ -64,8 +65,8 @@ def check_forward(q, k, v, causal, softmax_scale) -> Problem:
     xp = array_module({"q": q, "k": k, "v": v})
     dtypes = {name: x.dtype for name, x in (("q", q), ("k", k), ("v", v))}
     for name, dt in dtypes.items():
-        if dt.name not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {dt}; supported: {', '.join(SUPPORTED_DTYPES)}")
+        if dt.name not in SUPPORTED_DTYPES or not dt.isnative:
+            raise TypeError(f"{name} has dtype {dt}; supported (native byte order): {', '.join(SUPPORTED_DTYPES)}")
     if len(set(dtypes.values())) > 1:
         raise TypeError("q, k, v must share one dtype, got " + ", ".join(f"{n}: {d}" for n, d in dtypes.items()))
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -87,11 +88,17 @@ def check_forward(q, k, v, causal, softmax_scale) -> Problem:
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(D)
     else:
-        if isinstance(softmax_scale, (bool, numpy.bool_)) or not isinstance(softmax_scale, (int, float, numpy.number)):
+        real = (int, float, numpy.integer, numpy.floating)
+        if isinstance(softmax_scale, (bool, numpy.bool_)) or not isinstance(softmax_scale, real):
             raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-        scale = float(softmax_scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+        try:
+            scale = float(softmax_scale)
+        except OverflowError:
+            scale = math.inf
+        # the kernels multiply in float32 (float64 for float64 inputs): the scale must be finite there
+        limit = numpy.finfo(numpy.float64 if q.dtype == numpy.float64 else numpy.float32).max
+        if not math.isfinite(scale) or abs(scale) * LOG2E > limit:
+            raise ValueError(f"softmax_scale must be finite in the accumulator precision, got {softmax_scale}")
     if xp is not numpy:
         devices = {name: x.device.id for name, x in (("q", q), ("k", k), ("v", v))}
         if len(set(devices.values())) > 1:

@@ -129,6 +129,17 @@ def _strides4(x, layout_strides) -> tuple:
     return tuple(numpy.int64(s) for s in layout_strides) + (numpy.int64(element_strides(x)[-2]),)
 
 
+@lru_cache(maxsize=1024)
+def choose_splits(heads: int, T_r: int, slots: int) -> int:
+    """Q-tile splits per (batch, head) for the V1 forward grid.
+
+    Each CTA walks ``ceil(T_r / n)`` Q tiles and ``heads * n`` CTAs run in
+    ``ceil(heads * n / slots)`` waves; take the ``n`` with the fewest tile
+    steps in total, the smallest on ties (every split re-reads K and V).
+    """
+    return min(range(1, T_r + 1), key=lambda n: (-(-heads * n // slots)) * (-(-T_r // n)))
+
+
 def forward_v1(q, k, v, *, causal: bool, scale: float, batch_shape, layout: BatchLayout):
     """Launch the V1 forward on validated inputs; returns ``(o, m, l)``."""
     import cupy
@@ -148,10 +159,9 @@ def forward_v1(q, k, v, *, causal: bool, scale: float, batch_shape, layout: Batc
     # running O_i between outer steps; with a single K/V tile every step is the last
     o_run = cupy.empty((BH, Nq, cfg.d_pad), acc) if T_c > 1 else m
 
-    # splits: enough CTAs for one full wave even when batch*heads is small
     _, smem_sm, sms = _device_limits(cupy.cuda.Device().id)
-    ctas_per_sm = max(1, min(4, smem_sm // max(cfg.smem_bytes, 1)))
-    n_splits = max(1, min(T_r, -(-sms * ctas_per_sm // BH)))
+    slots = sms * max(1, min(4, smem_sm // cfg.smem_bytes))   # CTAs resident at once
+    n_splits = choose_splits(BH, T_r, slots)
 
     scalar = numpy.float64 if acc == numpy.float64 else numpy.float32
     args = (q, k, v, o, o_run, m, l,

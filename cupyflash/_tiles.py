@@ -179,7 +179,7 @@ def choose_tiles(kernel: str, head_dim: int, dtype, smem_limit: int) -> TileConf
                 continue
             if block_c > 64 and d_pad > 128:  # the (16, B_c) score tile would not stay in registers
                 continue
-            d_chunk = _fwd_chunk(d_pad, 64 if name == "float64" else 128)
+            d_chunk = _fwd_chunk(d_pad, {"16bit": 128, "float32": 64, "float64": 32}[prec])
             cfg = TileConfig(kernel, name, d_pad, block_r, block_c, warps, d_chunk)
             if cfg.smem_bytes <= smem_limit:
                 return cfg

@@ -44,6 +44,19 @@ __device__ __forceinline__ int last_kv_tile(int row, int Nq, int Nk, int T_c, bo
     return key_last < 0 ? 0 : min(key_last / B_C, T_c - 1);
 }
 
+// This lane's fragment of columns c0 .. c0+DC-1 of the running O_i (rows r0 .. r0+15).
+__device__ __forceinline__ void load_o_chunk(acc_t (&frag)[DC / 8][4], const acc_t* __restrict__ o_run,
+                                             int r0, int c0, int Nq) {
+    const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int n = 0; n < DC / 8; ++n)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = r0 + g + 8 * h;
+            if (row < Nq) load_acc_pair(o_run + (i64)row * DP + c0 + n * 8 + 2 * t, frag[n][2 * h], frag[n][2 * h + 1]);
+        }
+}
+
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
              const elem_t* __restrict__ k,    // (batch..., Nk, D) strided
@@ -101,7 +114,18 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             const int j_last = last_kv_tile(r0 + 15, Nq, Nk, T_c, causal);
             if (j > j_last) continue;
 
-            // load Q_i from HBM into SRAM
+            // load O_i (first chunk), m_i, l_i and Q_i from HBM; nothing to read at the first outer step.
+            // O_i and the statistics go to registers first, so their latency overlaps the Q_i load and S_ij.
+            acc_t O_prev[DC / 8][4];
+            if (j > 0) load_o_chunk(O_prev, o_run, r0, 0, Nq);
+            acc_t m_i[2], l_i[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = r0 + g + 8 * h;
+                const bool read = j > 0 && row < Nq;
+                m_i[h] = read ? m_run[row] : NEG_INF;
+                l_i[h] = read ? l_run[row] : (acc_t)0;
+            }
             __syncwarp();
             load_tile<16, DP>(s_Qw, q + r0 * q_sn, q_sn, min(16, Nq - r0), D, vec, lane, WARP_SIZE);
             __syncwarp();
@@ -122,16 +146,7 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                         S[n][e] = NEG_INF;
                 }
 
-            // m_i, l_i from HBM (nothing yet at the first outer step)
-            acc_t m_i[2], l_i[2], m_new[2], m_use[2], l_new[2], alpha[2];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = r0 + g + 8 * h;
-                const bool read = j > 0 && row < Nq;
-                m_i[h] = read ? m_run[row] : NEG_INF;
-                l_i[h] = read ? l_run[row] : (acc_t)0;
-            }
-
+            acc_t m_new[2], m_use[2], l_new[2], alpha[2];
             // m~_ij = rowmax(S_ij);  m_i^new = max(m_i, m~_ij)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -182,14 +197,13 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                         if (row >= Nq) continue;
                         acc_t o0 = PV[n][2 * h] * inv_l[h], o1 = PV[n][2 * h + 1] * inv_l[h];
                         if (j > 0) {
-                            acc_t p0, p1;
-                            load_acc_pair(o_run + row * DP + col, p0, p1);
-                            o0 += keep[h] * p0;
-                            o1 += keep[h] * p1;
+                            o0 += keep[h] * O_prev[n][2 * h];
+                            o1 += keep[h] * O_prev[n][2 * h + 1];
                         }
                         if (last) store_row_pair(o + (i64)row * D, col, D, o0, o1);
                         else      store_acc_pair(o_run + (i64)row * DP + col, o0, o1);
                     }
+                if (j > 0 && c0 + DC < DP) load_o_chunk(O_prev, o_run, r0, c0 + DC, Nq);
             }
 
             // write m_i^new, l_i^new back to HBM (m in natural units once final)

@@ -1,0 +1,240 @@
+"""GPU kernels against the float64 reference (skipped cleanly without a GPU).
+
+Every call runs on a memory pool left full of NaN, so an output element the
+kernels never write shows up. Tolerances: tests/helpers.py.
+"""
+
+import math
+
+import ml_dtypes
+import numpy
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import cupyflash
+from cupyflash import reference
+from helpers import (BWD_CEILING, FWD_CEILING, L_CEILING, M_CEILING, assert_twice_naive, assert_under,
+                     poison_pool, requires_gpu)
+
+pytestmark = requires_gpu
+
+DTYPES = {"float16": numpy.float16, "bfloat16": ml_dtypes.bfloat16, "float32": numpy.float32,
+          "float64": numpy.float64}
+RAGGED_LENGTHS = (1, 2, 17, 64, 113, 128, 255, 1023)
+HEAD_DIMS = (1, 8, 16, 40, 64, 72, 96, 128, 160, 200, 256)
+# (q batch, k/v batch): plain, multi-head, MQA, GQA, broadcast q
+BATCH_PATTERNS = (((), ()), ((3,), (3,)), ((2, 3), (2, 3)), ((2, 4), (2, 1)), ((2, 2, 3), (2, 2, 1)),
+                  ((3,), (1,)), ((1,), (2,)))
+GPU_SETTINGS = settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+
+
+def dtype_names():
+    return st.sampled_from(sorted(DTYPES))
+
+
+def seq_lens():
+    return st.one_of(st.sampled_from(RAGGED_LENGTHS), st.integers(1, 300))
+
+
+def head_dims():
+    return st.one_of(st.sampled_from(HEAD_DIMS), st.integers(1, 256))
+
+
+@st.composite
+def attention_problems(draw):
+    """(dtype name, q shape, k/v shape, causal, softmax_scale) with modest N*N*batch."""
+    dtype = draw(dtype_names())
+    Nq, Nk, D = draw(seq_lens()), draw(seq_lens()), draw(head_dims())
+    q_batch, kv_batch = draw(st.sampled_from(BATCH_PATTERNS))
+    if math.prod(q_batch) * Nq * Nk > 400_000:
+        Nq, Nk = min(Nq, 300), min(Nk, 300)
+    causal = draw(st.booleans())
+    scale = draw(st.one_of(st.none(), st.floats(0.01, 2.0)))
+    return dtype, (*q_batch, Nq, D), (*kv_batch, Nk, D), causal, scale
+
+
+def random_inputs(rng, dtype, q_shape, kv_shape, spread=1.0):
+    cast = DTYPES[dtype]
+    return [(spread * rng.standard_normal(s)).astype(cast) for s in (q_shape, kv_shape, kv_shape)]
+
+
+def to_gpu(*arrays):
+    import cupy
+
+    return [cupy.asarray(a) for a in arrays]
+
+
+def run_forward(q, k, v, causal, scale):
+    poison_pool()
+    o, m, l = cupyflash.flash_attention_forward(*to_gpu(q, k, v), causal=causal, softmax_scale=scale)
+    return o.get(), m.get(), l.get()
+
+
+def check_forward(dtype, q, k, v, causal, scale):
+    o, m, l = run_forward(q, k, v, causal, scale)
+    o_ref, m_ref, l_ref = reference.attention_forward(q, k, v, causal=causal, softmax_scale=scale)
+    o_naive = reference.naive_same_precision_forward(q, k, v, causal=causal, softmax_scale=scale)[0]
+    assert o.dtype == q.dtype and o.shape == o_ref.shape and o.flags.c_contiguous
+    assert m.dtype == l.dtype == (numpy.float64 if dtype == "float64" else numpy.float32)
+    assert_twice_naive("o", o, o_ref, o_naive, dtype, FWD_CEILING)
+    assert_under("m", m, m_ref, M_CEILING[dtype])
+    assert_under("l", l, l_ref, L_CEILING[dtype])
+
+
+def check_backward(dtype, q, k, v, causal, scale, rng):
+    import cupy
+
+    qg, kg, vg = to_gpu(q, k, v)
+    o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, causal=causal, softmax_scale=scale)
+    do = rng.standard_normal(o.shape).astype(DTYPES[dtype])
+    poison_pool()
+    grads = cupyflash.flash_attention_backward(cupy.asarray(do), qg, kg, vg, o, m, l, causal=causal,
+                                               softmax_scale=scale)
+    refs = reference.attention_backward(do, q, k, v, *reference.attention_forward(q, k, v, causal=causal,
+                                                                                  softmax_scale=scale),
+                                        causal=causal, softmax_scale=scale)
+    naive = reference.naive_same_precision_backward(do, q, k, v, causal=causal, softmax_scale=scale)
+    for name, g, ref, nv, x in zip(("dq", "dk", "dv"), grads, refs, naive, (q, k, v)):
+        g = g.get()
+        assert g.shape == x.shape and g.dtype == x.dtype and g.flags.c_contiguous
+        assert_twice_naive(name, g, ref, nv, dtype, BWD_CEILING)
+
+
+@GPU_SETTINGS
+@given(attention_problems(), st.integers(0, 2**32 - 1))
+@example(("float16", (2, 4, 1023, 128), (2, 1, 1023, 128), True, None), 0)
+@example(("bfloat16", (1, 113, 200), (1, 1023, 200), True, None), 1)
+@example(("float32", (2, 77, 96), (2, 1, 96), False, 0.5), 2)
+@example(("float64", (3, 17, 40), (3, 255, 40), True, None), 3)
+def test_forward_matches_reference(problem, seed):
+    dtype, q_shape, kv_shape, causal, scale = problem
+    q, k, v = random_inputs(numpy.random.default_rng(seed), dtype, q_shape, kv_shape)
+    check_forward(dtype, q, k, v, causal, scale)
+
+
+@GPU_SETTINGS
+@given(attention_problems(), st.integers(0, 2**32 - 1))
+@example(("float16", (2, 4, 1023, 128), (2, 1, 1023, 128), True, None), 0)
+@example(("bfloat16", (2, 2, 3, 113, 72), (2, 2, 1, 300, 72), True, None), 1)
+@example(("float32", (3, 200, 256), (1, 64, 256), False, None), 2)
+@example(("float64", (17, 40), (255, 40), True, 0.3), 3)
+def test_backward_matches_reference(problem, seed):
+    dtype, q_shape, kv_shape, causal, scale = problem
+    rng = numpy.random.default_rng(seed)
+    q, k, v = random_inputs(rng, dtype, q_shape, kv_shape)
+    check_backward(dtype, q, k, v, causal, scale, rng)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_logits(dtype, causal):
+    """Scores in the hundreds: the online softmax must not overflow, and stays within twice naive."""
+    rng = numpy.random.default_rng(7)
+    q, k, v = random_inputs(rng, dtype, (2, 130, 64), (2, 150, 64), spread=4.0)
+    check_forward(dtype, q, k, v, causal, 2.0)
+    check_backward(dtype, q, k, v, causal, 2.0, rng)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_strided_inputs(dtype):
+    """Transposed (B, N, H, D) views, every other row, and a misaligned base pointer (scalar loads)."""
+    import cupy
+
+    rng = numpy.random.default_rng(11)
+    B, N, H, D = 2, 70, 3, 64
+    q, k, v = (cupy.asarray(x) for x in random_inputs(rng, dtype, (B, 2 * N, H, D), (B, 2 * N, H, D)))
+    views = [x.swapaxes(1, 2)[:, :, ::2, :] for x in (q, k, v)]           # (B, H, N, D), row stride 2*H*D
+    flat = cupy.asarray(rng.standard_normal(B * H * N * D + 1).astype(DTYPES[dtype]))
+    misaligned = flat[1:].reshape(B, H, N, D)                               # base pointer off by one element
+    for qv, kv, vv in (views, (misaligned, views[1], views[2])):
+        host = [x.get() for x in (qv, kv, vv)]
+        poison_pool()
+        o, m, l = cupyflash.flash_attention_forward(qv, kv, vv, causal=True)
+        o_ref, m_ref, _ = reference.attention_forward(*host, causal=True)
+        o_naive = reference.naive_same_precision_forward(*host, causal=True)[0]
+        assert_twice_naive("o", o.get(), o_ref, o_naive, dtype, FWD_CEILING)
+        assert_under("m", m.get(), m_ref, M_CEILING[dtype])
+        do = cupy.asarray(rng.standard_normal(o.shape).astype(DTYPES[dtype]))
+        grads = cupyflash.flash_attention_backward(do.swapaxes(0, 1).copy().swapaxes(0, 1), qv, kv, vv, o, m, l,
+                                                   causal=True)
+        do_host = do.get()
+        refs = reference.attention_backward(do_host, *host, *reference.attention_forward(*host, causal=True),
+                                            causal=True)
+        naive = reference.naive_same_precision_backward(do_host, *host, causal=True)
+        for name, g, ref, nv in zip(("dq", "dk", "dv"), grads, refs, naive):
+            assert_twice_naive(name, g.get(), ref, nv, dtype, BWD_CEILING)
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_rows_that_see_no_key(dtype):
+    """Causal with Nq > Nk: the first Nq - Nk rows see nothing: o = 0, m = -inf, l = 0, no gradient."""
+    import cupy
+
+    rng = numpy.random.default_rng(3)
+    Nq, Nk = 150, 40
+    q, k, v = to_gpu(*random_inputs(rng, dtype, (2, Nq, 72), (2, Nk, 72)))
+    poison_pool()
+    o, m, l = cupyflash.flash_attention_forward(q, k, v, causal=True)
+    blind = Nq - Nk
+    assert (o[:, :blind].get().astype(numpy.float64) == 0).all()
+    assert (m[:, :blind].get() == -numpy.inf).all() and (l[:, :blind].get() == 0).all()
+    assert numpy.isfinite(o[:, blind:].get().astype(numpy.float64)).all()
+    do = cupy.asarray(rng.standard_normal(o.shape).astype(DTYPES[dtype]))
+    dq, dk, dv = cupyflash.flash_attention_backward(do, q, k, v, o, m, l, causal=True)
+    assert (dq[:, :blind].get().astype(numpy.float64) == 0).all()
+    for g in (dq, dk, dv):
+        assert numpy.isfinite(g.get().astype(numpy.float64)).all()
+
+
+def test_empty_queries_launch_nothing():
+    import cupy
+
+    q = cupy.zeros((2, 0, 64), cupy.float16)
+    k = cupy.ones((2, 5, 64), cupy.float16)
+    o, m, l = cupyflash.flash_attention_forward(q, k, k)
+    assert o.shape == (2, 0, 64) and m.shape == l.shape == (2, 0)
+    dq, dk, dv = cupyflash.flash_attention_backward(o, q, k, k, o, m, l)
+    assert dq.shape == q.shape and dk.shape == k.shape and float(abs(dk).max()) == 0
+
+
+def test_inputs_not_modified():
+    import cupy
+
+    rng = numpy.random.default_rng(5)
+    arrays = to_gpu(*random_inputs(rng, "float16", (2, 100, 64), (2, 90, 64)))
+    before = [a.copy() for a in arrays]
+    o, m, l = cupyflash.flash_attention_forward(*arrays, causal=True)
+    do = cupy.asarray(rng.standard_normal(o.shape).astype(numpy.float16))
+    saved = [x.copy() for x in (do, o, m, l)]
+    cupyflash.flash_attention_backward(do, *arrays, o, m, l, causal=True)
+    for a, b in zip(arrays + [do, o, m, l], before + saved):
+        assert cupy.array_equal(a, b)
+
+
+def test_uncollapsible_batch_dims_are_peeled():
+    """Four batch dims whose broadcast pattern cannot be merged into three run through the peeling path."""
+    rng = numpy.random.default_rng(9)
+    q_shape, kv_shape = (2, 3, 2, 2, 33, 40), (2, 1, 2, 1, 47, 40)
+    q, k, v = random_inputs(rng, "float32", q_shape, kv_shape)
+    check_forward("float32", q, k, v, True, None)
+    check_backward("float32", q, k, v, True, None, rng)
+
+
+def test_flash_attention_returns_o():
+    rng = numpy.random.default_rng(2)
+    q, k, v = to_gpu(*random_inputs(rng, "bfloat16", (3, 50, 96), (3, 60, 96)))
+    o = cupyflash.flash_attention(q, k, v, causal=True)
+    o2, _, _ = cupyflash.flash_attention_forward(q, k, v, causal=True)
+    assert (o.view(numpy.uint16) == o2.view(numpy.uint16)).all()
+
+
+def test_gpu_and_numpy_paths_agree():
+    """The CPU path (blocked NumPy) and the kernels compute the same function."""
+    rng = numpy.random.default_rng(4)
+    q, k, v = random_inputs(rng, "float32", (2, 3, 90, 72), (2, 1, 70, 72))
+    o_cpu, m_cpu, l_cpu = cupyflash.flash_attention_forward(q, k, v, causal=True)
+    o_gpu, m_gpu, l_gpu = run_forward(q, k, v, True, None)
+    assert_under("o", o_gpu, o_cpu, 1e-5)
+    assert_under("m", m_gpu, m_cpu, 1e-6)
+    assert_under("l", l_gpu, l_cpu, 1e-5)

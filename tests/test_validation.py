@@ -1,0 +1,735 @@
+"""CPU tests of input validation in cupyflash's public API (no GPU needed).
+
+Bad input raises the documented error before anything is computed, with a
+message that names the argument and the shapes or dtypes it saw; valid edge
+cases (D = 1 and 256, rank 2, empty sequences, GQA/MQA broadcasting, strided
+views, every float dtype) return outputs of the documented shapes and dtypes;
+inputs are never modified. A hypothesis test then draws arbitrary calls and
+checks that each one either succeeds as documented or raises ValueError or
+TypeError, and which of the two when the contract decides it.
+"""
+
+import math
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cupyflash
+from cupyflash import flash_attention, flash_attention_backward, flash_attention_forward
+
+# Valid calls on random data emit no warning; an overflow or 0/0 would be a bug.
+pytestmark = pytest.mark.filterwarnings("error")
+
+FLOAT16 = np.dtype(np.float16)
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT32 = np.dtype(np.float32)
+FLOAT64 = np.dtype(np.float64)
+SUPPORTED_DTYPES = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
+UNSUPPORTED_DTYPES = (np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_), np.dtype(np.complex64),
+                      np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.longdouble), np.dtype(object))
+MAX_HEAD_DIM = 256
+
+# A well-formed multi-head problem: q (B, H, Nq, D), k and v (B, H, Nk, D).
+Q_SHAPE = (2, 3, 5, 8)
+KV_SHAPE = (2, 3, 7, 8)
+OUT_SHAPE = Q_SHAPE         # (*batch, Nq, D)
+STATS_SHAPE = Q_SHAPE[:-1]  # (*batch, Nq)
+
+FORWARD_ENTRY_POINTS = ("flash_attention_forward", "flash_attention", "flash_attention_backward")
+
+_rng = np.random.default_rng(20240611)
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+def random_array(shape, dtype=FLOAT32):
+    """Standard-normal values of ``shape`` cast to ``dtype`` (any dtype numpy can cast to)."""
+    return _rng.standard_normal(shape).astype(dtype)
+
+
+def statistics_dtype(dtype):
+    """The documented dtype of m and l: float64 for float64 inputs, else float32."""
+    return FLOAT64 if dtype == FLOAT64 else FLOAT32
+
+
+def message_naming(names, seen=()):
+    """A ``match=`` pattern: every argument in ``names`` as a word and every string in ``seen`` verbatim."""
+    parts = [rf"(?=.*(?<!\w){re.escape(n)}(?!\w))" for n in names]
+    parts += [f"(?=.*{re.escape(s)})" for s in seen]
+    return "(?s)^" + "".join(parts)
+
+
+def backward_companions(q, k, v):
+    """``do, o, m, l`` as a backward call on ``q, k, v`` needs them, as far as ``q, k, v`` define them.
+
+    Lets a bad ``q, k, v`` be tested through the backward without a second,
+    unrelated fault in ``do, o, m, l``.
+    """
+    q_like = q if isinstance(q, np.ndarray) and q.ndim >= 2 else np.zeros((1, 1), FLOAT32)
+    batch_dims = [x.shape[:-2] for x in (q_like, k, v) if isinstance(x, np.ndarray) and x.ndim >= 2]
+    try:
+        batch = np.broadcast_shapes(*batch_dims)
+    except ValueError:
+        batch = q_like.shape[:-2]
+    out = np.zeros((*batch, *q_like.shape[-2:]), q_like.dtype)
+    stats = np.zeros((*batch, q_like.shape[-2]), statistics_dtype(q_like.dtype))
+    return out, out.copy(), stats, stats.copy()
+
+
+def call_entry_point(entry_point, q, k, v, **flags):
+    """Call one public function on ``q, k, v``; the backward gets matching ``do, o, m, l``."""
+    if entry_point == "flash_attention_backward":
+        do, o, m, l = backward_companions(q, k, v)
+        return flash_attention_backward(do, q, k, v, o, m, l, **flags)
+    return getattr(cupyflash, entry_point)(q, k, v, **flags)
+
+
+def valid_backward_arguments(dtype=FLOAT32):
+    """``(do, q, k, v, o, m, l)`` of the well-formed problem, every one of its documented shape and dtype.
+
+    The values are random (validation does not look at them), so no forward runs.
+    """
+    q, k, v = random_array(Q_SHAPE, dtype), random_array(KV_SHAPE, dtype), random_array(KV_SHAPE, dtype)
+    do, o = random_array(OUT_SHAPE, dtype), random_array(OUT_SHAPE, dtype)
+    m = random_array(STATS_SHAPE, statistics_dtype(dtype))
+    l = 1 + np.abs(random_array(STATS_SHAPE, statistics_dtype(dtype)))
+    return do, q, k, v, o, m, l
+
+
+def cupy_array_or_skip(shape, dtype=FLOAT32):
+    """A CuPy array, or skip the test where CuPy is missing or cannot allocate (no GPU)."""
+    try:
+        import cupy
+
+        return cupy.zeros(shape, dtype)
+    except Exception as error:  # ImportError, or CUDARuntimeError without a GPU/driver
+        pytest.skip(f"cannot create a CuPy array here: {type(error).__name__}: {error}")
+
+
+@pytest.fixture
+def computation_forbidden(monkeypatch):
+    """Make the CPU path fail loudly if it is entered: errors must come from validation."""
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the computation ran although the input was invalid")
+
+    monkeypatch.setattr(cupyflash.reference, "blocked_forward", must_not_run)
+    monkeypatch.setattr(cupyflash.reference, "blocked_backward", must_not_run)
+
+
+# ---------------------------------------------------------------------------
+# Bad input raises, before anything runs, naming what it saw
+# ---------------------------------------------------------------------------
+
+def _one_argument_replaced(argument, value, dtype=FLOAT32):
+    """Well-formed ``q, k, v`` of ``dtype`` with ``argument`` replaced by ``value``."""
+    arrays = {"q": random_array(Q_SHAPE, dtype), "k": random_array(KV_SHAPE, dtype),
+              "v": random_array(KV_SHAPE, dtype)}
+    arrays[argument] = value
+    return arrays["q"], arrays["k"], arrays["v"]
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("entry_point", FORWARD_ENTRY_POINTS)
+@pytest.mark.parametrize("argument", ["q", "k", "v"])
+@pytest.mark.parametrize("dtype", UNSUPPORTED_DTYPES, ids=str)
+def test_unsupported_dtype_raises_type_error(entry_point, argument, dtype):
+    shape = Q_SHAPE if argument == "q" else KV_SHAPE
+    q, k, v = _one_argument_replaced(argument, random_array(shape, dtype))
+    with pytest.raises(TypeError, match=message_naming([argument], [str(dtype)])):
+        call_entry_point(entry_point, q, k, v)
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("entry_point", FORWARD_ENTRY_POINTS)
+@pytest.mark.parametrize("argument", ["q", "k", "v"])
+@pytest.mark.parametrize(("shared", "odd"), [(FLOAT32, FLOAT64), (FLOAT16, BFLOAT16), (BFLOAT16, FLOAT32),
+                                             (FLOAT64, FLOAT16)], ids=str)
+def test_mixed_dtypes_raise_type_error(entry_point, argument, shared, odd):
+    shape = Q_SHAPE if argument == "q" else KV_SHAPE
+    q, k, v = _one_argument_replaced(argument, random_array(shape, odd), dtype=shared)
+    with pytest.raises(TypeError, match=message_naming([argument], [str(odd), str(shared)])):
+        call_entry_point(entry_point, q, k, v)
+
+
+NON_ARRAYS = [
+    pytest.param(lambda x: x.tolist(), "list", id="nested-list"),
+    pytest.param(lambda x: tuple(x.tolist()), "tuple", id="tuple"),
+    pytest.param(lambda x: 1.0, "float", id="float"),
+    pytest.param(lambda x: None, "NoneType", id="None"),
+    pytest.param(lambda x: memoryview(x), "memoryview", id="memoryview"),
+]
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("entry_point", FORWARD_ENTRY_POINTS)
+@pytest.mark.parametrize("argument", ["q", "k", "v"])
+@pytest.mark.parametrize(("as_non_array", "type_name"), NON_ARRAYS)
+def test_non_array_input_raises_type_error(entry_point, argument, as_non_array, type_name):
+    shape = Q_SHAPE if argument == "q" else KV_SHAPE
+    q, k, v = _one_argument_replaced(argument, as_non_array(random_array(shape)))
+    with pytest.raises(TypeError, match=message_naming([argument], [type_name])):
+        call_entry_point(entry_point, q, k, v)
+
+
+BACKWARD_ARGUMENTS = ("do", "q", "k", "v", "o", "m", "l")
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("argument", ["do", "o", "m", "l"])
+@pytest.mark.parametrize(("as_non_array", "type_name"), NON_ARRAYS)
+def test_non_array_backward_input_raises_type_error(argument, as_non_array, type_name):
+    arguments = dict(zip(BACKWARD_ARGUMENTS, valid_backward_arguments()))
+    arguments[argument] = as_non_array(arguments[argument])
+    with pytest.raises(TypeError, match=message_naming([argument], [type_name])):
+        flash_attention_backward(*arguments.values())
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("argument", BACKWARD_ARGUMENTS)
+def test_mixing_numpy_and_cupy_raises_type_error(argument):
+    arguments = dict(zip(BACKWARD_ARGUMENTS, valid_backward_arguments()))
+    arguments[argument] = cupy_array_or_skip(arguments[argument].shape, arguments[argument].dtype)
+    pattern = message_naming([argument], ["cupy", "numpy"])
+    with pytest.raises(TypeError, match=pattern):
+        flash_attention_backward(*arguments.values())
+    if argument in ("q", "k", "v"):
+        forward = {name: arguments[name] for name in ("q", "k", "v")}
+        with pytest.raises(TypeError, match=pattern):
+            flash_attention_forward(**forward)
+        with pytest.raises(TypeError, match=pattern):
+            flash_attention(**forward)
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("entry_point", FORWARD_ENTRY_POINTS)
+@pytest.mark.parametrize("causal", [1, 0, 1.0, "True", None, np.int64(1), [True]], ids=repr)
+def test_non_bool_causal_raises_type_error(entry_point, causal):
+    q, k, v = random_array(Q_SHAPE), random_array(KV_SHAPE), random_array(KV_SHAPE)
+    with pytest.raises(TypeError, match=message_naming(["causal"], [type(causal).__name__])):
+        call_entry_point(entry_point, q, k, v, causal=causal)
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("entry_point", FORWARD_ENTRY_POINTS)
+@pytest.mark.parametrize("softmax_scale", [
+    pytest.param("0.5", id="str"),
+    pytest.param([0.5], id="list"),
+    pytest.param(True, id="bool"),
+    pytest.param(np.bool_(True), id="numpy-bool"),
+    pytest.param(0.5 + 1j, id="complex"),
+    pytest.param(np.complex128(0.5 + 1j), id="numpy-complex"),  # not real: must not lose its imaginary part
+])
+def test_non_number_softmax_scale_raises_type_error(entry_point, softmax_scale):
+    q, k, v = random_array(Q_SHAPE), random_array(KV_SHAPE), random_array(KV_SHAPE)
+    with pytest.raises(TypeError, match=message_naming(["softmax_scale"], [type(softmax_scale).__name__])):
+        call_entry_point(entry_point, q, k, v, softmax_scale=softmax_scale)
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("entry_point", FORWARD_ENTRY_POINTS)
+@pytest.mark.parametrize("argument", ["q", "k", "v"])
+@pytest.mark.parametrize("shape", [(), (8,)], ids=str)
+def test_rank_below_two_raises_value_error(entry_point, argument, shape):
+    q, k, v = _one_argument_replaced(argument, random_array(shape))
+    with pytest.raises(ValueError, match=message_naming([argument], [str(shape)])):
+        call_entry_point(entry_point, q, k, v)
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("entry_point", FORWARD_ENTRY_POINTS)
+@pytest.mark.parametrize(("argument", "shape"), [
+    ("q", (2, 3, 5, 16)), ("k", (2, 3, 7, 9)), ("v", (2, 3, 7, 4)), ("k", (7, 1)),
+], ids=str)
+def test_mismatched_head_dim_raises_value_error(entry_point, argument, shape):
+    q, k, v = _one_argument_replaced(argument, random_array(shape))
+    with pytest.raises(ValueError, match=message_naming([argument], [str(shape)])):
+        call_entry_point(entry_point, q, k, v)
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("entry_point", FORWARD_ENTRY_POINTS)
+@pytest.mark.parametrize(("k_shape", "v_shape"), [
+    ((2, 3, 7, 8), (2, 3, 6, 8)), ((2, 3, 0, 8), (2, 3, 1, 8)), ((7, 8), (2, 3, 8, 8)),
+], ids=str)
+def test_mismatched_key_count_raises_value_error(entry_point, k_shape, v_shape):
+    q, k, v = random_array(Q_SHAPE), random_array(k_shape), random_array(v_shape)
+    with pytest.raises(ValueError, match=message_naming(["k", "v"], [str(k_shape), str(v_shape)])):
+        call_entry_point(entry_point, q, k, v)
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("entry_point", FORWARD_ENTRY_POINTS)
+@pytest.mark.parametrize(("q_shape", "kv_shape"), [
+    ((2, 5, 8), (3, 7, 8)),          # batch 2 against 3
+    ((2, 3, 5, 8), (2, 2, 7, 8)),    # heads 3 against 2
+    ((4, 2, 5, 8), (4, 7, 8)),       # right-aligned: 2 against 4
+    ((2, 3, 2, 5, 8), (2, 2, 1, 7, 8)),  # GQA with a wrong number of KV heads
+], ids=str)
+def test_non_broadcastable_batch_raises_value_error(entry_point, q_shape, kv_shape):
+    q, k, v = random_array(q_shape), random_array(kv_shape), random_array(kv_shape)
+    with pytest.raises(ValueError, match=message_naming(["q", "k"], [str(q_shape), str(kv_shape)])):
+        call_entry_point(entry_point, q, k, v)
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("entry_point", FORWARD_ENTRY_POINTS)
+@pytest.mark.parametrize("head_dim", [0, MAX_HEAD_DIM + 1, 512])
+def test_head_dim_outside_supported_range_raises_value_error(entry_point, head_dim):
+    q_shape, kv_shape = (2, 5, head_dim), (2, 7, head_dim)
+    q, k, v = random_array(q_shape), random_array(kv_shape), random_array(kv_shape)
+    with pytest.raises(ValueError, match=message_naming(["q"], [str(q_shape)])):
+        call_entry_point(entry_point, q, k, v)
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("entry_point", FORWARD_ENTRY_POINTS)
+@pytest.mark.parametrize("softmax_scale", [
+    pytest.param(math.inf, id="inf"),
+    pytest.param(-math.inf, id="-inf"),
+    pytest.param(math.nan, id="nan"),
+    pytest.param(np.float32("inf"), id="float32-inf"),
+    pytest.param(np.float16("nan"), id="float16-nan"),
+    pytest.param(10**400, id="int-beyond-float-range"),  # float(10**400) has no finite value
+])
+def test_non_finite_softmax_scale_raises_value_error(entry_point, softmax_scale):
+    q, k, v = random_array(Q_SHAPE), random_array(KV_SHAPE), random_array(KV_SHAPE)
+    with pytest.raises(ValueError, match=message_naming(["softmax_scale"])):
+        call_entry_point(entry_point, q, k, v, softmax_scale=softmax_scale)
+
+
+def _backward_with(argument, make_replacement, dtype=FLOAT32):
+    """The well-formed backward arguments of ``dtype`` with ``argument`` replaced by ``make_replacement(old)``."""
+    arguments = dict(zip(BACKWARD_ARGUMENTS, valid_backward_arguments(dtype)))
+    arguments[argument] = make_replacement(arguments[argument])
+    return arguments
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("argument", ["do", "o"])
+@pytest.mark.parametrize("bad_shape", [
+    (2, 3, 5, 9),      # wrong D
+    (2, 3, 6, 8),      # wrong Nq
+    (3, 5, 8),         # batch dims missing
+    (1, 3, 5, 8),      # broadcastable to the output, but not its shape
+    (2, 3, 5, 8, 1),   # an extra axis
+], ids=str)
+def test_backward_output_of_wrong_shape_raises_value_error(argument, bad_shape):
+    arguments = _backward_with(argument, lambda x: random_array(bad_shape, x.dtype))
+    with pytest.raises(ValueError, match=message_naming([argument], [str(bad_shape), str(OUT_SHAPE)])):
+        flash_attention_backward(*arguments.values())
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+def test_backward_output_must_have_the_broadcast_batch_shape():
+    """With q (1, Nq, D) broadcast against k, v (3, Nk, D), o is (3, Nq, D): q's own shape is wrong for do."""
+    q, k, v = random_array((1, 5, 8)), random_array((3, 7, 8)), random_array((3, 7, 8))
+    o, m, l = random_array((3, 5, 8)), random_array((3, 5)), 1 + np.abs(random_array((3, 5)))
+    with pytest.raises(ValueError, match=message_naming(["do"], [str(q.shape), str(o.shape)])):
+        flash_attention_backward(random_array(q.shape), q, k, v, o, m, l)
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("argument", ["do", "o"])
+@pytest.mark.parametrize(("dtype", "bad_dtype"), [
+    (FLOAT32, FLOAT64), (FLOAT32, FLOAT16), (FLOAT16, BFLOAT16), (BFLOAT16, FLOAT32), (FLOAT64, FLOAT32),
+    (FLOAT32, np.dtype(np.int32)),
+], ids=str)
+def test_backward_output_of_wrong_dtype_raises_type_error(argument, dtype, bad_dtype):
+    arguments = _backward_with(argument, lambda x: x.astype(bad_dtype), dtype)
+    with pytest.raises(TypeError, match=message_naming([argument], [str(bad_dtype), str(dtype)])):
+        flash_attention_backward(*arguments.values())
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("argument", ["m", "l"])
+@pytest.mark.parametrize("bad_shape", [
+    (2, 3, 6),         # wrong Nq
+    (2, 3),            # Nq missing
+    (2, 3, 5, 1),      # an extra axis
+    (2, 3, 5, 8),      # the shape of o
+    (3, 5),            # batch dims missing
+], ids=str)
+def test_backward_statistics_of_wrong_shape_raise_value_error(argument, bad_shape):
+    arguments = _backward_with(argument, lambda x: random_array(bad_shape, x.dtype))
+    with pytest.raises(ValueError, match=message_naming([argument], [str(bad_shape), str(STATS_SHAPE)])):
+        flash_attention_backward(*arguments.values())
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("argument", ["m", "l"])
+@pytest.mark.parametrize(("dtype", "bad_dtype"), [
+    (FLOAT16, FLOAT16),    # statistics stay float32 for 16-bit inputs
+    (BFLOAT16, BFLOAT16),
+    (FLOAT32, FLOAT64),
+    (FLOAT64, FLOAT32),    # and are float64 for float64 inputs
+    (FLOAT32, np.dtype(np.int32)),
+], ids=str)
+def test_backward_statistics_of_wrong_dtype_raise_type_error(argument, dtype, bad_dtype):
+    arguments = _backward_with(argument, lambda x: x.astype(bad_dtype), dtype)
+    expected = statistics_dtype(dtype)
+    with pytest.raises(TypeError, match=message_naming([argument], [str(bad_dtype), str(expected)])):
+        flash_attention_backward(*arguments.values())
+
+
+# ---------------------------------------------------------------------------
+# Valid edge cases return the documented shapes and dtypes
+# ---------------------------------------------------------------------------
+
+def assert_forward_outputs(outputs, batch, n_q, head_dim, dtype):
+    """o (*batch, Nq, D) in ``dtype``; m, l (*batch, Nq) in the statistics dtype; all C-contiguous."""
+    o, m, l = outputs
+    assert (o.shape, o.dtype) == ((*batch, n_q, head_dim), dtype)
+    for name, x in (("m", m), ("l", l)):
+        assert (x.shape, x.dtype) == ((*batch, n_q), statistics_dtype(dtype)), name
+    for name, x in (("o", o), ("m", m), ("l", l)):
+        assert isinstance(x, np.ndarray) and x.flags.c_contiguous, name
+
+
+def assert_gradients(gradients, q, k, v):
+    """dq, dk, dv have exactly the shapes of q, k, v, their dtype, and are C-contiguous."""
+    assert len(gradients) == 3
+    for name, g, x in zip(("dq", "dk", "dv"), gradients, (q, k, v)):
+        assert isinstance(g, np.ndarray), name
+        assert (g.shape, g.dtype) == (x.shape, x.dtype), name
+        assert g.flags.c_contiguous, name
+
+
+def run_forward_and_backward(q, k, v, **flags):
+    """Forward, flash_attention and backward on q, k, v; returns the forward outputs and the gradients."""
+    outputs = flash_attention_forward(q, k, v, **flags)
+    o_only = flash_attention(q, k, v, **flags)
+    np.testing.assert_array_equal(o_only, outputs[0])
+    do = random_array(outputs[0].shape, q.dtype)
+    gradients = flash_attention_backward(do, q, k, v, *outputs, **flags)
+    return outputs, gradients
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("q_shape", "kv_shape", "batch"), [
+    pytest.param((2, 5, 1), (2, 7, 1), (2,), id="D=1"),
+    pytest.param((1, 3, 256), (1, 4, 256), (1,), id="D=256"),
+    pytest.param((5, 8), (7, 8), (), id="rank-2"),
+    pytest.param((2, 3, 0, 8), (2, 3, 7, 8), (2, 3), id="Nq=0"),
+    pytest.param((2, 3, 5, 8), (2, 3, 0, 8), (2, 3), id="Nk=0"),
+    pytest.param((0, 5, 8), (1, 7, 8), (0,), id="empty-batch"),
+    pytest.param((2, 3, 2, 5, 8), (2, 3, 1, 7, 8), (2, 3, 2), id="GQA"),
+    pytest.param((2, 4, 5, 8), (2, 1, 7, 8), (2, 4), id="MQA"),
+    pytest.param((2, 4, 5, 8), (7, 8), (2, 4), id="MQA-rank-2-kv"),
+    pytest.param((1, 5, 8), (3, 7, 8), (3,), id="q-broadcast"),
+    pytest.param((4, 1, 8), (4, 1, 8), (4,), id="Nq=Nk=1"),
+])
+def test_valid_shapes_return_documented_shapes_and_dtypes(q_shape, kv_shape, batch, causal, dtype):
+    q, k, v = random_array(q_shape, dtype), random_array(kv_shape, dtype), random_array(kv_shape, dtype)
+    outputs, gradients = run_forward_and_backward(q, k, v, causal=causal)
+    assert_forward_outputs(outputs, batch, q_shape[-2], q_shape[-1], dtype)
+    assert_gradients(gradients, q, k, v)
+
+
+def test_empty_queries_give_empty_outputs():
+    q, k, v = random_array((2, 3, 0, 8)), random_array((2, 3, 7, 8)), random_array((2, 3, 7, 8))
+    o, m, l = flash_attention_forward(q, k, v)
+    assert (o.shape, m.shape, l.shape) == ((2, 3, 0, 8), (2, 3, 0), (2, 3, 0))
+    dq, dk, dv = flash_attention_backward(np.zeros_like(o), q, k, v, o, m, l)
+    assert dq.shape == (2, 3, 0, 8)
+    np.testing.assert_array_equal(dk, 0)  # no query, so no gradient reaches k or v
+    np.testing.assert_array_equal(dv, 0)
+
+
+@pytest.mark.parametrize("softmax_scale", [
+    pytest.param(2, id="int"),
+    pytest.param(np.int64(3), id="numpy-int64"),
+    pytest.param(np.float32(0.5), id="numpy-float32"),
+    pytest.param(np.float64(0.25), id="numpy-float64"),
+    pytest.param(np.float16(0.125), id="numpy-float16"),
+    pytest.param(0, id="zero"),
+    pytest.param(-1.5, id="negative"),
+])
+@pytest.mark.parametrize("causal", [False, True, np.bool_(True)], ids=repr)
+def test_numeric_softmax_scale_means_its_float_value(softmax_scale, causal):
+    q, k, v = random_array(Q_SHAPE), random_array(KV_SHAPE), random_array(KV_SHAPE)
+    outputs, gradients = run_forward_and_backward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    assert_forward_outputs(outputs, Q_SHAPE[:-2], Q_SHAPE[-2], Q_SHAPE[-1], FLOAT32)
+    assert_gradients(gradients, q, k, v)
+    as_float = flash_attention_forward(q, k, v, causal=bool(causal), softmax_scale=float(softmax_scale))
+    for name, x, y in zip("oml", outputs, as_float):
+        np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+def test_default_softmax_scale_is_inverse_sqrt_head_dim():
+    q, k, v = random_array(Q_SHAPE), random_array(KV_SHAPE), random_array(KV_SHAPE)
+    default = flash_attention_forward(q, k, v)
+    explicit = flash_attention_forward(q, k, v, softmax_scale=1 / math.sqrt(Q_SHAPE[-1]))
+    for name, x, y in zip("oml", default, explicit):
+        np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+def _bnhd_view(b, h, n, d, dtype):
+    """(B, H, N, D) view of a (B, N, H, D) array, the layout most models keep."""
+    return random_array((b, n, h, d), dtype).swapaxes(1, 2)
+
+
+def _every_other_row(b, h, n, d, dtype):
+    return random_array((b, h, 2 * n, d), dtype)[..., ::2, :]
+
+
+def _reversed_rows(b, h, n, d, dtype):
+    return random_array((b, h, n, d), dtype)[..., ::-1, :]
+
+
+def _every_other_column(b, h, n, d, dtype):
+    return random_array((b, h, n, 2 * d), dtype)[..., ::2]
+
+
+def _fortran_order(b, h, n, d, dtype):
+    return np.asfortranarray(random_array((b, h, n, d), dtype))
+
+
+def _broadcast_heads(b, h, n, d, dtype):
+    """Zero stride along H: one head repeated, as np.broadcast_to gives it (read-only)."""
+    return np.broadcast_to(random_array((b, 1, n, d), dtype), (b, h, n, d))
+
+
+def _contiguous(b, h, n, d, dtype):
+    return random_array((b, h, n, d), dtype)
+
+
+# id -> (view of q, view of k and v)
+STRIDED_LAYOUTS = {
+    "swapaxes-BNHD": (_bnhd_view, _bnhd_view),
+    "q-rows-sliced": (_every_other_row, _contiguous),
+    "kv-rows-sliced": (_contiguous, _every_other_row),
+    "reversed-rows": (_reversed_rows, _reversed_rows),
+    "columns-sliced": (_every_other_column, _every_other_column),
+    "fortran-order": (_fortran_order, _fortran_order),
+    "broadcast-to-kv": (_contiguous, _broadcast_heads),
+}
+
+
+@pytest.mark.parametrize("layout", STRIDED_LAYOUTS)
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
+def test_strided_views_compute_what_their_contiguous_copies_do(layout, dtype):
+    b, h, n_q, n_k, d = 2, 3, 5, 7, 8
+    q_view, kv_view = STRIDED_LAYOUTS[layout]
+    q, k, v = q_view(b, h, n_q, d, dtype), kv_view(b, h, n_k, d, dtype), kv_view(b, h, n_k, d, dtype)
+    outputs, gradients = run_forward_and_backward(q, k, v, causal=True)
+    assert_forward_outputs(outputs, (b, h), n_q, d, dtype)
+    assert_gradients(gradients, q, k, v)
+
+    copies = [np.ascontiguousarray(x) for x in (q, k, v)]
+    for name, x, y in zip("oml", outputs, flash_attention_forward(*copies, causal=True)):
+        np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+# ---------------------------------------------------------------------------
+# Inputs are never modified
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("q_shape", "kv_shape"), [
+    pytest.param(Q_SHAPE, KV_SHAPE, id="MHA"),
+    pytest.param((2, 3, 2, 5, 8), (2, 3, 1, 7, 8), id="GQA"),
+    pytest.param((1, 6, 8), (3, 4, 8), id="q-broadcast"),
+])
+def test_inputs_are_never_modified(q_shape, kv_shape, causal, dtype):
+    q, k, v = random_array(q_shape, dtype), random_array(kv_shape, dtype), random_array(kv_shape, dtype)
+    forward_inputs = {"q": q, "k": k, "v": v}
+    before = {name: x.copy() for name, x in forward_inputs.items()}
+    o, m, l = flash_attention_forward(q, k, v, causal=causal)
+    flash_attention(q, k, v, causal=causal)
+
+    do = random_array(o.shape, dtype)
+    backward_inputs = {"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}
+    before.update({name: x.copy() for name, x in backward_inputs.items() if name not in before})
+    flash_attention_backward(*backward_inputs.values(), causal=causal)
+
+    for name, x in backward_inputs.items():
+        assert x.tobytes() == before[name].tobytes(), f"{name} was modified"
+
+
+# ---------------------------------------------------------------------------
+# Arbitrary calls: documented outputs, or ValueError / TypeError
+# ---------------------------------------------------------------------------
+
+def _finite_as_float(number):
+    """Whether ``number`` has a finite float value (an int beyond the float range has none)."""
+    try:
+        return math.isfinite(float(number))
+    except OverflowError:
+        return False
+
+
+def forward_contract_errors(q, k, v, causal, softmax_scale):
+    """The error classes the contract allows for this forward call; empty when it must succeed."""
+    arrays = {"q": q, "k": k, "v": v}
+    if not all(isinstance(x, np.ndarray) for x in arrays.values()):
+        return {TypeError}
+    errors = set()
+    dtypes = {x.dtype for x in arrays.values()}
+    if len(dtypes) > 1 or not dtypes <= set(SUPPORTED_DTYPES):
+        errors.add(TypeError)
+    if not isinstance(causal, (bool, np.bool_)):
+        errors.add(TypeError)
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.integer,
+                                                                                         np.floating)):
+            errors.add(TypeError)
+        elif not _finite_as_float(softmax_scale):
+            errors.add(ValueError)
+    if any(x.ndim < 2 for x in arrays.values()):
+        errors.add(ValueError)
+    else:
+        head_dims = {x.shape[-1] for x in arrays.values()}
+        try:
+            np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+            broadcasts = True
+        except ValueError:
+            broadcasts = False
+        if (k.shape[-2] != v.shape[-2] or len(head_dims) > 1 or not 1 <= q.shape[-1] <= MAX_HEAD_DIM
+                or not broadcasts):
+            errors.add(ValueError)
+    return errors
+
+
+@st.composite
+def broadcastable_batch_dims(draw, batch):
+    """Batch dims that broadcast to ``batch``: ``batch`` itself, some dims set to 1, or leading dims dropped."""
+    kind = draw(st.sampled_from(["same", "stretched", "shorter"]))
+    if kind == "same":
+        return tuple(batch)
+    if kind == "stretched":
+        return tuple(1 if draw(st.booleans()) else n for n in batch)
+    return tuple(batch[draw(st.integers(0, len(batch))):])
+
+
+FORWARD_FAULTS = ("unsupported dtype", "mixed dtypes", "non-array", "rank below 2", "head dim mismatch",
+                  "key count mismatch", "free batch dims", "head dim out of range", "non-bool causal",
+                  "non-number scale", "non-finite scale")
+
+
+@st.composite
+def forward_calls(draw):
+    """Arguments ``(q, k, v, causal, softmax_scale)`` of a forward call: valid, or with up to two faults.
+
+    A valid call has broadcastable batch dims (MHA, GQA/MQA, rank 2, zero-size),
+    Nq, Nk in [0, 4], D in [1, 256], one supported dtype, and a bool ``causal``
+    and a finite real (or no) scale; each fault of ``FORWARD_FAULTS`` breaks one
+    of these. Whether a call is valid is judged by ``forward_contract_errors``,
+    not by the fault's name (free batch dims may happen to broadcast).
+    """
+    n_faults = draw(st.sampled_from([0, 0, 0, 1, 1, 1, 2]))
+    faults = set(draw(st.lists(st.sampled_from(FORWARD_FAULTS), min_size=n_faults, max_size=n_faults,
+                               unique=True)))
+    arrays = ("q", "k", "v")
+
+    batch = draw(st.lists(st.integers(0, 3), max_size=3))
+    n_q, n_k = draw(st.integers(0, 4)), draw(st.integers(0, 4))
+    head_dim = draw(st.sampled_from([1, 2, 3, 8, MAX_HEAD_DIM]))
+    if "head dim out of range" in faults:
+        head_dim = draw(st.sampled_from([0, MAX_HEAD_DIM + 1]))
+    shapes = {"q": [*draw(broadcastable_batch_dims(batch)), n_q, head_dim],
+              "k": [*draw(broadcastable_batch_dims(batch)), n_k, head_dim],
+              "v": [*draw(broadcastable_batch_dims(batch)), n_k, head_dim]}
+    if "head dim mismatch" in faults:
+        shapes[draw(st.sampled_from(arrays))][-1] += draw(st.integers(1, 3))
+    if "key count mismatch" in faults:
+        shapes[draw(st.sampled_from(["k", "v"]))][-2] += draw(st.integers(1, 3))
+    if "free batch dims" in faults:
+        name = draw(st.sampled_from(arrays))
+        shapes[name][:-2] = draw(st.lists(st.integers(0, 3), max_size=3))
+    if "rank below 2" in faults:
+        name = draw(st.sampled_from(arrays))
+        shapes[name] = draw(st.sampled_from([[], shapes[name][-1:]]))
+
+    dtype = draw(st.sampled_from(SUPPORTED_DTYPES))
+    if "unsupported dtype" in faults:
+        dtype = draw(st.sampled_from(UNSUPPORTED_DTYPES))
+    dtypes = dict.fromkeys(arrays, dtype)
+    if "mixed dtypes" in faults:
+        dtypes[draw(st.sampled_from(arrays))] = draw(st.sampled_from(SUPPORTED_DTYPES + UNSUPPORTED_DTYPES))
+    values = {name: random_array(tuple(shapes[name]), dtypes[name]) for name in arrays}
+    if "non-array" in faults:
+        name = draw(st.sampled_from(arrays))
+        values[name] = values[name].tolist()
+
+    causal = draw(st.sampled_from([False, True, np.bool_(False), np.bool_(True)]))
+    if "non-bool causal" in faults:
+        causal = draw(st.sampled_from([0, 1, 1.0, None, "yes", np.int8(1)]))
+    softmax_scale = draw(st.one_of(st.none(), st.floats(-100, 100), st.integers(-5, 5),
+                                   st.sampled_from([np.float32(0.5), np.float16(2), np.int64(3)])))
+    if "non-number scale" in faults:
+        softmax_scale = draw(st.sampled_from(["0.5", [1.0], True, np.bool_(False), 1j, np.complex128(0.5 + 1j)]))
+    if "non-finite scale" in faults:
+        softmax_scale = draw(st.sampled_from([math.inf, -math.inf, math.nan, np.float32("inf"), 10**400]))
+    return values["q"], values["k"], values["v"], causal, softmax_scale
+
+
+@settings(max_examples=100, deadline=None)
+@given(call=forward_calls())
+def test_any_forward_call_succeeds_as_documented_or_raises_value_or_type_error(call):
+    q, k, v, causal, softmax_scale = call
+    allowed = forward_contract_errors(*call)
+    if allowed:
+        with pytest.raises(tuple(allowed)):
+            flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        return
+    outputs, gradients = run_forward_and_backward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    assert_forward_outputs(outputs, batch, q.shape[-2], q.shape[-1], q.dtype)
+    assert_gradients(gradients, q, k, v)
+
+
+@st.composite
+def backward_calls(draw):
+    """A valid forward problem and its backward arguments, with at most one of do, o, m, l made wrong.
+
+    Returns ``(arguments, error)``: the seven backward arguments and the error the
+    contract demands (None when nothing was made wrong).
+    """
+    dtype = draw(st.sampled_from(SUPPORTED_DTYPES))
+    batch = tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
+    kv_batch = tuple(1 if draw(st.booleans()) else n for n in batch)
+    n_q, n_k, d = draw(st.integers(0, 4)), draw(st.integers(0, 4)), draw(st.sampled_from([1, 8, 16]))
+    q, k, v = (random_array((*batch, n_q, d), dtype), random_array((*kv_batch, n_k, d), dtype),
+               random_array((*kv_batch, n_k, d), dtype))
+    o, m, l = flash_attention_forward(q, k, v)
+    arguments = {"do": random_array(o.shape, dtype), "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}
+
+    fault = draw(st.sampled_from([None, None, "shape", "dtype", "non-array"]))
+    if fault is None:
+        return arguments, None
+    name = draw(st.sampled_from(["do", "o", "m", "l"]))
+    x = arguments[name]
+    if fault == "shape":
+        if x.ndim and draw(st.booleans()):
+            axis = draw(st.integers(0, x.ndim - 1))
+            bad_shape = tuple(n + 1 if a == axis else n for a, n in enumerate(x.shape))
+        else:
+            bad_shape = (*x.shape, 1)
+        arguments[name] = random_array(bad_shape, x.dtype)
+        return arguments, ValueError
+    if fault == "dtype":
+        other = [dt for dt in SUPPORTED_DTYPES + UNSUPPORTED_DTYPES[:3] if dt != x.dtype]
+        arguments[name] = random_array(x.shape, draw(st.sampled_from(other)))
+        return arguments, TypeError
+    arguments[name] = x.tolist()
+    return arguments, TypeError
+
+
+@settings(max_examples=100, deadline=None)
+@given(call=backward_calls())
+def test_any_backward_call_succeeds_as_documented_or_raises_the_documented_error(call):
+    arguments, error = call
+    if error is not None:
+        with pytest.raises(error):
+            flash_attention_backward(*arguments.values())
+        return
+    gradients = flash_attention_backward(*arguments.values())
+    assert_gradients(gradients, arguments["q"], arguments["k"], arguments["v"])
