@@ -19,7 +19,6 @@ import numpy
 from ._compile import get_kernels
 from ._tiles import TileConfig, choose_tiles
 
-LOG2E = math.log2(math.e)
 MAX_BATCH_DIMS = 3  # collapsed batch dims a kernel indexes (flash_common.cuh: split_batch)
 VECTOR_BYTES = 16   # width of the vectorised tile loads
 
@@ -167,7 +166,7 @@ def forward_v1(q, k, v, *, causal: bool, scale: float, batch_shape, layout: Batc
     args = (q, k, v, o, o_run, m, l,
             *_strides4(q, layout.strides[0]), *_strides4(k, layout.strides[1]), *_strides4(v, layout.strides[2]),
             numpy.int64(layout.sizes[1]), numpy.int64(layout.sizes[2]),
-            numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D), scalar(scale * LOG2E),
+            numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D), scalar(scale),
             numpy.int32(n_splits), numpy.int32(causal), numpy.int32(_vector_ok((q, k, v), D)))
     kernel((BH * n_splits,), (cfg.threads,), args, shared_mem=cfg.smem_bytes)
     return o, m, l
@@ -191,15 +190,14 @@ def backward_v1(do, q, k, v, o, m, l, *, causal: bool, scale: float, batch_shape
     s_q, s_k, s_v, s_o, s_do, s_dq, s_dk, s_dv = layout.strides
     n1, n2 = numpy.int64(layout.sizes[1]), numpy.int64(layout.sizes[2])
 
-    # D_i = rowsum(dO_i o O_i), lse2_i = log2(e) m_i + log2(l_i)
+    # D_i = rowsum(dO_i o O_i); m_i and 1 / l_i as the recomputation reads them
     m = cupy.ascontiguousarray(m)
     l = cupy.ascontiguousarray(l)
-    lse2 = cupy.empty((BH, Nq), acc)
-    d_sum = cupy.empty((BH, Nq), acc)
+    m_b, inv_l, d_sum = (cupy.empty((BH, Nq), acc) for _ in range(3))
     rows = BH * Nq
     kernels["flash_bwd_prep_v1"](
         (-(-rows // cfg.warps),), (cfg.threads,),
-        (o, do, m, l, lse2, d_sum, *_strides4(o, s_o), *_strides4(do, s_do),
+        (o, do, m, l, m_b, inv_l, d_sum, *_strides4(o, s_o), *_strides4(do, s_do),
          n1, n2, numpy.int64(rows), numpy.int32(Nq), numpy.int32(D)))
 
     # dK, dV are stored directly unless several batch entries share one K/V head
@@ -215,11 +213,11 @@ def backward_v1(do, q, k, v, o, m, l, *, causal: bool, scale: float, batch_shape
     n_chunks = -(-D // cfg.d_chunk)
     kernels["flash_bwd_v1"](
         (BH * T_c * n_chunks,), (cfg.threads,),
-        (q, k, v, do, lse2, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc,
+        (q, k, v, do, m_b, inv_l, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc,
          *_strides4(q, s_q), *_strides4(k, s_k), *_strides4(v, s_v), *_strides4(do, s_do),
          *(numpy.int64(s) for s in s_dq), *(numpy.int64(s) for s in s_dk), *(numpy.int64(s) for s in s_dv),
          n1, n2, numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D),
-         scalar(scale * LOG2E), scalar(scale),
+         scalar(scale),
          numpy.int32(causal), numpy.int32(_vector_ok((q, k, v, do), D)), numpy.int32(kv_atomic)),
         shared_mem=cfg.smem_bytes)
 

@@ -119,9 +119,9 @@ class TileConfig:
             # s_K, s_V (B_c, DP); s_Q (B_r, DP); s_P (B_r, B_c)
             elems = (2 * self.block_c + self.block_r) * qkv_pitch + self.block_r * (self.block_c + pad)
             return elems * self.itemsize
-        # s_K, s_V (B_c, DP); s_Q, s_dO (B_r, DP); s_dS (B_c, B_r); s_lse, s_D (B_r)
+        # s_K, s_V (B_c, DP); s_Q, s_dO (B_r, DP); s_dS (B_c, B_r); s_m, s_inv_l, s_D (B_r)
         elems = (2 * self.block_c + 2 * self.block_r) * qkv_pitch + self.block_c * (self.block_r + pad)
-        return elems * self.itemsize + 2 * self.block_r * self.acc_itemsize
+        return elems * self.itemsize + 3 * self.block_r * self.acc_itemsize
 
     def defines(self) -> tuple[str, ...]:
         """NVRTC ``-D`` options of this specialisation."""

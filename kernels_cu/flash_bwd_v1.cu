@@ -1,8 +1,8 @@
 // flash_bwd_v1.cu — FlashAttention V1 backward: recompute P from the saved
 // statistics instead of storing it.
 //
-//   flash_bwd_prep_v1   D_i = rowsum(dO_i o O_i) and lse2_i = log2(e) m_i + log2(l_i)
-//                       (+inf for a row that saw no key, so that its P is 0)
+//   flash_bwd_prep_v1   D_i = rowsum(dO_i o O_i), and m_i, 1/l_i as the recomputation
+//                       reads them (m = +inf, 1/l = 0 for a row that saw no key: P = 0)
 //   flash_bwd_v1        one CTA per (batch*head, K/V tile j, head-dim chunk):
 //                       K_j, V_j stay in SRAM, dK_j, dV_j accumulate in
 //                       registers, the CTA walks the Q tiles i:
@@ -23,7 +23,7 @@
 // Shared memory (elem_t unless noted, rows padded by PAD):
 //   s_K (B_C, DP), s_V (B_C, DP), s_Q (B_R, DP), s_dO (B_R, DP),
 //   s_dS (B_C, B_R)   P^T then dS^T,
-//   s_lse (B_R) acc_t, s_D (B_R) acc_t.
+//   s_m, s_inv_l, s_D (B_R) acc_t.
 
 #include "flash_common.cuh"
 
@@ -36,7 +36,7 @@ constexpr int NTHREADS = NWARPS * WARP_SIZE;
 constexpr int QKV_PITCH = DP + PAD;
 constexpr int DS_PITCH = B_R + PAD;
 constexpr int SMEM_BYTES = ((2 * B_C + 2 * B_R) * QKV_PITCH + B_C * DS_PITCH) * (int)sizeof(elem_t)
-                           + 2 * B_R * (int)sizeof(acc_t);
+                           + 3 * B_R * (int)sizeof(acc_t);
 
 // the dQ_i (B_R, DC) product is split over the warps: DQ_WM along rows, DQ_WN along columns
 constexpr int DQ_WM = B_R / 16;
@@ -59,7 +59,8 @@ flash_bwd_prep_v1(const elem_t* __restrict__ o,    // (batch..., Nq, D) strided
                   const elem_t* __restrict__ dO,   // (batch..., Nq, D) strided
                   const acc_t* __restrict__ m,     // (BH, Nq)
                   const acc_t* __restrict__ l,     // (BH, Nq)
-                  acc_t* __restrict__ lse2,        // (BH, Nq)
+                  acc_t* __restrict__ m_b,         // (BH, Nq) m_i, +inf where l_i = 0
+                  acc_t* __restrict__ inv_l,       // (BH, Nq) 1 / l_i, 0 where l_i = 0
                   acc_t* __restrict__ Dsum,        // (BH, Nq)
                   i64 o_s0, i64 o_s1, i64 o_s2, i64 o_sn,
                   i64 do_s0, i64 do_s1, i64 do_s2, i64 do_sn,
@@ -77,8 +78,10 @@ flash_bwd_prep_v1(const elem_t* __restrict__ o,    // (batch..., Nq, D) strided
     for (int d = lane; d < D; d += WARP_SIZE) acc += to_acc(o_r[d]) * to_acc(do_r[d]);
     acc = warp_sum(acc);
     if (lane == 0) {
+        const bool seen = l[row] > (acc_t)0;
         Dsum[row] = acc;
-        lse2[row] = l[row] > (acc_t)0 ? m[row] * (acc_t)LOG2E + log2_acc(l[row]) : POS_INF;
+        m_b[row] = seen ? m[row] : POS_INF;
+        inv_l[row] = seen ? (acc_t)1 / l[row] : (acc_t)0;
     }
 }
 
@@ -87,7 +90,8 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
              const elem_t* __restrict__ k,      // (batch..., Nk, D) strided
              const elem_t* __restrict__ v,      // (batch..., Nk, D) strided
              const elem_t* __restrict__ dO,     // (batch..., Nq, D) strided
-             const acc_t* __restrict__ lse2,    // (BH, Nq)
+             const acc_t* __restrict__ m_b,     // (BH, Nq) from flash_bwd_prep_v1
+             const acc_t* __restrict__ inv_l,   // (BH, Nq) from flash_bwd_prep_v1
              const acc_t* __restrict__ Dsum,    // (BH, Nq)
              acc_t* __restrict__ dq_acc,        // q's own shape, contiguous, zeroed
              elem_t* __restrict__ dk,           // k's own shape, contiguous (direct store)
@@ -102,7 +106,7 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
              i64 dk_s0, i64 dk_s1, i64 dk_s2,
              i64 dv_s0, i64 dv_s1, i64 dv_s2,
              i64 n1, i64 n2,
-             int Nq, int Nk, int D, acc_t scale_log2, acc_t scale,
+             int Nq, int Nk, int D, acc_t scale,
              int causal_flag, int vec_flag, int kv_atomic) {
     extern __shared__ __align__(16) unsigned char smem[];
     elem_t* s_K = reinterpret_cast<elem_t*>(smem);   // (B_C, DP)
@@ -110,8 +114,9 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
     elem_t* s_Q = s_V + B_C * QKV_PITCH;               // (B_R, DP)
     elem_t* s_dO = s_Q + B_R * QKV_PITCH;              // (B_R, DP)
     elem_t* s_dS = s_dO + B_R * QKV_PITCH;             // (B_C, B_R)
-    acc_t* s_lse = reinterpret_cast<acc_t*>(s_dS + B_C * DS_PITCH);   // (B_R)
-    acc_t* s_D = s_lse + B_R;                          // (B_R)
+    acc_t* s_m = reinterpret_cast<acc_t*>(s_dS + B_C * DS_PITCH);   // (B_R)
+    acc_t* s_inv_l = s_m + B_R;                        // (B_R)
+    acc_t* s_D = s_inv_l + B_R;                        // (B_R)
 
     const bool causal = causal_flag != 0, vec = vec_flag != 0;
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
@@ -129,7 +134,8 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
     v += batch_offset(bi, v_s0, v_s1, v_s2);
     dO += batch_offset(bi, do_s0, do_s1, do_s2);
     dq_acc += batch_offset(bi, dq_s0, dq_s1, dq_s2);
-    lse2 += bh * Nq;
+    m_b += bh * Nq;
+    inv_l += bh * Nq;
     Dsum += bh * Nq;
 
     // load K_j, V_j from HBM into SRAM
@@ -146,13 +152,14 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
     const int i_first = causal ? max(0, kv0 - (Nk - Nq)) / B_R : 0;
     for (int i = i_first; i < T_r; ++i) {
         const int q0 = i * B_R;
-        // load Q_i, dO_i, lse2_i, D_i from HBM into SRAM
+        // load Q_i, dO_i, m_i, l_i, D_i from HBM into SRAM
         __syncthreads();
         load_tile<B_R, DP>(s_Q, q + q0 * q_sn, q_sn, min(B_R, Nq - q0), D, vec, tid, NTHREADS);
         load_tile<B_R, DP>(s_dO, dO + q0 * do_sn, do_sn, min(B_R, Nq - q0), D, vec, tid, NTHREADS);
         for (int r = tid; r < B_R; r += NTHREADS) {
             const bool in = q0 + r < Nq;
-            s_lse[r] = in ? lse2[q0 + r] : POS_INF;   // a ragged row gets P = 0
+            s_m[r] = in ? m_b[q0 + r] : POS_INF;       // a ragged row gets P = 0
+            s_inv_l[r] = in ? inv_l[q0 + r] : (acc_t)0;
             s_D[r] = in ? Dsum[q0 + r] : (acc_t)0;
         }
         __syncthreads();
@@ -162,7 +169,7 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
         zero_frag(P);
         warp_mma<B_R / 8, DP, false, false>(P, s_K + 16 * warp * QKV_PITCH, QKV_PITCH, s_Q, QKV_PITCH);
 
-        // P_ij^T = exp(S_ij^T - m_i) / l_i = exp2(scale log2(e) S_ij^T - lse2_i); invisible -> 0
+        // P_ij^T = exp(scale S_ij^T - m_i) / l_i, the difference in natural units as in the forward; invisible -> 0
         const bool boundary = kv0 + B_C > Nk || (causal && key0 + 15 > q0 + (Nk - Nq));
 #pragma unroll
         for (int n = 0; n < B_R / 8; ++n)
@@ -171,7 +178,8 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                 const int qc = n * 8 + 2 * t + e % 2;    // query column inside the tile
                 const int kr = key0 + g + (e / 2) * 8;   // key row
                 P[n][e] = (boundary && !key_visible(q0 + qc, kr, Nq, Nk, causal))
-                              ? (acc_t)0 : exp2_acc(P[n][e] * scale_log2 - s_lse[qc]);
+                              ? (acc_t)0
+                              : exp2_acc((P[n][e] * scale - s_m[qc]) * (acc_t)LOG2E) * s_inv_l[qc];
             }
         store_frag_smem(s_dSw, DS_PITCH, P);
         __syncwarp();

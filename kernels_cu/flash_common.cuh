@@ -21,7 +21,6 @@
 #pragma once
 
 #define LOG2E 1.4426950408889634
-#define LN2 0.6931471805599453
 #define WARP_SIZE 32
 #define SMEM_PAD_BYTES 16   // one 16-byte row pad: ldmatrix and FMA reads hit distinct banks
 
@@ -95,14 +94,6 @@ __device__ __forceinline__ acc_t exp2_acc(acc_t x) {
 #endif
 }
 
-__device__ __forceinline__ acc_t log2_acc(acc_t x) {
-#if FLASH_DTYPE == 3
-    return log2(x);
-#else
-    return log2f(x);
-#endif
-}
-
 // ---------------------------------------------------------------------------
 // Batch layout: the flat broadcast batch index b is split over up to three
 // collapsed batch dims (n0, n1, n2); each tensor has its own element strides
@@ -152,6 +143,14 @@ __device__ __forceinline__ void load_tile(elem_t* __restrict__ s_tile,          
             s_tile[r * PITCH + col] = val;
         }
     }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero_frag(acc_t (&c)[NT][4]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[n][e] = (acc_t)0;
 }
 
 // ---------------------------------------------------------------------------
@@ -217,38 +216,44 @@ __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
 
 #else  // exact float32 / float64 FMA on the same fragment layout
 
+// Products are summed in blocks of K_BLOCK terms, each block's partial sum
+// then added to c: a two-level sum whose rounding error grows with
+// K_BLOCK + K / K_BLOCK rather than K, as a tensor core's k-steps do.
+constexpr int K_BLOCK = 16;
+
 template <int NT, int K, bool A_T, bool B_T>
 __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
                                          const elem_t* __restrict__ a, int lda,
                                          const elem_t* __restrict__ b, int ldb) {
+    static_assert(K % K_BLOCK == 0, "FMA warp tiles sum K in blocks of K_BLOCK");
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
+    for (int k0 = 0; k0 < K; k0 += K_BLOCK) {
+        acc_t part[NT][4];
+        zero_frag(part);
 #pragma unroll 4
-    for (int k = 0; k < K; ++k) {
-        const acc_t a0 = A_T ? a[k * lda + g] : a[g * lda + k];
-        const acc_t a1 = A_T ? a[k * lda + g + 8] : a[(g + 8) * lda + k];
+        for (int k = k0; k < k0 + K_BLOCK; ++k) {
+            const acc_t a0 = A_T ? a[k * lda + g] : a[g * lda + k];
+            const acc_t a1 = A_T ? a[k * lda + g + 8] : a[(g + 8) * lda + k];
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-            const int col = n * 8 + 2 * t;
-            const acc_t b0 = B_T ? b[k * ldb + col] : b[col * ldb + k];
-            const acc_t b1 = B_T ? b[k * ldb + col + 1] : b[(col + 1) * ldb + k];
-            c[n][0] = fma(a0, b0, c[n][0]);
-            c[n][1] = fma(a0, b1, c[n][1]);
-            c[n][2] = fma(a1, b0, c[n][2]);
-            c[n][3] = fma(a1, b1, c[n][3]);
+            for (int n = 0; n < NT; ++n) {
+                const int col = n * 8 + 2 * t;
+                const acc_t b0 = B_T ? b[k * ldb + col] : b[col * ldb + k];
+                const acc_t b1 = B_T ? b[k * ldb + col + 1] : b[(col + 1) * ldb + k];
+                part[n][0] = fma(a0, b0, part[n][0]);
+                part[n][1] = fma(a0, b1, part[n][1]);
+                part[n][2] = fma(a1, b0, part[n][2]);
+                part[n][3] = fma(a1, b1, part[n][3]);
+            }
         }
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) c[n][e] += part[n][e];
     }
 }
 
 #endif
-
-template <int NT>
-__device__ __forceinline__ void zero_frag(acc_t (&c)[NT][4]) {
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) c[n][e] = (acc_t)0;
-}
 
 // Write a warp's (16, 8*NT) accumulator tile into shared memory as elem_t
 // (row pitch ld), e.g. P_ij before it multiplies V_j.

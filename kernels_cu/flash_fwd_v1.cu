@@ -63,13 +63,13 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
              const elem_t* __restrict__ v,    // (batch..., Nk, D) strided
              elem_t* __restrict__ o,          // (BH, Nq, D)
              acc_t* __restrict__ o_run,       // (BH, Nq, DP) running O_i between outer steps
-             acc_t* __restrict__ m_run,       // (BH, Nq) running m_i (log2 units); natural m at the end
+             acc_t* __restrict__ m_run,       // (BH, Nq) running m_i
              acc_t* __restrict__ l_run,       // (BH, Nq) running l_i
              i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
              i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
              i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
              i64 n1, i64 n2,
-             int Nq, int Nk, int D, acc_t scale_log2, int n_splits, int causal_flag, int vec_flag) {
+             int Nq, int Nk, int D, acc_t scale, int n_splits, int causal_flag, int vec_flag) {
     extern __shared__ __align__(16) unsigned char smem[];
     elem_t* s_K = reinterpret_cast<elem_t*>(smem);   // (B_C, DP)
     elem_t* s_V = s_K + B_C * QKV_PITCH;               // (B_C, DP)
@@ -135,13 +135,13 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             zero_frag(S);
             warp_mma<B_C / 8, DP, false, false>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
 
-            // scale into log2 units; invisible keys -> -inf (boundary tiles only)
+            // S_ij = scale Q_i K_j^T, rounded once as a naive attention rounds it; invisible keys -> -inf
             const bool boundary = kv0 + B_C > Nk || (causal && kv0 + B_C - 1 > r0 + (Nk - Nq));
 #pragma unroll
             for (int n = 0; n < B_C / 8; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    S[n][e] *= scale_log2;
+                    S[n][e] *= scale;
                     if (boundary && !key_visible(r0 + g + (e / 2) * 8, kv0 + n * 8 + 2 * t + e % 2, Nq, Nk, causal))
                         S[n][e] = NEG_INF;
                 }
@@ -156,16 +156,17 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                 m_new[h] = max(m_i[h], quad_max(mx));
                 // a row with no visible key so far: exponentiate against 0, not -inf (-inf - -inf = NaN)
                 m_use[h] = m_new[h] == NEG_INF ? (acc_t)0 : m_new[h];
-                alpha[h] = exp2_acc(m_i[h] - m_use[h]);
+                alpha[h] = exp2_acc((m_i[h] - m_use[h]) * (acc_t)LOG2E);
             }
 
             // P~_ij = exp(S_ij - m_i^new);  l_i^new = e^(m_i - m_i^new) l_i + rowsum(P~_ij)
+            // (the difference is taken in natural units, where it is exact near the max, then exp = exp2(x log2 e))
             acc_t rowsum[2] = {(acc_t)0, (acc_t)0};
 #pragma unroll
             for (int n = 0; n < B_C / 8; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    S[n][e] = exp2_acc(S[n][e] - m_use[e / 2]);
+                    S[n][e] = exp2_acc((S[n][e] - m_use[e / 2]) * (acc_t)LOG2E);
                     rowsum[e / 2] += S[n][e];
                 }
 #pragma unroll
@@ -206,13 +207,13 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                 if (j > 0 && c0 + DC < DP) load_o_chunk(O_prev, o_run, r0, c0 + DC, Nq);
             }
 
-            // write m_i^new, l_i^new back to HBM (m in natural units once final)
+            // write m_i^new, l_i^new back to HBM
             if (t == 0)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = r0 + g + 8 * h;
                     if (row >= Nq) continue;
-                    m_run[row] = last ? m_new[h] * (acc_t)LN2 : m_new[h];
+                    m_run[row] = m_new[h];
                     l_run[row] = l_new[h];
                 }
         }
