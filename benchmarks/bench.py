@@ -32,6 +32,7 @@ import datetime
 import gc
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -449,6 +450,10 @@ def long_text(r: dict) -> str:
 
 
 def git_commit() -> str | None:
+    """Short commit of the checkout (``-dirty`` if modified); ``CUPYFLASH_COMMIT`` where there is no .git."""
+    if os.environ.get("CUPYFLASH_COMMIT"):
+        return os.environ["CUPYFLASH_COMMIT"]
+
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
