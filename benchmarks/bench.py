@@ -10,7 +10,8 @@ FLOPs: forward 4·B·H·Nq·Nk·D (two matmuls), halved when causal; backward
 timed calls after untimed warm-up calls (the first call compiles kernels).
 
 Systems, timed in one process on the same inputs:
-  cupyflash-v1  cupyflash.flash_attention_forward / _backward
+  cupyflash-v1  cupyflash.flash_attention_forward / _backward, schedule="v1"
+  cupyflash-v2  the same with schedule="v2" (ratio columns compare this one)
   naive         cuBLAS S = q kᵀ in the input dtype, softmax in float32,
                 P cast back, P v (cupy.matmul; bf16 through
                 cublasGemmStridedBatchedEx, as cupy.matmul lacks it);
@@ -86,7 +87,10 @@ TERA = 1e12
 MS_PER_S = 1e3
 NOTE_CHARS = 200                            # longest error message kept in a record
 
-FLASH = "cupyflash-v1"
+FLASH = "cupyflash-v2"          # the fast path: ratio columns compare it with every other system
+FLOOR_SYSTEM = "cupyflash-v1"   # issue #2's floor is a V1 promise
+SCHEDULES = {"cupyflash-v1": "v1", "cupyflash-v2": "v2"}
+LONG_SYSTEM = "cupyflash-v1"    # the long run shows V1's O(N) workspace
 
 
 @dataclass(frozen=True)
@@ -142,12 +146,12 @@ class Unavailable(Exception):
 # Preparation (a first forward, a DLPack view, a mask) happens here, untimed.
 
 
-def cupyflash_runs(x: Inputs) -> dict:
+def cupyflash_runs(schedule: str, x: Inputs) -> dict:
     def forward():
-        return cupyflash.flash_attention_forward(x.q, x.k, x.v, causal=x.causal)
+        return cupyflash.flash_attention_forward(x.q, x.k, x.v, causal=x.causal, schedule=schedule)
 
     def backward_from(o, m, l):
-        return cupyflash.flash_attention_backward(x.do, x.q, x.k, x.v, o, m, l, causal=x.causal)
+        return cupyflash.flash_attention_backward(x.do, x.q, x.k, x.v, o, m, l, causal=x.causal, schedule=schedule)
 
     saved = forward()       # o, m, l for the timed backward
     return {"fwd": forward, "bwd": lambda: backward_from(*saved), "fwd+bwd": lambda: backward_from(*forward())}
@@ -270,7 +274,8 @@ class System:
 
 
 SYSTEMS = (
-    System(FLASH, MODES, cupyflash_runs, cupy_clock, needs_torch=False),
+    *(System(name, MODES, partial(cupyflash_runs, schedule), cupy_clock, needs_torch=False)
+      for name, schedule in SCHEDULES.items()),
     System("naive", ("fwd",), naive_runs, cupy_clock, needs_torch=False),
     System("torch-flash", MODES, partial(torch_runs, "FLASH_ATTENTION"), torch_clock, needs_torch=True),
     System("torch-cudnn", MODES, partial(torch_runs, "CUDNN_ATTENTION"), torch_clock, needs_torch=True),
@@ -387,7 +392,7 @@ def floor_summary(records) -> dict | None:
                 return r["tflops"]
         return None
 
-    flash, naive = tflops(FLASH), tflops("naive")
+    flash, naive = tflops(FLOOR_SYSTEM), tflops("naive")
     if flash is None or naive is None:
         return None
     ratio = flash / naive
@@ -410,7 +415,7 @@ def long_sequence_check() -> dict:
     pool = cupy.get_default_memory_pool()
 
     def forward():
-        return cupyflash.flash_attention_forward(x.q, x.k, x.v, causal=cfg.causal)
+        return cupyflash.flash_attention_forward(x.q, x.k, x.v, causal=cfg.causal, schedule=SCHEDULES[LONG_SYSTEM])
 
     forward()                   # compiles; its outputs are dropped at once
     device_synchronize()
@@ -424,7 +429,7 @@ def long_sequence_check() -> dict:
     del o, m, l
     ms = median_ms(forward, cupy_clock(), LONG_WARMUP, LONG_REPEATS)
     flops = forward_flops(cfg)
-    result = dict(config=asdict(cfg), system=FLASH, ms=ms, tflops=flops / (ms / MS_PER_S) / TERA,
+    result = dict(config=asdict(cfg), system=LONG_SYSTEM, ms=ms, tflops=flops / (ms / MS_PER_S) / TERA,
                   inputs_bytes=x.q.nbytes + x.k.nbytes + x.v.nbytes, outputs_bytes=outputs, extra_bytes=extra,
                   naive_scores_bytes=cfg.B * cfg.H * cfg.N * cfg.N * FLOAT32_BYTES,
                   gpu_bytes=cupy.cuda.Device().mem_info[1])
@@ -602,7 +607,7 @@ def parse_args(argv=None):
                         help=f"sweep N in {QUICK_SEQLENS}, D in {QUICK_HEAD_DIMS}, fp16, both causal flags")
     parser.add_argument("--long", action="store_true", help="run only the long-sequence memory check")
     parser.add_argument("--floor", action="store_true",
-                        help=f"run only the floor check, {FLASH} and naive forward at N={FLOOR_CONFIG.N}, "
+                        help=f"run only the floor check, {FLOOR_SYSTEM} and naive forward at N={FLOOR_CONFIG.N}, "
                              f"D={FLOOR_CONFIG.D}, B={FLOOR_CONFIG.B}, H={FLOOR_CONFIG.H}, fp16 (with --long: both)")
     parser.add_argument("--no-long", action="store_true", help="leave the long-sequence check out of a sweep")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks",
@@ -634,7 +639,7 @@ def main(argv=None):
     sweep = not (args.floor or args.long)
     records = []
     if args.floor:
-        floor_systems = [s for s in SYSTEMS if s.name in (FLASH, "naive")]
+        floor_systems = [s for s in SYSTEMS if s.name in (FLOOR_SYSTEM, "naive")]
         records = run_sweep([FLOOR_CONFIG], floor_systems, ("fwd",), args.warmup, args.repeats)
     elif sweep:
         records = run_sweep(sweep_configs(args), systems, args.modes, args.warmup, args.repeats)

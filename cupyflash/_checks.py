@@ -60,6 +60,17 @@ def _stats_dtype(dtype) -> numpy.dtype:
     return numpy.dtype(numpy.float64 if dtype == numpy.float64 else numpy.float32)
 
 
+SCHEDULES = ("auto", "v1", "v2")
+
+
+def check_schedule(schedule) -> str:
+    if not isinstance(schedule, str):
+        raise TypeError(f"schedule must be one of {SCHEDULES}, got {type(schedule).__name__}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    return schedule
+
+
 def check_forward(q, k, v, causal, softmax_scale) -> Problem:
     """Validate ``q, k, v`` and the flags of a forward call."""
     xp = array_module({"q": q, "k": k, "v": v})
@@ -148,4 +159,5 @@ def kernel_ready(x):
     return cupy.ascontiguousarray(x)
 
 
-__all__ = ["Problem", "array_module", "check_forward", "check_backward", "kernel_ready", "dtype_name"]
+__all__ = ["Problem", "SCHEDULES", "array_module", "check_backward", "check_forward", "check_schedule", "dtype_name",
+           "kernel_ready"]

@@ -15,9 +15,10 @@ from pathlib import Path
 from ._tiles import TileConfig
 
 HEADER = "flash_common.cuh"
-KERNEL_FILES = {"fwd_v1": "flash_fwd_v1.cu", "bwd_v1": "flash_bwd_v1.cu"}
+KERNEL_FILES = {"fwd_v1": "flash_fwd_v1.cu", "fwd_v2": "flash_fwd_v2.cu", "bwd_v1": "flash_bwd_v1.cu"}
 KERNEL_NAMES = {
     "fwd_v1": ("flash_fwd_v1",),
+    "fwd_v2": ("flash_fwd_v2",),
     "bwd_v1": ("flash_bwd_prep_v1", "flash_bwd_v1", "flash_convert"),
 }
 BASE_OPTIONS = ("-std=c++17",)

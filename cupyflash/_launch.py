@@ -108,6 +108,24 @@ def device_tiles(kernel: str, head_dim: int, dtype) -> TileConfig:
     return choose_tiles(kernel, head_dim, dtype, smem_block)
 
 
+def forward_schedule(schedule: str, head_dim: int, dtype) -> str:
+    """The forward kernel a validated ``schedule`` runs: 'v1' or 'v2'.
+
+    'auto' takes the faster of the two as measured on an H200
+    (benchmarks/RESULTS.md): V2 for 16-bit inputs, V1 for float32 and float64,
+    whose FMA tiles gain little from V2 and spill its register-resident O_i at
+    large head dims. 'v2' runs V1 where V2's tiles do not fit the device.
+    """
+    if schedule == "auto":
+        schedule = "v2" if numpy.dtype(dtype).itemsize == 2 else "v1"
+    if schedule == "v2":
+        try:
+            device_tiles("fwd_v2", head_dim, dtype)
+        except ValueError:
+            return "v1"
+    return schedule
+
+
 def _vector_ok(arrays, head_dim: int) -> bool:
     """16-byte tile loads are safe: aligned base, rows and batch strides; whole vectors per row."""
     itemsize = arrays[0].itemsize
@@ -139,36 +157,37 @@ def choose_splits(heads: int, T_r: int, slots: int) -> int:
     return min(range(1, T_r + 1), key=lambda n: (-(-heads * n // slots)) * (-(-T_r // n)))
 
 
-def forward_v1(q, k, v, *, causal: bool, scale: float, batch_shape, layout: BatchLayout):
-    """Launch the V1 forward on validated inputs; returns ``(o, m, l)``."""
+def forward(q, k, v, *, schedule: str, causal: bool, scale: float, batch_shape, layout: BatchLayout):
+    """Launch the ``schedule`` ('v1' or 'v2') forward on validated inputs; returns ``(o, m, l)``."""
     import cupy
 
     Nq, D = q.shape[-2:]
     Nk = k.shape[-2]
     BH = layout.count
     acc = _acc_dtype(q.dtype)
-    cfg = device_tiles("fwd_v1", D, q.dtype)
-    kernel = get_kernels(cfg)["flash_fwd_v1"]
+    cfg = device_tiles(f"fwd_{schedule}", D, q.dtype)
+    kernel = get_kernels(cfg)[f"flash_fwd_{schedule}"]
 
     o = cupy.empty((*batch_shape, Nq, D), q.dtype)
     m = cupy.empty((*batch_shape, Nq), acc)
     l = cupy.empty((*batch_shape, Nq), acc)
     T_r = -(-Nq // cfg.block_r)
-    T_c = -(-Nk // cfg.block_c)
-    # running O_i between outer steps; with a single K/V tile every step is the last
-    o_run = cupy.empty((BH, Nq, cfg.d_pad), acc) if T_c > 1 else m
+    inputs = (*_strides4(q, layout.strides[0]), *_strides4(k, layout.strides[1]), *_strides4(v, layout.strides[2]),
+              numpy.int64(layout.sizes[1]), numpy.int64(layout.sizes[2]),
+              numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D),
+              (numpy.float64 if acc == numpy.float64 else numpy.float32)(scale))
+    flags = (numpy.int32(causal), numpy.int32(_vector_ok((q, k, v), D)))
+    if schedule == "v2":
+        kernel((BH * T_r,), (cfg.threads,), (q, k, v, o, m, l, *inputs, *flags), shared_mem=cfg.smem_bytes)
+        return o, m, l
 
+    # V1: the running O_i between outer steps (with a single K/V tile every step is the last)
+    o_run = cupy.empty((BH, Nq, cfg.d_pad), acc) if Nk > cfg.block_c else m
     _, smem_sm, sms = _device_limits(cupy.cuda.Device().id)
     slots = sms * max(1, min(4, smem_sm // cfg.smem_bytes))   # CTAs resident at once
     n_splits = choose_splits(BH, T_r, slots)
-
-    scalar = numpy.float64 if acc == numpy.float64 else numpy.float32
-    args = (q, k, v, o, o_run, m, l,
-            *_strides4(q, layout.strides[0]), *_strides4(k, layout.strides[1]), *_strides4(v, layout.strides[2]),
-            numpy.int64(layout.sizes[1]), numpy.int64(layout.sizes[2]),
-            numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D), scalar(scale),
-            numpy.int32(n_splits), numpy.int32(causal), numpy.int32(_vector_ok((q, k, v), D)))
-    kernel((BH * n_splits,), (cfg.threads,), args, shared_mem=cfg.smem_bytes)
+    kernel((BH * n_splits,), (cfg.threads,), (q, k, v, o, o_run, m, l, *inputs, numpy.int32(n_splits), *flags),
+           shared_mem=cfg.smem_bytes)
     return o, m, l
 
 

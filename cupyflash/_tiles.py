@@ -15,6 +15,9 @@ How tiles are chosen (``choose_tiles``):
   ``_FWD_CANDIDATES`` whose layout fits: B_r = 16 x warps (each warp owns 16
   query rows), B_c = 128 keys while the score tile stays in registers
   (D <= 128), else 64. fp64 tiles are smaller because every element is 8 bytes.
+* Forward, V2 (FlashAttention-2 schedule): B_r = 16 x warps query rows per
+  CTA with O_i in registers, B_c keys per step, K/V double-buffered; B_c = 64
+  up to D = 128, 32 above, where O_i takes half the registers.
 * Backward: each warp owns 16 key rows of a K/V tile (B_c = 16 x warps); the
   Q tiles walked by the inner loop have B_r rows. dK_j and dV_j live in
   registers, so the head dim is split into chunks of ``d_chunk`` columns, one
@@ -31,7 +34,7 @@ import numpy
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
-KERNELS = ("fwd_v1", "bwd_v1")
+KERNELS = ("fwd_v1", "fwd_v2", "bwd_v1")
 SMEM_PAD_BYTES = 16  # one 16-byte pad per shared row (flash_common.cuh: SMEM_PAD_BYTES)
 
 # (B_r, B_c, warps) in order of preference
@@ -39,6 +42,12 @@ _FWD_CANDIDATES = {
     "16bit": ((64, 128, 4), (64, 64, 4), (32, 64, 2), (16, 32, 1)),
     "float32": ((64, 64, 4), (32, 64, 2), (32, 32, 2), (16, 16, 1)),
     "float64": ((32, 32, 2), (16, 32, 1), (16, 16, 1)),
+}
+# (B_r, B_c, warps) in order of preference; the first two for D <= 128, the rest above
+_FWD_V2_CANDIDATES = {
+    "16bit": ((128, 64, 8), (64, 64, 4), (64, 32, 4), (32, 32, 2), (16, 16, 1)),
+    "float32": ((64, 32, 4), (32, 32, 2), (16, 16, 1)),
+    "float64": ((32, 32, 2), (16, 16, 1)),
 }
 # (B_r, B_c, warps, max d_chunk) in order of preference
 _BWD_CANDIDATES = {
@@ -119,6 +128,12 @@ class TileConfig:
             # s_K, s_V (B_c, DP); s_Q (B_r, DP); s_P (B_r, B_c)
             elems = (2 * self.block_c + self.block_r) * qkv_pitch + self.block_r * (self.block_c + pad)
             return elems * self.itemsize
+        if self.kernel == "fwd_v2":
+            # s_Q (B_r, DP); two stages of K_j, V_j (B_c, DP); s_P (B_r, B_c) for the FMA dtypes only
+            elems = (self.block_r + 2 * 2 * self.block_c) * qkv_pitch
+            if _precision_class(self.dtype) != "16bit":
+                elems += self.block_r * (self.block_c + pad)
+            return elems * self.itemsize
         # s_K, s_V (B_c, DP); s_Q, s_dO (B_r, DP); s_dS (B_c, B_r); s_m, s_inv_l, s_D (B_r)
         elems = (2 * self.block_c + 2 * self.block_r) * qkv_pitch + self.block_c * (self.block_r + pad)
         return elems * self.itemsize + 3 * self.block_r * self.acc_itemsize
@@ -183,6 +198,15 @@ def choose_tiles(kernel: str, head_dim: int, dtype, smem_limit: int) -> TileConf
             cfg = TileConfig(kernel, name, d_pad, block_r, block_c, warps, d_chunk)
             if cfg.smem_bytes <= smem_limit:
                 return cfg
+    elif kernel == "fwd_v2":
+        # O_i (16, DP) lives in registers next to the (16, B_c) scores: B_c = 64 only up to D = 128
+        candidates = _FWD_V2_CANDIDATES[prec]
+        if prec == "16bit":
+            candidates = candidates[:2] if d_pad <= 128 else candidates[2:]
+        for block_r, block_c, warps in candidates:
+            cfg = TileConfig(kernel, name, d_pad, block_r, block_c, warps, d_pad)
+            if cfg.smem_bytes <= smem_limit:
+                return cfg
     elif kernel == "bwd_v1":
         for block_r, block_c, warps, max_chunk in _BWD_CANDIDATES[prec]:
             cfg = TileConfig(kernel, name, d_pad, block_r, block_c, warps, _bwd_chunk(d_pad, max_chunk))
@@ -194,6 +218,18 @@ def choose_tiles(kernel: str, head_dim: int, dtype, smem_limit: int) -> TileConf
 
 
 def all_tile_configs(smem_limit: int) -> list[TileConfig]:
-    """Every specialisation the library can launch on a device with ``smem_limit``."""
-    return [choose_tiles(kernel, bucket, dtype, smem_limit)
-            for kernel in KERNELS for dtype in DTYPE_CODES for bucket in HEAD_DIM_BUCKETS]
+    """Every specialisation the library can launch on a device with ``smem_limit``.
+
+    V1 always fits; a V2 forward whose double-buffered tiles do not fit (float64
+    with D > 192 below 167 KB) is left out: that call runs V1.
+    """
+    configs = []
+    for kernel in KERNELS:
+        for dtype in DTYPE_CODES:
+            for bucket in HEAD_DIM_BUCKETS:
+                try:
+                    configs.append(choose_tiles(kernel, bucket, dtype, smem_limit))
+                except ValueError:
+                    if kernel != "fwd_v2":
+                        raise
+    return configs

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy
 
 from . import reference
-from ._checks import check_backward, check_forward, kernel_ready
+from ._checks import check_backward, check_forward, check_schedule, kernel_ready
 
 
-def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None):
+def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, schedule="auto"):
     """Exact attention with its softmax statistics, FlashAttention V1 forward.
 
     Parameters
@@ -25,6 +25,12 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None):
         aligned; the lower triangle when ``Nq == Nk``).
     softmax_scale : float, optional
         Multiplies ``q kᵀ``; default ``1 / sqrt(D)``.
+    schedule : {'auto', 'v1', 'v2'}, optional
+        Which GPU kernel runs; all return the same ``(o, m, l)``. 'v1' is
+        FlashAttention's Algorithm 1 (K/V-outer, O/m/l through HBM between
+        steps), 'v2' the FlashAttention-2 schedule (Q-outer, O/m/l in
+        registers), 'auto' the faster for the inputs (V2 for 16-bit, V1 for
+        float32/float64). The NumPy path ignores it.
 
     Returns
     -------
@@ -48,12 +54,13 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None):
 
     Notes
     -----
-    CuPy inputs run the fused kernel of ``kernels_cu/flash_fwd_v1.cu``:
-    Algorithm 1 of FlashAttention (outer loop over K/V tiles, inner loop over
-    Q tiles, online softmax, O/m/l carried in HBM between outer steps), with
-    float32 accumulation (float64 for float64) and tensor cores for 16-bit
-    inputs. Extra memory is O(N). NumPy inputs run the same blocked algorithm
-    on the CPU. Inputs are never modified.
+    CuPy inputs run a fused kernel: ``kernels_cu/flash_fwd_v1.cu``, Algorithm 1
+    of FlashAttention (outer loop over K/V tiles, inner loop over Q tiles,
+    online softmax, O/m/l carried in HBM between outer steps), or
+    ``kernels_cu/flash_fwd_v2.cu``, the FlashAttention-2 loop order. Both
+    accumulate in float32 (float64 for float64) and use tensor cores for 16-bit
+    inputs. Extra memory is O(N). NumPy inputs run the blocked Algorithm 1 on
+    the CPU. Inputs are never modified.
 
     See Also
     --------
@@ -61,9 +68,12 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None):
     cupyflash.reference.blocked_forward : the NumPy Algorithm 1 (CPU path).
     """
     prob = check_forward(q, k, v, causal, softmax_scale)
+    check_schedule(schedule)
     if prob.xp is numpy:
         return reference.blocked_forward(q, k, v, causal=prob.causal, softmax_scale=prob.scale)
     import cupy
+
+    from . import _launch
 
     with q.device:
         if prob.Nq == 0 or prob.Nk == 0:
@@ -72,22 +82,22 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None):
                     cupy.full((*prob.batch_shape, prob.Nq), -numpy.inf, acc),
                     cupy.zeros((*prob.batch_shape, prob.Nq), acc))
         q, k, v = (kernel_ready(x) for x in (q, k, v))
-        return _forward_gpu(q, k, v, prob.batch_shape, prob)
+        return _forward_gpu(q, k, v, prob.batch_shape, prob, _launch.forward_schedule(schedule, prob.D, prob.dtype))
 
 
-def _forward_gpu(q, k, v, batch_shape, prob):
+def _forward_gpu(q, k, v, batch_shape, prob, schedule):
     from . import _launch
 
     nb = len(batch_shape)
     strides = [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch_shape) for x in (q, k, v)]
     layout = _launch.collapse_batch(batch_shape, strides)
     if layout is not None:
-        return _launch.forward_v1(q, k, v, causal=prob.causal, scale=prob.scale,
-                                  batch_shape=batch_shape, layout=layout)
+        return _launch.forward(q, k, v, schedule=schedule, causal=prob.causal, scale=prob.scale,
+                               batch_shape=batch_shape, layout=layout)
     # more than three batch dims that cannot be merged: peel the leading one
     import cupy
 
-    parts = [_forward_gpu(*(_take_leading(x, i, nb) for x in (q, k, v)), batch_shape[1:], prob)
+    parts = [_forward_gpu(*(_take_leading(x, i, nb) for x in (q, k, v)), batch_shape[1:], prob, schedule)
              for i in range(batch_shape[0])]
     return tuple(cupy.stack([p[n] for p in parts]) for n in range(3))
 
@@ -99,7 +109,7 @@ def _take_leading(x, index, nb):
     return x[0] if x.shape[0] == 1 else x[index]
 
 
-def flash_attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None):
+def flash_attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, schedule="auto"):
     """Gradients of exact attention from the forward's outputs, FlashAttention V1 backward.
 
     Parameters
@@ -117,6 +127,10 @@ def flash_attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scal
         As in the forward.
     softmax_scale : float, optional
         As in the forward.
+    schedule : {'auto', 'v1', 'v2'}, optional
+        Accepted for symmetry with the forward: every schedule runs the one
+        backward kernel, whose loop order (K/V tiles outer, dQ accumulated
+        with atomics) is already FlashAttention-2's.
 
     Returns
     -------
@@ -145,6 +159,7 @@ def flash_attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scal
     cupyflash.reference.blocked_backward : the NumPy version (CPU path).
     """
     prob = check_backward(do, q, k, v, o, m, l, causal, softmax_scale)
+    check_schedule(schedule)
     if prob.xp is numpy:
         return reference.blocked_backward(do, q, k, v, o, m, l, causal=prob.causal, softmax_scale=prob.scale)
     import cupy
@@ -186,12 +201,12 @@ def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob):
     return tuple(grads)
 
 
-def flash_attention(q, k, v, *, causal=False, softmax_scale=None):
+def flash_attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto"):
     """Exact attention ``softmax(softmax_scale · q kᵀ) v``; the ``o`` of :func:`flash_attention_forward`.
 
     Parameters
     ----------
-    q, k, v, causal, softmax_scale
+    q, k, v, causal, softmax_scale, schedule
         As in :func:`flash_attention_forward`.
 
     Returns
@@ -202,4 +217,4 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None):
     --------
     flash_attention_forward : also returns the statistics ``m`` and ``l``.
     """
-    return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)[0]
+    return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, schedule=schedule)[0]

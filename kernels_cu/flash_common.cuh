@@ -113,6 +113,10 @@ __device__ __forceinline__ i64 batch_offset(BatchIndex bi, i64 s0, i64 s1, i64 s
     return bi.b0 * s0 + bi.b1 * s1 + bi.b2 * s2;
 }
 
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
 // ---------------------------------------------------------------------------
 // Global -> shared tile loads. `rows_valid` rows of `d` columns are copied into
 // a (ROWS, COLS) shared tile with row pitch COLS + PAD; everything else,
@@ -145,6 +149,28 @@ __device__ __forceinline__ void load_tile(elem_t* __restrict__ s_tile,          
     }
 }
 
+// The same tile through cp.async (16-byte copies that bypass registers; out-of-range
+// chunks are zero-filled by the copy itself). Only for `vec` layouts; completes at
+// cp_async_wait, as a group with everything issued since the last cp_async_commit.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void load_tile_async(elem_t* __restrict__ s_tile,      // (ROWS, COLS + PAD)
+                                                const elem_t* __restrict__ g,    // (rows_valid, d), row stride
+                                                i64 row_stride, int rows_valid, int d, int tid, int nthreads) {
+    constexpr int PITCH = COLS + PAD, CHUNKS = COLS / VEC;
+    for (int c = tid; c < ROWS * CHUNKS; c += nthreads) {
+        const int r = c / CHUNKS, col = (c % CHUNKS) * VEC;
+        const bool valid = r < rows_valid && col < d;
+        const elem_t* src = valid ? g + r * row_stride + col : g;   // not read when invalid
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                     :: "r"(smem_addr(s_tile + r * PITCH + col)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+    }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory"); }
+
 template <int NT>
 __device__ __forceinline__ void zero_frag(acc_t (&c)[NT][4]) {
 #pragma unroll
@@ -162,10 +188,6 @@ __device__ __forceinline__ void zero_frag(acc_t (&c)[NT][4]) {
 // "V stored row by row", the O = P V case.)
 // ---------------------------------------------------------------------------
 #if FLASH_TENSOR_CORES
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return (unsigned)__cvta_generic_to_shared(p);
-}
 
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const elem_t* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -212,6 +234,38 @@ __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
             mma_16816(c[n + 1], af, bf[2], bf[3]);
         }
     }
+}
+
+// An accumulator tile (16, 8*NT) as m16n8k16 A fragments (16, 16) of elem_t:
+// two adjacent 16x8 C tiles make one A tile (the P~_ij of the forward stays in registers).
+template <int NT>
+__device__ __forceinline__ void frag_to_a(unsigned (&a)[NT / 2][4], const acc_t (&c)[NT][4]) {
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+        a[kk][0] = pack2(c[2 * kk][0], c[2 * kk][1]);
+        a[kk][1] = pack2(c[2 * kk][2], c[2 * kk][3]);
+        a[kk][2] = pack2(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+        a[kk][3] = pack2(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+    }
+}
+
+// C (16, 8*NT) += A (16, K) * B (K, 8*NT), A already in registers (from frag_to_a).
+template <int NT, int K, bool B_T>
+__device__ __forceinline__ void warp_mma_ra(acc_t (&c)[NT][4], const unsigned (&a)[K / 16][4],
+                                            const elem_t* __restrict__ b, int ldb) {
+    static_assert(NT % 2 == 0 && K % 16 == 0, "tensor-core warp tiles are 16 x 16k x 16n");
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int l8 = lane % 8, hi = (lane / 8) % 2, q = lane / 16;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            unsigned bf[4];
+            if (B_T) ldmatrix_x4_trans(bf, b + (kk * 16 + l8 + hi * 8) * ldb + n * 8 + q * 8);
+            else     ldmatrix_x4(bf, b + (n * 8 + l8 + q * 8) * ldb + kk * 16 + hi * 8);
+            mma_16816(c[n], a[kk], bf[0], bf[1]);
+            mma_16816(c[n + 1], a[kk], bf[2], bf[3]);
+        }
 }
 
 #else  // exact float32 / float64 FMA on the same fragment layout

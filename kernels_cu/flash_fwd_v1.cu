@@ -204,7 +204,7 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                         if (last) store_row_pair(o + (i64)row * D, col, D, o0, o1);
                         else      store_acc_pair(o_run + (i64)row * DP + col, o0, o1);
                     }
-                if (j > 0 && c0 + DC < DP) load_o_chunk(O_prev, o_run, r0, c0 + DC, Nq);
+                if (j > 0 && c0 + DC < D) load_o_chunk(O_prev, o_run, r0, c0 + DC, Nq);
             }
 
             // write m_i^new, l_i^new back to HBM

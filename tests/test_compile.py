@@ -27,9 +27,12 @@ def test_specialisation_compiles(arch, cfg):
 
 
 def test_every_dtype_and_bucket_is_covered():
-    seen = {(c.kernel, c.dtype, c.d_pad) for _, c in SPECIALISATIONS}
+    """Every (kernel, dtype, bucket) has tiles on sm_90; on sm_80 only float64 V2 beyond D = 192 is missing (V1 runs)."""
     expected = {(k, d, b) for k in _tiles.KERNELS for d in _tiles.DTYPE_CODES for b in _tiles.HEAD_DIM_BUCKETS}
-    assert seen == expected
+    for arch in ARCH_SMEM:
+        seen = {(c.kernel, c.dtype, c.d_pad) for a, c in SPECIALISATIONS if a == arch}
+        allowed_missing = set() if arch == "sm_90" else {("fwd_v2", "float64", 256)}
+        assert expected - seen <= allowed_missing and seen <= expected, arch
 
 
 @pytest.mark.parametrize("smem", sorted(ARCH_SMEM.values()))
@@ -42,6 +45,7 @@ def test_tiles_fit_and_follow_the_seed_bound(smem):
             M = smem // cfg.itemsize
             assert cfg.block_c <= -(-M // (4 * cfg.d_pad))
             assert cfg.block_r <= min(cfg.block_c, cfg.d_pad)
+        if cfg.kernel.startswith("fwd"):
             assert cfg.block_r == 16 * cfg.warps
         else:
             assert cfg.block_c == 16 * cfg.warps

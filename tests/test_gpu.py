@@ -27,6 +27,7 @@ HEAD_DIMS = (1, 8, 16, 40, 64, 72, 96, 128, 160, 200, 256)
 BATCH_PATTERNS = (((), ()), ((3,), (3,)), ((2, 3), (2, 3)), ((2, 4), (2, 1)), ((2, 2, 3), (2, 2, 1)),
                   ((3,), (1,)), ((1,), (2,)))
 MIN_ROWS = 256
+SCHEDULES = pytest.mark.parametrize("schedule", ["v1", "v2"])
 GPU_SETTINGS = settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -71,14 +72,15 @@ def to_gpu(*arrays):
     return [cupy.asarray(a) for a in arrays]
 
 
-def run_forward(q, k, v, causal, scale):
+def run_forward(q, k, v, causal, scale, schedule):
     poison_pool()
-    o, m, l = cupyflash.flash_attention_forward(*to_gpu(q, k, v), causal=causal, softmax_scale=scale)
+    o, m, l = cupyflash.flash_attention_forward(*to_gpu(q, k, v), causal=causal, softmax_scale=scale,
+                                                schedule=schedule)
     return o.get(), m.get(), l.get()
 
 
-def check_forward(dtype, q, k, v, causal, scale):
-    o, m, l = run_forward(q, k, v, causal, scale)
+def check_forward(dtype, q, k, v, causal, scale, schedule):
+    o, m, l = run_forward(q, k, v, causal, scale, schedule)
     o_ref, m_ref, l_ref = reference.attention_forward(q, k, v, causal=causal, softmax_scale=scale)
     o_naive, m_naive, l_naive = reference.naive_same_precision_forward(q, k, v, causal=causal, softmax_scale=scale)
     assert o.dtype == q.dtype and o.shape == o_ref.shape and o.flags.c_contiguous
@@ -88,15 +90,15 @@ def check_forward(dtype, q, k, v, causal, scale):
     assert_twice_naive("l", l, l_ref, l_naive, dtype, L_CEILING)
 
 
-def check_backward(dtype, q, k, v, causal, scale, rng):
+def check_backward(dtype, q, k, v, causal, scale, rng, schedule):
     import cupy
 
     qg, kg, vg = to_gpu(q, k, v)
-    o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, causal=causal, softmax_scale=scale)
+    o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, causal=causal, softmax_scale=scale, schedule=schedule)
     do = rng.standard_normal(o.shape).astype(DTYPES[dtype])
     poison_pool()
     grads = cupyflash.flash_attention_backward(cupy.asarray(do), qg, kg, vg, o, m, l, causal=causal,
-                                               softmax_scale=scale)
+                                               softmax_scale=scale, schedule=schedule)
     refs = reference.attention_backward(do, q, k, v, *reference.attention_forward(q, k, v, causal=causal,
                                                                                   softmax_scale=scale),
                                         causal=causal, softmax_scale=scale)
@@ -108,43 +110,47 @@ def check_backward(dtype, q, k, v, causal, scale, rng):
         assert_gradient(name, g, ref, nv, mag, dtype)
 
 
+@SCHEDULES
 @GPU_SETTINGS
 @given(attention_problems(), st.integers(0, 2**32 - 1))
 @example(("float16", (2, 4, 1023, 128), (2, 1, 1023, 128), True, None), 0)
 @example(("bfloat16", (1, 113, 200), (1, 1023, 200), True, None), 1)
 @example(("float32", (2, 77, 96), (2, 1, 96), False, 0.5), 2)
 @example(("float64", (3, 17, 40), (3, 255, 40), True, None), 3)
-def test_forward_matches_reference(problem, seed):
+def test_forward_matches_reference(schedule, problem, seed):
     dtype, q_shape, kv_shape, causal, scale = problem
     q, k, v = random_inputs(numpy.random.default_rng(seed), dtype, q_shape, kv_shape)
-    check_forward(dtype, q, k, v, causal, scale)
+    check_forward(dtype, q, k, v, causal, scale, schedule)
 
 
+@SCHEDULES
 @GPU_SETTINGS
 @given(attention_problems(), st.integers(0, 2**32 - 1))
 @example(("float16", (2, 4, 1023, 128), (2, 1, 1023, 128), True, None), 0)
 @example(("bfloat16", (2, 2, 3, 113, 72), (2, 2, 1, 300, 72), True, None), 1)
 @example(("float32", (3, 200, 256), (1, 64, 256), False, None), 2)
 @example(("float64", (17, 40), (255, 40), True, 0.3), 3)
-def test_backward_matches_reference(problem, seed):
+def test_backward_matches_reference(schedule, problem, seed):
     dtype, q_shape, kv_shape, causal, scale = problem
     rng = numpy.random.default_rng(seed)
     q, k, v = random_inputs(rng, dtype, q_shape, kv_shape)
-    check_backward(dtype, q, k, v, causal, scale, rng)
+    check_backward(dtype, q, k, v, causal, scale, rng, schedule)
 
 
+@SCHEDULES
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("causal", [False, True])
-def test_large_logits(dtype, causal):
+def test_large_logits(dtype, causal, schedule):
     """Scores in the hundreds: the online softmax must not overflow, and stays within twice naive."""
     rng = numpy.random.default_rng(7)
     q, k, v = random_inputs(rng, dtype, (2, 130, 64), (2, 150, 64), spread=4.0)
-    check_forward(dtype, q, k, v, causal, 2.0)
-    check_backward(dtype, q, k, v, causal, 2.0, rng)
+    check_forward(dtype, q, k, v, causal, 2.0, schedule)
+    check_backward(dtype, q, k, v, causal, 2.0, rng, schedule)
 
 
+@SCHEDULES
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-def test_strided_inputs(dtype):
+def test_strided_inputs(dtype, schedule):
     """Transposed (B, N, H, D) views, every other row, and a misaligned base pointer (scalar loads)."""
     import cupy
 
@@ -157,7 +163,7 @@ def test_strided_inputs(dtype):
     for qv, kv, vv in (views, (misaligned, views[1], views[2])):
         host = [x.get() for x in (qv, kv, vv)]
         poison_pool()
-        o, m, l = cupyflash.flash_attention_forward(qv, kv, vv, causal=True)
+        o, m, l = cupyflash.flash_attention_forward(qv, kv, vv, causal=True, schedule=schedule)
         o_ref, m_ref, _ = reference.attention_forward(*host, causal=True)
         o_naive = reference.naive_same_precision_forward(*host, causal=True)[0]
         assert_twice_naive("o", o.get(), o_ref, o_naive, dtype, FWD_CEILING)
@@ -174,8 +180,9 @@ def test_strided_inputs(dtype):
             assert_gradient(name, g.get(), ref, nv, mag, dtype)
 
 
+@SCHEDULES
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-def test_rows_that_see_no_key(dtype):
+def test_rows_that_see_no_key(dtype, schedule):
     """Causal with Nq > Nk: the first Nq - Nk rows see nothing: o = 0, m = -inf, l = 0, no gradient."""
     import cupy
 
@@ -183,7 +190,7 @@ def test_rows_that_see_no_key(dtype):
     Nq, Nk = 150, 40
     q, k, v = to_gpu(*random_inputs(rng, dtype, (2, Nq, 72), (2, Nk, 72)))
     poison_pool()
-    o, m, l = cupyflash.flash_attention_forward(q, k, v, causal=True)
+    o, m, l = cupyflash.flash_attention_forward(q, k, v, causal=True, schedule=schedule)
     blind = Nq - Nk
     assert (o[:, :blind].get().astype(numpy.float64) == 0).all()
     assert (m[:, :blind].get() == -numpy.inf).all() and (l[:, :blind].get() == 0).all()
@@ -220,13 +227,14 @@ def test_inputs_not_modified():
         assert cupy.array_equal(a, b)
 
 
-def test_uncollapsible_batch_dims_are_peeled():
+@SCHEDULES
+def test_uncollapsible_batch_dims_are_peeled(schedule):
     """Four batch dims whose broadcast pattern cannot be merged into three run through the peeling path."""
     rng = numpy.random.default_rng(9)
     q_shape, kv_shape = (2, 3, 2, 2, 33, 40), (2, 1, 2, 1, 47, 40)
-    q, k, v = random_inputs(rng, "float32", q_shape, kv_shape)
-    check_forward("float32", q, k, v, True, None)
-    check_backward("float32", q, k, v, True, None, rng)
+    q, k, v = random_inputs(rng, "float16", q_shape, kv_shape)
+    check_forward("float16", q, k, v, True, None, schedule)
+    check_backward("float16", q, k, v, True, None, rng, schedule)
 
 
 def test_flash_attention_returns_o():
@@ -237,12 +245,23 @@ def test_flash_attention_returns_o():
     assert (o.view(numpy.uint16) == o2.view(numpy.uint16)).all()
 
 
+@pytest.mark.parametrize("dtype, resolved", [("float16", "v2"), ("bfloat16", "v2"), ("float32", "v1"),
+                                             ("float64", "v1")])
+def test_auto_schedule_is_the_documented_one(dtype, resolved):
+    rng = numpy.random.default_rng(6)
+    q, k, v = to_gpu(*random_inputs(rng, dtype, (2, 70, 64), (2, 90, 64)))
+    auto = cupyflash.flash_attention_forward(q, k, v, causal=True)
+    chosen = cupyflash.flash_attention_forward(q, k, v, causal=True, schedule=resolved)
+    for a, b in zip(auto, chosen):
+        assert a.tobytes() == b.tobytes()
+
+
 def test_gpu_and_numpy_paths_agree():
     """The CPU path (blocked NumPy) and the kernels compute the same function."""
     rng = numpy.random.default_rng(4)
     q, k, v = random_inputs(rng, "float32", (2, 3, 90, 72), (2, 1, 70, 72))
     o_cpu, m_cpu, l_cpu = cupyflash.flash_attention_forward(q, k, v, causal=True)
-    o_gpu, m_gpu, l_gpu = run_forward(q, k, v, True, None)
+    o_gpu, m_gpu, l_gpu = run_forward(q, k, v, True, None, "auto")
     assert_under("o", o_gpu, o_cpu, 1e-5)
     assert_under("m", m_gpu, m_cpu, 1e-6)
     assert_under("l", l_gpu, l_cpu, 1e-5)

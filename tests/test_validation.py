@@ -733,3 +733,15 @@ def test_any_backward_call_succeeds_as_documented_or_raises_the_documented_error
         return
     gradients = flash_attention_backward(*arguments.values())
     assert_gradients(gradients, arguments["q"], arguments["k"], arguments["v"])
+
+
+@pytest.mark.parametrize("schedule, error", [("v3", ValueError), ("V2", ValueError), (2, TypeError), (None, TypeError)])
+def test_bad_schedule_raises(schedule, error):
+    q = np.zeros((4, 8), np.float32)
+    with pytest.raises(error, match="schedule"):
+        cupyflash.flash_attention_forward(q, q, q, schedule=schedule)
+    o, m, l = cupyflash.flash_attention_forward(q, q, q)
+    with pytest.raises(error, match="schedule"):
+        cupyflash.flash_attention_backward(o, q, q, q, o, m, l, schedule=schedule)
+    with pytest.raises(error, match="schedule"):
+        cupyflash.flash_attention(q, q, q, schedule=schedule)

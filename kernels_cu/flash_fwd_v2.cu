@@ -1,0 +1,187 @@
+// flash_fwd_v2.cu — FlashAttention-2 schedule of the forward, same (O, m, l) as V1.
+//
+// Why both: V1 (flash_fwd_v1.cu) is the paper's Algorithm 1, K/V-outer, and
+// pays for it by moving Q_i and the running O_i through HBM at every outer
+// step. V2 swaps the loops as FlashAttention-2 did: one CTA per (Q tile i,
+// batch*head), the loop over K/V tiles j inside, and O_i, m_i, l_i kept in
+// registers from the first tile to the last. O_i stays unnormalised
+// (O_i = sum_j exp(S_ij - m_i) V_j) and is divided by l_i once at the end.
+// K_j, V_j stream through a two-stage cp.async pipeline; for 16-bit inputs
+// P~_ij goes from the score accumulators straight into the A operand of
+// P~_ij V_j without touching shared memory. Causal CTAs stop at the diagonal
+// and start with the heaviest Q tiles.
+//
+// Shared memory (elem_t, rows padded by PAD):
+//   s_Q  (B_R, DP)            Q_i, warp-private row blocks
+//   s_KV (2 stages, 2, B_C, DP)  K_j, V_j double-buffered
+//   s_P  (B_R, B_C)           P~_ij, float32/float64 only (their FMA tiles read A from SRAM)
+
+#include "flash_common.cuh"
+
+constexpr int DP = FLASH_DP;
+constexpr int B_R = FLASH_BR;
+constexpr int B_C = FLASH_BC;
+constexpr int NTHREADS = FLASH_WARPS * WARP_SIZE;
+constexpr int QKV_PITCH = DP + PAD;
+constexpr int P_PITCH = B_C + PAD;
+constexpr int STAGES = 2;
+constexpr int KV_STAGE = 2 * B_C * QKV_PITCH;   // elements of one stage (K_j then V_j)
+constexpr int SMEM_BYTES = (B_R * QKV_PITCH + STAGES * KV_STAGE + (FLASH_TENSOR_CORES ? 0 : B_R * P_PITCH))
+                           * (int)sizeof(elem_t);
+
+static_assert(B_R == 16 * FLASH_WARPS, "each warp owns 16 query rows of the Q tile");
+static_assert(B_C % 16 == 0 && DP % 16 == 0, "tile shapes");
+static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
+
+// K_j, V_j into pipeline stage `stage`: cp.async where the layout allows it, else plain loads
+__device__ __forceinline__ void load_kv(elem_t* s_stage, const elem_t* k, const elem_t* v, i64 k_sn, i64 v_sn,
+                                        int kv0, int Nk, int D, bool vec) {
+    const int rows = min(B_C, Nk - kv0);
+    if (vec) {
+        load_tile_async<B_C, DP>(s_stage, k + kv0 * k_sn, k_sn, rows, D, threadIdx.x, NTHREADS);
+        load_tile_async<B_C, DP>(s_stage + B_C * QKV_PITCH, v + kv0 * v_sn, v_sn, rows, D, threadIdx.x, NTHREADS);
+    } else {
+        load_tile<B_C, DP>(s_stage, k + kv0 * k_sn, k_sn, rows, D, false, threadIdx.x, NTHREADS);
+        load_tile<B_C, DP>(s_stage + B_C * QKV_PITCH, v + kv0 * v_sn, v_sn, rows, D, false, threadIdx.x, NTHREADS);
+    }
+    cp_async_commit();
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+flash_fwd_v2(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
+             const elem_t* __restrict__ k,    // (batch..., Nk, D) strided
+             const elem_t* __restrict__ v,    // (batch..., Nk, D) strided
+             elem_t* __restrict__ o,          // (BH, Nq, D)
+             acc_t* __restrict__ m_out,       // (BH, Nq)
+             acc_t* __restrict__ l_out,       // (BH, Nq)
+             i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
+             i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
+             i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
+             i64 n1, i64 n2,
+             int Nq, int Nk, int D, acc_t scale, int causal_flag, int vec_flag) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    elem_t* s_Q = reinterpret_cast<elem_t*>(smem);    // (B_R, DP)
+    elem_t* s_KV = s_Q + B_R * QKV_PITCH;               // (STAGES, 2, B_C, DP)
+
+    const bool causal = causal_flag != 0, vec = vec_flag != 0;
+    const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
+    const int g = lane / 4, t = lane % 4;
+    const int T_r = (Nq + B_R - 1) / B_R, T_c = (Nk + B_C - 1) / B_C;
+    const i64 bh = blockIdx.x / T_r;
+    const int i = T_r - 1 - (int)(blockIdx.x % T_r);   // heaviest causal tiles first
+
+    const BatchIndex bi = split_batch(bh, n1, n2);
+    q += batch_offset(bi, q_s0, q_s1, q_s2);
+    k += batch_offset(bi, k_s0, k_s1, k_s2);
+    v += batch_offset(bi, v_s0, v_s1, v_s2);
+    o += bh * Nq * D;
+    m_out += bh * Nq;
+    l_out += bh * Nq;
+
+    const int r0 = i * B_R + 16 * warp;                 // first query row of this warp
+    // K/V tiles this CTA needs: up to the last key its last row sees (tile 0 at least)
+    const int key_last = causal ? min(i * B_R + B_R - 1, Nq - 1) + (Nk - Nq) : Nk - 1;
+    const int j_stop = key_last < 0 ? 1 : min(key_last / B_C, T_c - 1) + 1;
+
+    elem_t* s_Qw = s_Q + 16 * warp * QKV_PITCH;         // (16, DP) this warp's rows of Q_i
+    load_kv(s_KV, k, v, k_sn, v_sn, 0, Nk, D, vec);
+    load_tile<16, DP>(s_Qw, q + r0 * q_sn, q_sn, max(0, min(16, Nq - r0)), D, vec, lane, WARP_SIZE);
+
+    acc_t O[DP / 8][4];                                 // (16, DP) unnormalised O_i
+    zero_frag(O);
+    acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
+
+    for (int j = 0; j < j_stop; ++j) {
+        const int kv0 = j * B_C;
+        elem_t* s_K = s_KV + (j % STAGES) * KV_STAGE;   // (B_C, DP)
+        elem_t* s_V = s_K + B_C * QKV_PITCH;            // (B_C, DP)
+        // prefetch K_{j+1}, V_{j+1} into the other stage, then wait for K_j, V_j
+        if (j + 1 < j_stop) {
+            load_kv(s_KV + ((j + 1) % STAGES) * KV_STAGE, k, v, k_sn, v_sn, kv0 + B_C, Nk, D, vec);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+
+        // S_ij = scale Q_i K_j^T                                           (16, B_C)
+        acc_t S[B_C / 8][4];
+        zero_frag(S);
+        warp_mma<B_C / 8, DP, false, false>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
+        const bool boundary = kv0 + B_C > Nk || (causal && kv0 + B_C - 1 > r0 + (Nk - Nq));
+#pragma unroll
+        for (int n = 0; n < B_C / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                S[n][e] *= scale;
+                if (boundary && !key_visible(r0 + g + (e / 2) * 8, kv0 + n * 8 + 2 * t + e % 2, Nq, Nk, causal))
+                    S[n][e] = NEG_INF;
+            }
+
+        // m_i^new = max(m_i, rowmax(S_ij));  O_i <- e^(m_i - m_i^new) O_i;  l_i <- e^(m_i - m_i^new) l_i
+        acc_t m_use[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            acc_t mx = NEG_INF;
+#pragma unroll
+            for (int n = 0; n < B_C / 8; ++n) mx = max(mx, max(S[n][2 * h], S[n][2 * h + 1]));
+            const acc_t m_new = max(m_i[h], quad_max(mx));
+            // a row with no visible key so far: exponentiate against 0, not -inf (-inf - -inf = NaN)
+            m_use[h] = m_new == NEG_INF ? (acc_t)0 : m_new;
+            const acc_t alpha = exp2_acc((m_i[h] - m_use[h]) * (acc_t)LOG2E);
+            m_i[h] = m_new;
+            l_i[h] *= alpha;
+#pragma unroll
+            for (int n = 0; n < DP / 8; ++n) {
+                O[n][2 * h] *= alpha;
+                O[n][2 * h + 1] *= alpha;
+            }
+        }
+
+        // P~_ij = exp(S_ij - m_i^new);  l_i += rowsum(P~_ij)
+        acc_t rowsum[2] = {(acc_t)0, (acc_t)0};
+#pragma unroll
+        for (int n = 0; n < B_C / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                S[n][e] = exp2_acc((S[n][e] - m_use[e / 2]) * (acc_t)LOG2E);
+                rowsum[e / 2] += S[n][e];
+            }
+        l_i[0] += quad_sum(rowsum[0]);
+        l_i[1] += quad_sum(rowsum[1]);
+
+        // O_i += P~_ij V_j                                                 (16, DP)
+#if FLASH_TENSOR_CORES
+        unsigned P[B_C / 16][4];
+        frag_to_a(P, S);
+        warp_mma_ra<DP / 8, B_C, true>(O, P, s_V, QKV_PITCH);
+#else
+        elem_t* s_Pw = s_KV + STAGES * KV_STAGE + 16 * warp * P_PITCH;   // (16, B_C) this warp's rows
+        store_frag_smem(s_Pw, P_PITCH, S);
+        __syncwarp();
+        // FMA tiles hold a partial sum per accumulator: take O_i in chunks of PV_NT column tiles
+        constexpr int PV_NT = DP / 8 < 8 ? DP / 8 : 8;
+#pragma unroll
+        for (int n0 = 0; n0 < DP / 8; n0 += PV_NT)
+            warp_mma<PV_NT, B_C, false, true>(*reinterpret_cast<acc_t(*)[PV_NT][4]>(&O[n0]), s_Pw, P_PITCH,
+                                              s_V + n0 * 8, QKV_PITCH);
+        __syncwarp();
+#endif
+        __syncthreads();   // every warp is done with this stage before it is refilled
+    }
+
+    // O_i = diag(l_i)^-1 O_i; write O_i, m_i, l_i to HBM
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = r0 + g + 8 * h;
+        if (row >= Nq) continue;
+        const acc_t inv_l = l_i[h] > (acc_t)0 ? (acc_t)1 / l_i[h] : (acc_t)0;
+#pragma unroll
+        for (int n = 0; n < DP / 8; ++n)
+            store_row_pair(o + (i64)row * D, n * 8 + 2 * t, D, O[n][2 * h] * inv_l, O[n][2 * h + 1] * inv_l);
+        if (t == 0) {
+            m_out[row] = m_i[h];
+            l_out[row] = l_i[h];
+        }
+    }
+}
