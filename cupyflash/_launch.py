@@ -111,10 +111,11 @@ def device_tiles(kernel: str, head_dim: int, dtype) -> TileConfig:
 def forward_schedule(schedule: str, head_dim: int, dtype) -> str:
     """The forward kernel a validated ``schedule`` runs: 'v1' or 'v2'.
 
-    'auto' takes the faster of the two as measured on an H200
-    (benchmarks/RESULTS.md): V2 for 16-bit inputs, V1 for float32 and float64,
-    whose FMA tiles gain little from V2 and spill its register-resident O_i at
-    large head dims. 'v2' runs V1 where V2's tiles do not fit the device.
+    'auto' is V2 for 16-bit inputs, measured about twice as fast as V1 on an
+    H200 (benchmarks/RESULTS.md), and V1 for float32 and float64, whose V2
+    kernels keep O_i in registers and spill at large head dims (ptxas report;
+    their speeds are not yet compared). 'v2' runs V1 where V2's tiles do not
+    fit the device.
     """
     if schedule == "auto":
         schedule = "v2" if numpy.dtype(dtype).itemsize == 2 else "v1"
