@@ -249,7 +249,16 @@ __device__ __forceinline__ void frag_to_a(unsigned (&a)[NT / 2][4], const acc_t 
     }
 }
 
-// C (16, 8*NT) += A (16, K) * B (K, 8*NT), A already in registers (from frag_to_a).
+// A warp's (16, K) row block of a shared tile as m16n8k16 A fragments, for an operand reused across steps.
+template <int K>
+__device__ __forceinline__ void load_a_frags(unsigned (&a)[K / 16][4], const elem_t* __restrict__ s, int lda) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int l8 = lane % 8, hi = (lane / 8) % 2, q = lane / 16;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) ldmatrix_x4(a[kk], s + (l8 + hi * 8) * lda + kk * 16 + q * 8);
+}
+
+// C (16, 8*NT) += A (16, K) * B (K, 8*NT), A already in registers (frag_to_a, load_a_frags).
 template <int NT, int K, bool B_T>
 __device__ __forceinline__ void warp_mma_ra(acc_t (&c)[NT][4], const unsigned (&a)[K / 16][4],
                                             const elem_t* __restrict__ b, int ldb) {

@@ -12,7 +12,7 @@
 // and start with the heaviest Q tiles.
 //
 // Shared memory (elem_t, rows padded by PAD):
-//   s_Q  (B_R, DP)            Q_i, warp-private row blocks
+//   s_Q  (B_R, DP)            Q_i, warp-private row blocks (16-bit, D <= 128: read once into registers)
 //   s_KV (2 stages, 2, B_C, DP)  K_j, V_j double-buffered
 //   s_P  (B_R, B_C)           P~_ij, float32/float64 only (their FMA tiles read A from SRAM)
 
@@ -28,6 +28,9 @@ constexpr int STAGES = 2;
 constexpr int KV_STAGE = 2 * B_C * QKV_PITCH;   // elements of one stage (K_j then V_j)
 constexpr int SMEM_BYTES = (B_R * QKV_PITCH + STAGES * KV_STAGE + (FLASH_TENSOR_CORES ? 0 : B_R * P_PITCH))
                            * (int)sizeof(elem_t);
+
+// 16-bit Q_i stays in registers as A fragments up to D = 128 (above, O_i already takes half the registers)
+constexpr bool Q_IN_REGISTERS = FLASH_TENSOR_CORES && DP <= 128;
 
 static_assert(B_R == 16 * FLASH_WARPS, "each warp owns 16 query rows of the Q tile");
 static_assert(B_C % 16 == 0 && DP % 16 == 0, "tile shapes");
@@ -87,6 +90,13 @@ flash_fwd_v2(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
     load_kv(s_KV, k, v, k_sn, v_sn, 0, Nk, D, vec);
     load_tile<16, DP>(s_Qw, q + r0 * q_sn, q_sn, max(0, min(16, Nq - r0)), D, vec, lane, WARP_SIZE);
 
+#if FLASH_TENSOR_CORES
+    unsigned Q_frag[Q_IN_REGISTERS ? DP / 16 : 1][4];   // Q_i as A fragments: S_ij then reads only K_j from SRAM
+    if (Q_IN_REGISTERS) {
+        __syncwarp();
+        load_a_frags<Q_IN_REGISTERS ? DP : 16>(Q_frag, s_Qw, QKV_PITCH);
+    }
+#endif
     acc_t O[DP / 8][4];                                 // (16, DP) unnormalised O_i
     zero_frag(O);
     acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
@@ -107,7 +117,12 @@ flash_fwd_v2(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
         // S_ij = scale Q_i K_j^T                                           (16, B_C)
         acc_t S[B_C / 8][4];
         zero_frag(S);
+#if FLASH_TENSOR_CORES
+        if (Q_IN_REGISTERS) warp_mma_ra<B_C / 8, Q_IN_REGISTERS ? DP : 16, false>(S, Q_frag, s_K, QKV_PITCH);
+        else                warp_mma<B_C / 8, DP, false, false>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
+#else
         warp_mma<B_C / 8, DP, false, false>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
+#endif
         const bool boundary = kv0 + B_C > Nk || (causal && kv0 + B_C - 1 > r0 + (Nk - Nq));
 #pragma unroll
         for (int n = 0; n < B_C / 8; ++n)
