@@ -12,7 +12,7 @@
 // and start with the heaviest Q tiles.
 //
 // Shared memory (elem_t, rows padded by PAD):
-//   s_Q  (B_R, DP)            Q_i, warp-private row blocks (16-bit, D <= 128: read once into registers)
+//   s_Q  (B_R, DP)            Q_i, warp-private row blocks (16-bit, 64 < D <= 128: read once into registers)
 //   s_KV (2 stages, 2, B_C, DP)  K_j, V_j double-buffered
 //   s_P  (B_R, B_C)           P~_ij, float32/float64 only (their FMA tiles read A from SRAM)
 
@@ -29,8 +29,10 @@ constexpr int KV_STAGE = 2 * B_C * QKV_PITCH;   // elements of one stage (K_j th
 constexpr int SMEM_BYTES = (B_R * QKV_PITCH + STAGES * KV_STAGE + (FLASH_TENSOR_CORES ? 0 : B_R * P_PITCH))
                            * (int)sizeof(elem_t);
 
-// 16-bit Q_i stays in registers as A fragments up to D = 128 (above, O_i already takes half the registers)
-constexpr bool Q_IN_REGISTERS = FLASH_TENSOR_CORES && DP <= 128;
+// 16-bit Q_i stays in registers as A fragments for 64 < D <= 128. At D <= 64 the extra registers
+// cost the second CTA per SM (measured slower, benchmarks/RESULTS.md); above 128 O_i already takes
+// half the registers.
+constexpr bool Q_IN_REGISTERS = FLASH_TENSOR_CORES && DP > 64 && DP <= 128;
 
 static_assert(B_R == 16 * FLASH_WARPS, "each warp owns 16 query rows of the Q tile");
 static_assert(B_C % 16 == 0 && DP % 16 == 0, "tile shapes");
