@@ -1,14 +1,20 @@
-"""``python -m cupyflash [demo]``: attention on random data, checked against the float64 reference.
+"""``python -m cupyflash [demo | bench ...]``.
 
-On a machine with a CUDA GPU the fused kernels run; without one the same
-blocked algorithm runs in NumPy, and the demo says so.
+``demo`` (the default): attention on random data, checked against the float64
+reference. On a machine with a CUDA GPU the fused kernels run; without one the
+same blocked algorithm runs in NumPy, and the demo says so.
+
+``bench``: the side-by-side benchmark, ``benchmarks/bench.py`` of the source
+checkout, with its own options (``python -m cupyflash bench --help``).
 """
 
 from __future__ import annotations
 
 import argparse
+import runpy
 import sys
 import time
+from pathlib import Path
 
 import numpy
 
@@ -42,8 +48,9 @@ def demo(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool) -> in
         print("no CUDA GPU found: running the NumPy path (the blocked Algorithm 1 on the CPU), float32")
         inputs = (q, k, v, do)
     else:
-        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-        print(f"GPU: {props['name'].decode()} — running the fused CUDA kernels, float16")
+        name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+        name = name.decode() if isinstance(name, bytes) else name
+        print(f"GPU: {name} — running the fused CUDA kernels, float16")
         inputs = tuple(cupy.asarray(x) for x in (q, k, v, do))
     print(f"q, k, v: {shape}, causal={causal}")
 
@@ -69,9 +76,27 @@ def demo(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool) -> in
     return 0 if ok else 1
 
 
+BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+
+
+def bench(argv) -> int:
+    if not BENCH_SCRIPT.is_file():
+        print(f"the benchmark ships with the source checkout ({BENCH_SCRIPT} not found)", file=sys.stderr)
+        return 2
+    sys.argv = [str(BENCH_SCRIPT), *argv]
+    try:
+        runpy.run_path(str(BENCH_SCRIPT), run_name="__main__")
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else 0
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        return bench(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__.splitlines()[0])
-    parser.add_argument("command", nargs="?", default="demo", choices=["demo"])
+    parser.add_argument("command", nargs="?", default="demo", choices=["demo", "bench"])
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seqlen", type=int, default=None, help="default 1024 on a GPU, 256 on the CPU")

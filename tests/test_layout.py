@@ -1,0 +1,79 @@
+"""Host-side launch logic that needs no GPU: batch collapsing, split choice, tile choice."""
+
+import math
+
+import numpy
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cupyflash import _launch, _tiles
+
+
+def flat_offsets(layout, t):
+    """Offsets of tensor t for every flat batch index, as the kernels compute them (split_batch)."""
+    n0, n1, n2 = layout.sizes
+    s0, s1, s2 = layout.strides[t]
+    return [(b // (n1 * n2)) * s0 + ((b // n2) % n1) * s1 + (b % n2) * s2 for b in range(n0 * n1 * n2)]
+
+
+def reference_offsets(batch_shape, strides):
+    return [int(numpy.dot(idx, strides)) if batch_shape else 0 for idx in numpy.ndindex(*batch_shape)]
+
+
+@st.composite
+def broadcast_layouts(draw):
+    """A broadcast batch shape and, per tensor, strides of a contiguous array that broadcasts into it."""
+    batch = tuple(draw(st.lists(st.integers(1, 4), min_size=0, max_size=5)))
+    strides = []
+    for _ in range(draw(st.integers(1, 4))):
+        own = tuple(n if draw(st.booleans()) else 1 for n in batch)
+        drop = draw(st.integers(0, len(own)))
+        shape = own[drop:] + (7, 8)                      # fewer leading dims are broadcast too
+        strides.append(_launch.batch_strides(shape, _launch.contiguous_strides(shape)[:-2], batch))
+    return batch, strides
+
+
+@settings(max_examples=300, deadline=None)
+@given(broadcast_layouts())
+def test_collapsed_batch_indexes_the_same_elements(problem):
+    batch, strides = problem
+    layout = _launch.collapse_batch(batch, strides)
+    if layout is None:   # more than three unmergeable dims: the caller peels one off
+        assert sum(n > 1 for n in batch) > _launch.MAX_BATCH_DIMS
+        return
+    assert layout.count == math.prod(batch)
+    for t, s in enumerate(strides):
+        assert flat_offsets(layout, t) == reference_offsets(batch, s)
+
+
+def test_gqa_collapses_to_two_dims():
+    batch = (2, 4, 3)                                       # (B, Hkv, G)
+    q = _launch.contiguous_strides((2, 4, 3, 9, 8))[:-2]
+    kv = _launch.batch_strides((2, 4, 1, 9, 8), _launch.contiguous_strides((2, 4, 1, 9, 8))[:-2], batch)
+    layout = _launch.collapse_batch(batch, [q, kv])
+    assert layout.sizes == (1, 8, 3)
+    assert layout.strides[1] == (0, 72, 0)
+
+
+@pytest.mark.parametrize("heads, T_r, slots", [(64, 64, 264), (16, 1024, 264), (1, 1, 132), (4096, 1, 264),
+                                               (2, 16, 264), (7, 33, 132)])
+def test_splits_minimise_tile_steps_over_waves(heads, T_r, slots):
+    def cost(n):
+        return math.ceil(heads * n / slots) * math.ceil(T_r / n)
+
+    n = _launch.choose_splits(heads, T_r, slots)
+    assert 1 <= n <= T_r
+    assert cost(n) == min(cost(m) for m in range(1, T_r + 1))
+    assert all(cost(m) > cost(n) for m in range(1, n))      # smallest on ties
+
+
+@pytest.mark.parametrize("head_dim, bucket", [(1, 32), (32, 32), (33, 64), (72, 96), (96, 96), (129, 192),
+                                              (200, 256), (256, 256)])
+def test_head_dim_buckets(head_dim, bucket):
+    assert _tiles.head_dim_bucket(head_dim) == bucket
+
+
+def test_head_dim_past_the_last_bucket_raises():
+    with pytest.raises(ValueError, match="257"):
+        _tiles.head_dim_bucket(257)
