@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy
 
-from ._tiles import MAX_HEAD_DIM, dtype_name
+from ._tiles import MAX_HEAD_DIM, accumulator_dtype, dtype_name
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 LOG2E = math.log2(math.e)
@@ -54,10 +54,6 @@ class Problem:
     D: int
     scale: float
     causal: bool
-
-
-def _stats_dtype(dtype) -> numpy.dtype:
-    return numpy.dtype(numpy.float64 if dtype == numpy.float64 else numpy.float32)
 
 
 SCHEDULES = ("auto", "v1", "v2")
@@ -107,7 +103,7 @@ def check_forward(q, k, v, causal, softmax_scale) -> Problem:
         except OverflowError:
             scale = math.inf
         # the kernels multiply in float32 (float64 for float64 inputs): the scale must be finite there
-        limit = numpy.finfo(numpy.float64 if q.dtype == numpy.float64 else numpy.float32).max
+        limit = numpy.finfo(accumulator_dtype(q.dtype)).max
         if not math.isfinite(scale) or abs(scale) * LOG2E > limit:
             raise ValueError(f"softmax_scale must be finite in the accumulator precision, got {softmax_scale}")
     if xp is not numpy:
@@ -128,7 +124,7 @@ def check_backward(do, q, k, v, o, m, l, causal, softmax_scale) -> Problem:
             raise TypeError(f"{name} must have the dtype of q ({prob.dtype}), got {x.dtype}")
         if x.shape != out_shape:
             raise ValueError(f"{name} must have the output shape {out_shape}, got {x.shape}")
-    stats_dtype = _stats_dtype(prob.dtype)
+    stats_dtype = accumulator_dtype(prob.dtype)
     for name, x in (("m", m), ("l", l)):
         if x.dtype != stats_dtype:
             raise TypeError(f"{name} must be {stats_dtype} for {prob.dtype} inputs, got {x.dtype}")

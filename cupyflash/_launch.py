@@ -17,7 +17,7 @@ from functools import lru_cache
 import numpy
 
 from ._compile import get_kernels
-from ._tiles import TileConfig, choose_tiles
+from ._tiles import TileConfig, accumulator_dtype, choose_tiles
 
 MAX_BATCH_DIMS = 3  # collapsed batch dims a kernel indexes (flash_common.cuh: split_batch)
 VECTOR_BYTES = 16   # width of the vectorised tile loads
@@ -138,10 +138,6 @@ def _vector_ok(arrays, head_dim: int) -> bool:
     return True
 
 
-def _acc_dtype(dtype) -> numpy.dtype:
-    return numpy.dtype(numpy.float64 if dtype == numpy.float64 else numpy.float32)
-
-
 def _strides4(x, layout_strides) -> tuple:
     """Kernel stride arguments (s0, s1, s2, row) as int64."""
     return tuple(numpy.int64(s) for s in layout_strides) + (numpy.int64(element_strides(x)[-2]),)
@@ -165,7 +161,7 @@ def forward(q, k, v, *, schedule: str, causal: bool, scale: float, batch_shape, 
     Nq, D = q.shape[-2:]
     Nk = k.shape[-2]
     BH = layout.count
-    acc = _acc_dtype(q.dtype)
+    acc = accumulator_dtype(q.dtype)
     cfg = device_tiles(f"fwd_{schedule}", D, q.dtype)
     kernel = get_kernels(cfg)[f"flash_fwd_{schedule}"]
 
@@ -176,7 +172,7 @@ def forward(q, k, v, *, schedule: str, causal: bool, scale: float, batch_shape, 
     inputs = (*_strides4(q, layout.strides[0]), *_strides4(k, layout.strides[1]), *_strides4(v, layout.strides[2]),
               numpy.int64(layout.sizes[1]), numpy.int64(layout.sizes[2]),
               numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D),
-              (numpy.float64 if acc == numpy.float64 else numpy.float32)(scale))
+              acc.type(scale))
     flags = (numpy.int32(causal), numpy.int32(_vector_ok((q, k, v), D)))
     if schedule == "v2":
         kernel((BH * T_r,), (cfg.threads,), (q, k, v, o, m, l, *inputs, *flags), shared_mem=cfg.smem_bytes)
@@ -203,8 +199,7 @@ def backward_v1(do, q, k, v, o, m, l, *, causal: bool, scale: float, batch_shape
     Nq, D = q.shape[-2:]
     Nk = k.shape[-2]
     BH = layout.count
-    acc = _acc_dtype(q.dtype)
-    scalar = numpy.float64 if acc == numpy.float64 else numpy.float32
+    acc = accumulator_dtype(q.dtype)
     cfg = device_tiles("bwd_v1", D, q.dtype)
     kernels = get_kernels(cfg)
     s_q, s_k, s_v, s_o, s_do, s_dq, s_dk, s_dv = layout.strides
@@ -237,7 +232,7 @@ def backward_v1(do, q, k, v, o, m, l, *, causal: bool, scale: float, batch_shape
          *_strides4(q, s_q), *_strides4(k, s_k), *_strides4(v, s_v), *_strides4(do, s_do),
          *(numpy.int64(s) for s in s_dq), *(numpy.int64(s) for s in s_dk), *(numpy.int64(s) for s in s_dv),
          n1, n2, numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D),
-         scalar(scale),
+         acc.type(scale),
          numpy.int32(causal), numpy.int32(_vector_ok((q, k, v, do), D)), numpy.int32(kv_atomic)),
         shared_mem=cfg.smem_bytes)
 

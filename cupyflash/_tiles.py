@@ -34,6 +34,7 @@ import numpy
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 KERNELS = ("fwd_v1", "fwd_v2", "bwd_v1")
 SMEM_PAD_BYTES = 16  # one 16-byte pad per shared row (flash_common.cuh: SMEM_PAD_BYTES)
 
@@ -63,6 +64,11 @@ def dtype_name(dtype) -> str:
     if name not in DTYPE_CODES:
         raise TypeError(f"unsupported dtype {name}")
     return name
+
+
+def accumulator_dtype(dtype) -> numpy.dtype:
+    """What the kernels accumulate in, and the dtype of m and l: float64 for float64, else float32."""
+    return numpy.dtype(numpy.float64 if dtype_name(dtype) == "float64" else numpy.float32)
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -108,12 +114,12 @@ class TileConfig:
 
     @property
     def itemsize(self) -> int:
-        return 2 if _precision_class(self.dtype) == "16bit" else numpy.dtype(self.dtype).itemsize
+        return ITEMSIZE[self.dtype]
 
     @property
     def acc_itemsize(self) -> int:
         """Bytes of the accumulator type (float32, float64 for float64)."""
-        return 8 if self.dtype == "float64" else 4
+        return accumulator_dtype(self.dtype).itemsize
 
     @property
     def threads(self) -> int:
@@ -151,18 +157,10 @@ class TileConfig:
         )
 
 
-def _fwd_chunk(d_pad: int, max_chunk: int) -> int:
-    # fewest equal chunks of at most max_chunk columns, each a multiple of 16 (one mma k-step)
+def _head_dim_chunk(d_pad: int, max_chunk: int, multiple: int) -> int:
+    """Width of the fewest equal chunks of ``d_pad`` columns, at most ``max_chunk`` wide, each a multiple of ``multiple``."""
     n = math.ceil(d_pad / max_chunk)
-    while d_pad % n or (d_pad // n) % 16:
-        n += 1
-    return d_pad // n
-
-
-def _bwd_chunk(d_pad: int, max_chunk: int) -> int:
-    # fewest equal chunks of at most max_chunk columns; each a multiple of 32 (the dQ warp split)
-    n = math.ceil(d_pad / max_chunk)
-    while d_pad % n or (d_pad // n) % 32:
+    while d_pad % n or (d_pad // n) % multiple:
         n += 1
     return d_pad // n
 
@@ -186,7 +184,7 @@ def choose_tiles(kernel: str, head_dim: int, dtype, smem_limit: int) -> TileConf
     name = dtype_name(dtype)
     d_pad = head_dim_bucket(head_dim)
     prec = _precision_class(name)
-    itemsize = 2 if prec == "16bit" else numpy.dtype(name).itemsize
+    itemsize = ITEMSIZE[name]
     if kernel == "fwd_v1":
         seed_bc = math.ceil(smem_limit / itemsize / (4 * d_pad))  # B_c <= ceil(M / 4d)
         for block_r, block_c, warps in _FWD_CANDIDATES[prec]:
@@ -194,7 +192,8 @@ def choose_tiles(kernel: str, head_dim: int, dtype, smem_limit: int) -> TileConf
                 continue
             if block_c > 64 and d_pad > 128:  # the (16, B_c) score tile would not stay in registers
                 continue
-            d_chunk = _fwd_chunk(d_pad, {"16bit": 128, "float32": 64, "float64": 32}[prec])
+            # chunks of whole mma k-steps (16 columns)
+            d_chunk = _head_dim_chunk(d_pad, {"16bit": 128, "float32": 64, "float64": 32}[prec], 16)
             cfg = TileConfig(kernel, name, d_pad, block_r, block_c, warps, d_chunk)
             if cfg.smem_bytes <= smem_limit:
                 return cfg
@@ -209,7 +208,8 @@ def choose_tiles(kernel: str, head_dim: int, dtype, smem_limit: int) -> TileConf
                 return cfg
     elif kernel == "bwd_v1":
         for block_r, block_c, warps, max_chunk in _BWD_CANDIDATES[prec]:
-            cfg = TileConfig(kernel, name, d_pad, block_r, block_c, warps, _bwd_chunk(d_pad, max_chunk))
+            # chunks of 32 columns: the dQ product splits a chunk over two warps of even n-tiles
+            cfg = TileConfig(kernel, name, d_pad, block_r, block_c, warps, _head_dim_chunk(d_pad, max_chunk, 32))
             if cfg.smem_bytes <= smem_limit:
                 return cfg
     else:

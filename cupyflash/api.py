@@ -6,6 +6,7 @@ import numpy
 
 from . import reference
 from ._checks import check_backward, check_forward, check_schedule, kernel_ready
+from ._tiles import accumulator_dtype
 
 
 def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, schedule="auto"):
@@ -77,7 +78,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, schedu
 
     with q.device:
         if prob.Nq == 0 or prob.Nk == 0:
-            acc = numpy.float64 if prob.dtype == numpy.float64 else numpy.float32
+            acc = accumulator_dtype(prob.dtype)
             return (cupy.zeros((*prob.batch_shape, prob.Nq, prob.D), prob.dtype),
                     cupy.full((*prob.batch_shape, prob.Nq), -numpy.inf, acc),
                     cupy.zeros((*prob.batch_shape, prob.Nq), acc))
