@@ -11,7 +11,9 @@ timed calls after untimed warm-up calls (the first call compiles kernels).
 
 Systems, timed in one process on the same inputs:
   cupyflash-v1  cupyflash.flash_attention_forward / _backward, schedule="v1"
-  cupyflash-v2  the same with schedule="v2" (ratio columns compare this one)
+  cupyflash-v2  the same with schedule="v2" (ratio columns compare this one); on sm_90 its
+                16-bit forward is the warpgroup-MMA kernel
+  cupyflash-v2-mma  schedule="v2" on the portable mma.sync forward kernel (an A/B on sm_90)
   naive         cuBLAS S = q kᵀ in the input dtype, softmax in float32,
                 P cast back, P v (cupy.matmul; bf16 through
                 cublasGemmStridedBatchedEx, as cupy.matmul lacks it);
@@ -53,6 +55,7 @@ from cupy_backends.cuda.libs import cublas
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 import cupyflash  # noqa: E402
+from cupyflash import _launch  # noqa: E402
 
 # Protocol of the FlashAttention papers
 TOKENS = 16384                              # B · N
@@ -89,7 +92,7 @@ NOTE_CHARS = 200                            # longest error message kept in a re
 
 FLASH = "cupyflash-v2"          # the fast path: ratio columns compare it with every other system
 FLOOR_SYSTEM = "cupyflash-v1"   # issue #2's floor is a V1 promise
-SCHEDULES = {"cupyflash-v1": "v1", "cupyflash-v2": "v2"}
+SCHEDULES = {"cupyflash-v1": "v1", "cupyflash-v2": "v2", "cupyflash-v2-mma": "v2"}
 LONG_SYSTEM = "cupyflash-v1"    # the long run shows V1's O(N) workspace
 
 
@@ -146,8 +149,9 @@ class Unavailable(Exception):
 # Preparation (a first forward, a DLPack view, a mask) happens here, untimed.
 
 
-def cupyflash_runs(schedule: str, x: Inputs) -> dict:
+def cupyflash_runs(schedule: str, x: Inputs, *, wgmma: bool = True) -> dict:
     def forward():
+        _launch.USE_WGMMA = wgmma
         return cupyflash.flash_attention_forward(x.q, x.k, x.v, causal=x.causal, schedule=schedule)
 
     def backward_from(o, m, l):
@@ -274,7 +278,8 @@ class System:
 
 
 SYSTEMS = (
-    *(System(name, MODES, partial(cupyflash_runs, schedule), cupy_clock, needs_torch=False)
+    *(System(name, MODES, partial(cupyflash_runs, schedule, wgmma=not name.endswith("-mma")), cupy_clock,
+             needs_torch=False)
       for name, schedule in SCHEDULES.items()),
     System("naive", ("fwd",), naive_runs, cupy_clock, needs_torch=False),
     System("torch-flash", MODES, partial(torch_runs, "FLASH_ATTENTION"), torch_clock, needs_torch=True),

@@ -15,10 +15,12 @@ from pathlib import Path
 from ._tiles import TileConfig
 
 HEADER = "flash_common.cuh"
-KERNEL_FILES = {"fwd_v1": "flash_fwd_v1.cu", "fwd_v2": "flash_fwd_v2.cu", "bwd_v1": "flash_bwd_v1.cu"}
+KERNEL_FILES = {"fwd_v1": "flash_fwd_v1.cu", "fwd_v2": "flash_fwd_v2.cu", "fwd_v2_sm90": "flash_fwd_v2_sm90.cu",
+                "bwd_v1": "flash_bwd_v1.cu"}
 KERNEL_NAMES = {
     "fwd_v1": ("flash_fwd_v1",),
     "fwd_v2": ("flash_fwd_v2",),
+    "fwd_v2_sm90": ("flash_fwd_v2_sm90",),
     "bwd_v1": ("flash_bwd_prep_v1", "flash_bwd_v1", "flash_convert"),
 }
 BASE_OPTIONS = ("-std=c++17",)
@@ -46,7 +48,9 @@ def kernel_source(kernel: str) -> str:
 
 
 def nvrtc_options(cfg: TileConfig) -> tuple[str, ...]:
-    return BASE_OPTIONS + cfg.defines()
+    """Options of ``cfg``; an architecture-specific kernel names its architecture."""
+    arch = (f"-arch={cfg.arch}",) if cfg.arch else ()
+    return BASE_OPTIONS + cfg.defines() + arch
 
 
 _modules: dict = {}
@@ -81,6 +85,8 @@ def get_kernels(cfg: TileConfig):
 def compile_for_arch(cfg: TileConfig, arch: str, *, verbose: bool = False) -> tuple[bytes, str]:
     """Compile ``cfg`` to a cubin for ``arch`` (e.g. ``'sm_90'``) without a GPU.
 
+    An architecture-specific kernel (``cfg.arch``) is built for its own architecture.
+
     Returns
     -------
     cubin : bytes
@@ -94,7 +100,9 @@ def compile_for_arch(cfg: TileConfig, arch: str, *, verbose: bool = False) -> tu
     """
     from cupy_backends.cuda.libs import nvrtc
 
-    options = list(nvrtc_options(cfg)) + [f"-arch={arch}"]
+    options = list(nvrtc_options(cfg))
+    if not cfg.arch:
+        options.append(f"-arch={arch}")
     if verbose:
         options.append("--ptxas-options=-v")
     prog = nvrtc.createProgram(kernel_source(cfg.kernel), KERNEL_FILES[cfg.kernel], [], [])

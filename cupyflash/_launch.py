@@ -127,6 +127,21 @@ def forward_schedule(schedule: str, head_dim: int, dtype) -> str:
     return schedule
 
 
+# Run the V2 forward of 16-bit inputs on Hopper's warpgroup MMA (flash_fwd_v2_sm90.cu) on sm_90
+# devices. Tests and the benchmark turn it off to reach the portable mma.sync kernel there.
+USE_WGMMA = True
+
+
+def forward_kernel(schedule: str, dtype) -> str:
+    """The kernel of a forward ``schedule`` ('v1' or 'v2') for ``dtype`` on the current device."""
+    import cupy
+
+    if (schedule == "v2" and USE_WGMMA and numpy.dtype(dtype).itemsize == 2
+            and cupy.cuda.Device().compute_capability == "90"):
+        return "fwd_v2_sm90"
+    return f"fwd_{schedule}"
+
+
 def _vector_ok(arrays, head_dim: int) -> bool:
     """16-byte tile loads are safe: aligned base, rows and batch strides; whole vectors per row."""
     itemsize = arrays[0].itemsize
@@ -162,8 +177,8 @@ def forward(q, k, v, *, schedule: str, causal: bool, scale: float, batch_shape, 
     Nk = k.shape[-2]
     BH = layout.count
     acc = accumulator_dtype(q.dtype)
-    cfg = device_tiles(f"fwd_{schedule}", D, q.dtype)
-    kernel = get_kernels(cfg)[f"flash_fwd_{schedule}"]
+    cfg = device_tiles(forward_kernel(schedule, q.dtype), D, q.dtype)
+    kernel = get_kernels(cfg)[f"flash_{cfg.kernel}"]
 
     o = cupy.empty((*batch_shape, Nq, D), q.dtype)
     m = cupy.empty((*batch_shape, Nq), acc)
@@ -174,7 +189,7 @@ def forward(q, k, v, *, schedule: str, causal: bool, scale: float, batch_shape, 
               numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D),
               acc.type(scale))
     flags = (numpy.int32(causal), numpy.int32(_vector_ok((q, k, v), D)))
-    if schedule == "v2":
+    if schedule == "v2":   # fwd_v2 and fwd_v2_sm90 take the same arguments
         kernel((BH * T_r,), (cfg.threads,), (q, k, v, o, m, l, *inputs, *flags), shared_mem=cfg.smem_bytes)
         return o, m, l
 

@@ -18,6 +18,9 @@ How tiles are chosen (``choose_tiles``):
 * Forward, V2 (FlashAttention-2 schedule): B_r = 16 x warps query rows per
   CTA with O_i in registers, B_c keys per step, K/V double-buffered; B_c = 64
   up to D = 128, 32 above, where O_i takes half the registers.
+* Forward, V2 on Hopper (``fwd_v2_sm90``, 16-bit, sm_90a): two warpgroups of
+  64 query rows (B_r = 128), B_c = 128 keys up to D = 128 and 64 above; the
+  head dim is padded to whole 64-column swizzle blocks.
 * Backward: each warp owns 16 key rows of a K/V tile (B_c = 16 x warps); the
   Q tiles walked by the inner loop have B_r rows. dK_j and dV_j live in
   registers, so the head dim is split into chunks of ``d_chunk`` columns, one
@@ -35,7 +38,9 @@ HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-KERNELS = ("fwd_v1", "fwd_v2", "bwd_v1")
+KERNELS = ("fwd_v1", "fwd_v2", "fwd_v2_sm90", "bwd_v1")
+# kernels built for one architecture only (NVRTC -arch), and the dtypes they take
+ARCH_KERNELS = {"fwd_v2_sm90": ("sm_90a", ("float16", "bfloat16"))}
 SMEM_PAD_BYTES = 16  # one 16-byte pad per shared row (flash_common.cuh: SMEM_PAD_BYTES)
 
 # (B_r, B_c, warps) in order of preference
@@ -44,12 +49,16 @@ _FWD_CANDIDATES = {
     "float32": ((64, 64, 4), (32, 64, 2), (32, 32, 2), (16, 16, 1)),
     "float64": ((32, 32, 2), (16, 32, 1), (16, 16, 1)),
 }
-# (B_r, B_c, warps) in order of preference; the first two for D <= 128, the rest above
+# (B_r, B_c, warps) in order of preference; 16-bit: the first for D <= 64 (128 x 64 spills there),
+# the next two for D <= 128, the rest above
 _FWD_V2_CANDIDATES = {
-    "16bit": ((128, 64, 8), (64, 64, 4), (64, 32, 4), (32, 32, 2), (16, 16, 1)),
+    "16bit": ((64, 64, 4), (128, 64, 8), (64, 64, 4), (64, 32, 4), (32, 32, 2), (16, 16, 1)),
     "float32": ((64, 32, 4), (32, 32, 2), (16, 16, 1)),
     "float64": ((32, 32, 2), (16, 16, 1)),
 }
+# (B_r, B_c, warps) of the Hopper V2 forward: two warpgroups of 64 query rows; B_c = 128 keys up to
+# D = 128, 64 above, where O_i (64, D) per warpgroup takes half the registers
+_FWD_V2_SM90_CANDIDATES = {"narrow": ((128, 128, 8),), "wide": ((128, 64, 8),)}
 # (B_r, B_c, warps, max d_chunk) in order of preference
 _BWD_CANDIDATES = {
     "16bit": ((32, 64, 4, 128), (32, 32, 2, 128), (16, 16, 1, 64)),
@@ -134,6 +143,9 @@ class TileConfig:
             # s_K, s_V (B_c, DP); s_Q (B_r, DP); s_P (B_r, B_c)
             elems = (2 * self.block_c + self.block_r) * qkv_pitch + self.block_r * (self.block_c + pad)
             return elems * self.itemsize
+        if self.kernel == "fwd_v2_sm90":
+            # s_Q (B_r, DP); two buffers each of K_j and V_j (B_c, DP), swizzled; + slack to align them to 1024 bytes
+            return (self.block_r + 4 * self.block_c) * self.d_pad * self.itemsize + 1024
         if self.kernel == "fwd_v2":
             # s_Q (B_r, DP); two stages of K_j, V_j (B_c, DP); s_P (B_r, B_c) for the FMA dtypes only
             elems = (self.block_r + 2 * 2 * self.block_c) * qkv_pitch
@@ -144,9 +156,15 @@ class TileConfig:
         elems = (2 * self.block_c + 2 * self.block_r) * qkv_pitch + self.block_c * (self.block_r + pad)
         return elems * self.itemsize + 3 * self.block_r * self.acc_itemsize
 
+    @property
+    def arch(self) -> str | None:
+        """The one architecture this kernel is built for (NVRTC ``-arch``), or None for any."""
+        return ARCH_KERNELS[self.kernel][0] if self.kernel in ARCH_KERNELS else None
+
     def defines(self) -> tuple[str, ...]:
         """NVRTC ``-D`` options of this specialisation."""
         return (
+            f"-DFLASH_WGMMA={int(self.kernel in ARCH_KERNELS)}",
             f"-DFLASH_DTYPE={DTYPE_CODES[self.dtype]}",
             f"-DFLASH_DP={self.d_pad}",
             f"-DFLASH_BR={self.block_r}",
@@ -201,8 +219,16 @@ def choose_tiles(kernel: str, head_dim: int, dtype, smem_limit: int) -> TileConf
         # O_i (16, DP) lives in registers next to the (16, B_c) scores: B_c = 64 only up to D = 128
         candidates = _FWD_V2_CANDIDATES[prec]
         if prec == "16bit":
-            candidates = candidates[:2] if d_pad <= 128 else candidates[2:]
+            candidates = candidates[:1] if d_pad <= 64 else candidates[1:3] if d_pad <= 128 else candidates[3:]
         for block_r, block_c, warps in candidates:
+            cfg = TileConfig(kernel, name, d_pad, block_r, block_c, warps, d_pad)
+            if cfg.smem_bytes <= smem_limit:
+                return cfg
+    elif kernel == "fwd_v2_sm90":
+        if name not in ARCH_KERNELS[kernel][1]:
+            raise ValueError(f"{kernel} takes {' and '.join(ARCH_KERNELS[kernel][1])}, not {name}")
+        d_pad = -(-d_pad // 64) * 64   # whole 64-column swizzle blocks; the padding is zero-filled
+        for block_r, block_c, warps in _FWD_V2_SM90_CANDIDATES["narrow" if d_pad <= 128 else "wide"]:
             cfg = TileConfig(kernel, name, d_pad, block_r, block_c, warps, d_pad)
             if cfg.smem_bytes <= smem_limit:
                 return cfg
@@ -217,19 +243,28 @@ def choose_tiles(kernel: str, head_dim: int, dtype, smem_limit: int) -> TileConf
     raise ValueError(f"no {kernel} tiles fit {smem_limit} bytes of shared memory (D={head_dim}, {name})")
 
 
-def all_tile_configs(smem_limit: int) -> list[TileConfig]:
-    """Every specialisation the library can launch on a device with ``smem_limit``.
+def all_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
+    """Every specialisation the library can launch on a device of ``arch`` with ``smem_limit``.
 
     V1 always fits; a V2 forward whose double-buffered tiles do not fit (float64
-    with D > 192 below 167 KB) is left out: that call runs V1.
+    with D > 192 below 167 KB) is left out: that call runs V1. Architecture-specific
+    kernels (``ARCH_KERNELS``) are listed for their architecture's family only
+    (``fwd_v2_sm90`` for sm_90), for the dtypes they take; buckets that share a
+    padded head dim give one configuration.
     """
     configs = []
     for kernel in KERNELS:
-        for dtype in DTYPE_CODES:
+        own = ARCH_KERNELS.get(kernel)
+        if own and not own[0].startswith(arch):
+            continue
+        for dtype in (own[1] if own else DTYPE_CODES):
             for bucket in HEAD_DIM_BUCKETS:
                 try:
-                    configs.append(choose_tiles(kernel, bucket, dtype, smem_limit))
+                    cfg = choose_tiles(kernel, bucket, dtype, smem_limit)
                 except ValueError:
                     if kernel != "fwd_v2":
                         raise
+                    continue
+                if cfg not in configs:
+                    configs.append(cfg)
     return configs

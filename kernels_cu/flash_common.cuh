@@ -20,6 +20,10 @@
 
 #pragma once
 
+#ifndef FLASH_WGMMA
+#define FLASH_WGMMA 0   // 1: the sm_90a warpgroup-MMA kernels (16-bit dtypes only)
+#endif
+
 #define LOG2E 1.4426950408889634
 #define WARP_SIZE 32
 #define SMEM_PAD_BYTES 16   // one 16-byte row pad: ldmatrix and FMA reads hit distinct banks
@@ -47,7 +51,7 @@ typedef double acc_t;
 #define NEG_INF (-POS_INF)
 
 constexpr int VEC = 16 / sizeof(elem_t);               // elements in one 16-byte access
-constexpr int PAD = SMEM_PAD_BYTES / sizeof(elem_t);   // row pad of every shared tile
+[[maybe_unused]] constexpr int PAD = SMEM_PAD_BYTES / sizeof(elem_t);   // row pad of every shared tile
 
 __device__ __forceinline__ float bits_to_float(unsigned short h) {
 #if FLASH_DTYPE == 0
@@ -318,6 +322,135 @@ __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
 
 #endif
 
+// ---------------------------------------------------------------------------
+// Hopper warpgroup MMA (sm_90a; FLASH_WGMMA kernels only). A warpgroup of four
+// consecutive warps computes D (64, N) += A (64, 16) B (16, N): warp w of the
+// group owns rows 16w .. 16w+15 of D in exactly the mma.sync accumulator layout
+// above (`d[n][e]`), and an A operand in registers is the m16n8k16 A fragment
+// per warp (frag_to_a), so the softmax code is the same for both MMAs.
+//
+// Operands in shared memory use the 128-byte swizzle: a (ROWS, COLS) tile is
+// stored as COLS/64 column blocks of (ROWS, 64) elements, one 128-byte line per
+// row, and the 16-byte chunk c of row r sits at chunk c ^ (r % 8) of its line.
+// Eight rows make a 1024-byte swizzle atom (atoms must be 1024-byte aligned).
+// K-major operands (Q, K: the contraction dim contiguous) step 16 columns by
+// moving the start address 32 bytes; the N-major V steps 16 keys by 16 lines.
+// ---------------------------------------------------------------------------
+#if FLASH_WGMMA
+
+#if FLASH_DTYPE == 0
+#define WGMMA_AB "f16.f16"
+#else
+#define WGMMA_AB "bf16.bf16"
+#endif
+
+constexpr int SW_COLS = 64;           // elements of one 128-byte swizzled line
+constexpr int SW_ATOM_BYTES = 1024;   // eight lines
+
+// element offset of (r, c) in a swizzled (ROWS, *) tile
+template <int ROWS>
+__device__ __forceinline__ int sw128_offset(int r, int c) {
+    return (c / SW_COLS) * ROWS * SW_COLS + r * SW_COLS + ((((c % SW_COLS) / VEC) ^ (r % 8)) * VEC) + c % VEC;
+}
+
+// load_tile / load_tile_async into a swizzled tile: cp.async when `vec`, else plain loads.
+// Either way the tensor cores read it through the async proxy: fence_proxy_async before the barrier.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void load_tile_sw128(elem_t* __restrict__ s_tile, const elem_t* __restrict__ g,
+                                                i64 row_stride, int rows_valid, int d, bool vec, int tid, int nthreads) {
+    static_assert(COLS % SW_COLS == 0 && ROWS % 8 == 0, "swizzled tiles are whole 64-column blocks of 8-row atoms");
+    if (vec) {
+        constexpr int CHUNKS = COLS / VEC;
+        for (int c = tid; c < ROWS * CHUNKS; c += nthreads) {
+            const int r = c / CHUNKS, col = (c % CHUNKS) * VEC;
+            const bool valid = r < rows_valid && col < d;
+            const elem_t* src = valid ? g + r * row_stride + col : g;   // not read when invalid
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                         :: "r"(smem_addr(s_tile + sw128_offset<ROWS>(r, col))), "l"(src), "r"(valid ? 16 : 0)
+                         : "memory");
+        }
+    } else {
+        for (int c = tid; c < ROWS * COLS; c += nthreads) {
+            const int r = c / COLS, col = c % COLS;
+            elem_t val = (elem_t)0;
+            if (r < rows_valid && col < d) val = g[r * row_stride + col];
+            s_tile[sw128_offset<ROWS>(r, col)] = val;
+        }
+    }
+}
+
+// shared-memory matrix descriptor, 128-byte swizzle; offsets in bytes
+__device__ __forceinline__ unsigned long long sw128_desc(const elem_t* p, unsigned lead_bytes, unsigned stride_bytes) {
+    return (unsigned long long)((smem_addr(p) & 0x3FFFF) >> 4)
+         | (unsigned long long)(lead_bytes >> 4) << 16
+         | (unsigned long long)(stride_bytes >> 4) << 32
+         | 1ull << 62;
+}
+
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(PENDING) : "memory"); }
+
+// Keep the compiler from touching an accumulator (or an A fragment) across an asynchronous
+// wgmma: nothing reads or reuses the registers before the wait that precedes the pin.
+template <int NT>
+__device__ __forceinline__ void wgmma_pin(acc_t (&d)[NT][4]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[n][e]) :: "memory");
+}
+
+template <int KT>
+__device__ __forceinline__ void wgmma_pin_a(unsigned (&a)[KT][4]) {
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[kk][e]) :: "memory");
+}
+
+// ss: D (+)= A B with A and B in shared memory, both K-major (`accumulate` = 0 overwrites D).
+// rs: D += A B with A in registers, B N-major (the V of P V).
+template <int N> struct Wgmma;
+
+template <> struct Wgmma<64> {
+    static __device__ __forceinline__ void ss(acc_t (&d)[8][4], unsigned long long a_desc, unsigned long long b_desc, int accumulate) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." WGMMA_AB " "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+                     : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+    }
+    static __device__ __forceinline__ void rs(acc_t (&d)[8][4], const unsigned (&a)[4], unsigned long long b_desc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." WGMMA_AB " "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+    }
+};
+
+template <> struct Wgmma<128> {
+    static __device__ __forceinline__ void ss(acc_t (&d)[16][4], unsigned long long a_desc, unsigned long long b_desc, int accumulate) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." WGMMA_AB " "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+                     : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+    }
+    static __device__ __forceinline__ void rs(acc_t (&d)[16][4], const unsigned (&a)[4], unsigned long long b_desc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." WGMMA_AB " "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+    }
+};
+#endif  // FLASH_WGMMA
+
 // Write a warp's (16, 8*NT) accumulator tile into shared memory as elem_t
 // (row pitch ld), e.g. P_ij before it multiplies V_j.
 template <int NT>
@@ -357,6 +490,53 @@ __device__ __forceinline__ acc_t quad_sum(acc_t x) {
 // ---------------------------------------------------------------------------
 __device__ __forceinline__ bool key_visible(int q_row, int k_col, int Nq, int Nk, bool causal) {
     return k_col < Nk && (!causal || k_col <= q_row + (Nk - Nq));
+}
+
+// S_ij = scale Q_i K_j^T, rounded once as a naive attention rounds it; invisible keys -> -inf.
+// A warp's (16, 8*NT) tile with first row r0 and first key kv0; `boundary` says a key may be invisible.
+template <int NT>
+__device__ __forceinline__ void scale_and_mask(acc_t (&S)[NT][4], acc_t scale, bool boundary, int r0, int kv0,
+                                               int Nq, int Nk, bool causal) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            S[n][e] *= scale;
+            if (boundary && !key_visible(r0 + g + (e / 2) * 8, kv0 + n * 8 + 2 * t + e % 2, Nq, Nk, causal))
+                S[n][e] = NEG_INF;
+        }
+}
+
+// The online softmax step (Algorithm 1, lines 10-11) on a warp's (16, 8*NT) score tile, in place:
+//   m_new = max(m_i, rowmax(S_ij));  S_ij <- P~_ij = exp(S_ij - m_new);  alpha = exp(m_i - m_new)
+// and rowsum(P~_ij) per accumulator row (g, g+8). The caller rescales l_i and O_i by alpha.
+// The difference is taken in natural units, where it is exact near the max, then exp = exp2(x log2 e).
+template <int NT>
+__device__ __forceinline__ void online_softmax(acc_t (&S)[NT][4], const acc_t (&m_i)[2], acc_t (&m_new)[2],
+                                               acc_t (&alpha)[2], acc_t (&rowsum)[2]) {
+    acc_t m_use[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        acc_t mx = NEG_INF;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) mx = max(mx, max(S[n][2 * h], S[n][2 * h + 1]));
+        m_new[h] = max(m_i[h], quad_max(mx));
+        // a row with no visible key so far: exponentiate against 0, not -inf (-inf - -inf = NaN)
+        m_use[h] = m_new[h] == NEG_INF ? (acc_t)0 : m_new[h];
+        alpha[h] = exp2_acc((m_i[h] - m_use[h]) * (acc_t)LOG2E);
+        rowsum[h] = (acc_t)0;
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            S[n][e] = exp2_acc((S[n][e] - m_use[e / 2]) * (acc_t)LOG2E);
+            rowsum[e / 2] += S[n][e];
+        }
+    rowsum[0] = quad_sum(rowsum[0]);
+    rowsum[1] = quad_sum(rowsum[1]);
 }
 
 // Pairs of adjacent columns (2t, 2t+1), as one accumulator fragment holds them.

@@ -135,42 +135,14 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             zero_frag(S);
             warp_mma<B_C / 8, DP, false, false>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
 
-            // S_ij = scale Q_i K_j^T, rounded once as a naive attention rounds it; invisible keys -> -inf
             const bool boundary = kv0 + B_C > Nk || (causal && kv0 + B_C - 1 > r0 + (Nk - Nq));
-#pragma unroll
-            for (int n = 0; n < B_C / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    S[n][e] *= scale;
-                    if (boundary && !key_visible(r0 + g + (e / 2) * 8, kv0 + n * 8 + 2 * t + e % 2, Nq, Nk, causal))
-                        S[n][e] = NEG_INF;
-                }
+            scale_and_mask(S, scale, boundary, r0, kv0, Nq, Nk, causal);
 
-            acc_t m_new[2], m_use[2], l_new[2], alpha[2];
-            // m~_ij = rowmax(S_ij);  m_i^new = max(m_i, m~_ij)
+            // m_i^new = max(m_i, rowmax(S_ij));  P~_ij = exp(S_ij - m_i^new);  l_i^new = e^(m_i - m_i^new) l_i + rowsum(P~_ij)
+            acc_t m_new[2], alpha[2], rowsum[2], l_new[2];
+            online_softmax(S, m_i, m_new, alpha, rowsum);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                acc_t mx = NEG_INF;
-#pragma unroll
-                for (int n = 0; n < B_C / 8; ++n) mx = max(mx, max(S[n][2 * h], S[n][2 * h + 1]));
-                m_new[h] = max(m_i[h], quad_max(mx));
-                // a row with no visible key so far: exponentiate against 0, not -inf (-inf - -inf = NaN)
-                m_use[h] = m_new[h] == NEG_INF ? (acc_t)0 : m_new[h];
-                alpha[h] = exp2_acc((m_i[h] - m_use[h]) * (acc_t)LOG2E);
-            }
-
-            // P~_ij = exp(S_ij - m_i^new);  l_i^new = e^(m_i - m_i^new) l_i + rowsum(P~_ij)
-            // (the difference is taken in natural units, where it is exact near the max, then exp = exp2(x log2 e))
-            acc_t rowsum[2] = {(acc_t)0, (acc_t)0};
-#pragma unroll
-            for (int n = 0; n < B_C / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    S[n][e] = exp2_acc((S[n][e] - m_use[e / 2]) * (acc_t)LOG2E);
-                    rowsum[e / 2] += S[n][e];
-                }
-#pragma unroll
-            for (int h = 0; h < 2; ++h) l_new[h] = alpha[h] * l_i[h] + quad_sum(rowsum[h]);
+            for (int h = 0; h < 2; ++h) l_new[h] = alpha[h] * l_i[h] + rowsum[h];
 
             __syncwarp();
             store_frag_smem(s_Pw, P_PITCH, S);

@@ -126,46 +126,22 @@ flash_fwd_v2(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
         warp_mma<B_C / 8, DP, false, false>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
 #endif
         const bool boundary = kv0 + B_C > Nk || (causal && kv0 + B_C - 1 > r0 + (Nk - Nq));
-#pragma unroll
-        for (int n = 0; n < B_C / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                S[n][e] *= scale;
-                if (boundary && !key_visible(r0 + g + (e / 2) * 8, kv0 + n * 8 + 2 * t + e % 2, Nq, Nk, causal))
-                    S[n][e] = NEG_INF;
-            }
+        scale_and_mask(S, scale, boundary, r0, kv0, Nq, Nk, causal);
 
-        // m_i^new = max(m_i, rowmax(S_ij));  O_i <- e^(m_i - m_i^new) O_i;  l_i <- e^(m_i - m_i^new) l_i
-        acc_t m_use[2];
+        // m_i^new = max(m_i, rowmax(S_ij));  P~_ij = exp(S_ij - m_i^new)
+        // l_i <- e^(m_i - m_i^new) l_i + rowsum(P~_ij);  O_i <- e^(m_i - m_i^new) O_i
+        acc_t m_new[2], alpha[2], rowsum[2];
+        online_softmax(S, m_i, m_new, alpha, rowsum);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            acc_t mx = NEG_INF;
-#pragma unroll
-            for (int n = 0; n < B_C / 8; ++n) mx = max(mx, max(S[n][2 * h], S[n][2 * h + 1]));
-            const acc_t m_new = max(m_i[h], quad_max(mx));
-            // a row with no visible key so far: exponentiate against 0, not -inf (-inf - -inf = NaN)
-            m_use[h] = m_new == NEG_INF ? (acc_t)0 : m_new;
-            const acc_t alpha = exp2_acc((m_i[h] - m_use[h]) * (acc_t)LOG2E);
-            m_i[h] = m_new;
-            l_i[h] *= alpha;
+            m_i[h] = m_new[h];
+            l_i[h] = alpha[h] * l_i[h] + rowsum[h];
 #pragma unroll
             for (int n = 0; n < DP / 8; ++n) {
-                O[n][2 * h] *= alpha;
-                O[n][2 * h + 1] *= alpha;
+                O[n][2 * h] *= alpha[h];
+                O[n][2 * h + 1] *= alpha[h];
             }
         }
-
-        // P~_ij = exp(S_ij - m_i^new);  l_i += rowsum(P~_ij)
-        acc_t rowsum[2] = {(acc_t)0, (acc_t)0};
-#pragma unroll
-        for (int n = 0; n < B_C / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                S[n][e] = exp2_acc((S[n][e] - m_use[e / 2]) * (acc_t)LOG2E);
-                rowsum[e / 2] += S[n][e];
-            }
-        l_i[0] += quad_sum(rowsum[0]);
-        l_i[1] += quad_sum(rowsum[1]);
 
         // O_i += P~_ij V_j                                                 (16, DP)
 #if FLASH_TENSOR_CORES

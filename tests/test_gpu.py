@@ -27,8 +27,26 @@ HEAD_DIMS = (1, 8, 16, 40, 64, 72, 96, 128, 160, 200, 256)
 BATCH_PATTERNS = (((), ()), ((3,), (3,)), ((2, 3), (2, 3)), ((2, 4), (2, 1)), ((2, 2, 3), (2, 2, 1)),
                   ((3,), (1,)), ((1,), (2,)))
 MIN_ROWS = 256
-SCHEDULES = pytest.mark.parametrize("schedule", ["v1", "v2"])
+# "v2-mma": schedule="v2" on the portable mma.sync kernel even where the Hopper kernel would run
+SCHEDULES = pytest.mark.parametrize("schedule", ["v1", "v2", "v2-mma"])
 GPU_SETTINGS = settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(autouse=True)
+def _v2_kernel(request):
+    """Run a "v2-mma" case with the Hopper V2 forward switched off."""
+    from cupyflash import _launch
+
+    params = getattr(request.node, "callspec", None)
+    portable = params is not None and params.params.get("schedule") == "v2-mma"
+    saved = _launch.USE_WGMMA
+    _launch.USE_WGMMA = not portable
+    yield
+    _launch.USE_WGMMA = saved
+
+
+def api_schedule(schedule):
+    return schedule.split("-")[0]
 
 
 def dtype_names():
@@ -75,7 +93,7 @@ def to_gpu(*arrays):
 def run_forward(q, k, v, causal, scale, schedule):
     poison_pool()
     o, m, l = cupyflash.flash_attention_forward(*to_gpu(q, k, v), causal=causal, softmax_scale=scale,
-                                                schedule=schedule)
+                                                schedule=api_schedule(schedule))
     return o.get(), m.get(), l.get()
 
 
@@ -94,11 +112,12 @@ def check_backward(dtype, q, k, v, causal, scale, rng, schedule):
     import cupy
 
     qg, kg, vg = to_gpu(q, k, v)
-    o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, causal=causal, softmax_scale=scale, schedule=schedule)
+    o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, causal=causal, softmax_scale=scale,
+                                                schedule=api_schedule(schedule))
     do = rng.standard_normal(o.shape).astype(DTYPES[dtype])
     poison_pool()
     grads = cupyflash.flash_attention_backward(cupy.asarray(do), qg, kg, vg, o, m, l, causal=causal,
-                                               softmax_scale=scale, schedule=schedule)
+                                               softmax_scale=scale, schedule=api_schedule(schedule))
     refs = reference.attention_backward(do, q, k, v, *reference.attention_forward(q, k, v, causal=causal,
                                                                                   softmax_scale=scale),
                                         causal=causal, softmax_scale=scale)
@@ -163,7 +182,7 @@ def test_strided_inputs(dtype, schedule):
     for qv, kv, vv in (views, (misaligned, views[1], views[2])):
         host = [x.get() for x in (qv, kv, vv)]
         poison_pool()
-        o, m, l = cupyflash.flash_attention_forward(qv, kv, vv, causal=True, schedule=schedule)
+        o, m, l = cupyflash.flash_attention_forward(qv, kv, vv, causal=True, schedule=api_schedule(schedule))
         o_ref, m_ref, _ = reference.attention_forward(*host, causal=True)
         o_naive = reference.naive_same_precision_forward(*host, causal=True)[0]
         assert_twice_naive("o", o.get(), o_ref, o_naive, dtype, FWD_CEILING)
@@ -190,7 +209,7 @@ def test_rows_that_see_no_key(dtype, schedule):
     Nq, Nk = 150, 40
     q, k, v = to_gpu(*random_inputs(rng, dtype, (2, Nq, 72), (2, Nk, 72)))
     poison_pool()
-    o, m, l = cupyflash.flash_attention_forward(q, k, v, causal=True, schedule=schedule)
+    o, m, l = cupyflash.flash_attention_forward(q, k, v, causal=True, schedule=api_schedule(schedule))
     blind = Nq - Nk
     assert (o[:, :blind].get().astype(numpy.float64) == 0).all()
     assert (m[:, :blind].get() == -numpy.inf).all() and (l[:, :blind].get() == 0).all()
@@ -254,6 +273,18 @@ def test_auto_schedule_is_the_documented_one(dtype, resolved):
     chosen = cupyflash.flash_attention_forward(q, k, v, causal=True, schedule=resolved)
     for a, b in zip(auto, chosen):
         assert a.tobytes() == b.tobytes()
+
+
+def test_v2_runs_the_hopper_kernel_on_sm90():
+    """schedule="v2" of 16-bit inputs is the warpgroup-MMA kernel on sm_90 (so the "v2" cases test it)."""
+    import cupy
+
+    from cupyflash import _launch
+
+    hopper = cupy.cuda.Device().compute_capability == "90"
+    assert _launch.forward_kernel("v2", ml_dtypes.bfloat16) == ("fwd_v2_sm90" if hopper else "fwd_v2")
+    assert _launch.forward_kernel("v2", numpy.float32) == "fwd_v2"
+    assert _launch.forward_kernel("v1", numpy.float16) == "fwd_v1"
 
 
 def test_gpu_and_numpy_paths_agree():
