@@ -132,11 +132,15 @@ def forward_schedule(schedule: str, head_dim: int, dtype) -> str:
 USE_WGMMA = True
 
 
-def forward_kernel(schedule: str, dtype) -> str:
-    """The kernel of a forward ``schedule`` ('v1' or 'v2') for ``dtype`` on the current device."""
+def forward_kernel(schedule: str, dtype, scale: float = 1.0) -> str:
+    """The kernel of a forward ``schedule`` ('v1' or 'v2') for ``dtype`` on the current device.
+
+    The Hopper kernel takes the row max of raw scores, so it needs ``scale > 0``; a zero or
+    negative scale runs the portable V2 kernel.
+    """
     import cupy
 
-    if (schedule == "v2" and USE_WGMMA and numpy.dtype(dtype).itemsize == 2
+    if (schedule == "v2" and USE_WGMMA and numpy.dtype(dtype).itemsize == 2 and scale > 0
             and cupy.cuda.Device().compute_capability == "90"):
         return "fwd_v2_sm90"
     return f"fwd_{schedule}"
@@ -177,7 +181,7 @@ def forward(q, k, v, *, schedule: str, causal: bool, scale: float, batch_shape, 
     Nk = k.shape[-2]
     BH = layout.count
     acc = accumulator_dtype(q.dtype)
-    cfg = device_tiles(forward_kernel(schedule, q.dtype), D, q.dtype)
+    cfg = device_tiles(forward_kernel(schedule, q.dtype, scale), D, q.dtype)
     kernel = get_kernels(cfg)[f"flash_{cfg.kernel}"]
 
     o = cupy.empty((*batch_shape, Nq, D), q.dtype)

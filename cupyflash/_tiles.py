@@ -18,9 +18,10 @@ How tiles are chosen (``choose_tiles``):
 * Forward, V2 (FlashAttention-2 schedule): B_r = 16 x warps query rows per
   CTA with O_i in registers, B_c keys per step, K/V double-buffered; B_c = 64
   up to D = 128, 32 above, where O_i takes half the registers.
-* Forward, V2 on Hopper (``fwd_v2_sm90``, 16-bit, sm_90a): two warpgroups of
-  64 query rows (B_r = 128), B_c = 128 keys up to D = 128 and 64 above; the
-  head dim is padded to whole 64-column swizzle blocks.
+* Forward, V2 on Hopper (``fwd_v2_sm90``, 16-bit, sm_90a): a producer
+  warpgroup and two consumer warpgroups of 64 query rows (B_r = 128, 12
+  warps), B_c = 128 keys up to D = 128 and 64 above; the head dim is padded to
+  whole 64-column swizzle blocks.
 * Backward: each warp owns 16 key rows of a K/V tile (B_c = 16 x warps); the
   Q tiles walked by the inner loop have B_r rows. dK_j and dV_j live in
   registers, so the head dim is split into chunks of ``d_chunk`` columns, one
@@ -56,9 +57,9 @@ _FWD_V2_CANDIDATES = {
     "float32": ((64, 32, 4), (32, 32, 2), (16, 16, 1)),
     "float64": ((32, 32, 2), (16, 16, 1)),
 }
-# (B_r, B_c, warps) of the Hopper V2 forward: two warpgroups of 64 query rows; B_c = 128 keys up to
-# D = 128, 64 above, where O_i (64, D) per warpgroup takes half the registers
-_FWD_V2_SM90_CANDIDATES = {"narrow": ((128, 128, 8),), "wide": ((128, 64, 8),)}
+# (B_r, B_c, warps) of the Hopper V2 forward: a producer warpgroup and two consumer warpgroups of
+# 64 query rows; B_c = 128 keys up to D = 128, 64 above, where O_i (64, D) takes half the registers
+_FWD_V2_SM90_CANDIDATES = {"narrow": ((128, 128, 12),), "wide": ((128, 64, 12),)}
 # (B_r, B_c, warps, max d_chunk) in order of preference
 _BWD_CANDIDATES = {
     "16bit": ((32, 64, 4, 128), (32, 32, 2, 128), (16, 16, 1, 64)),
@@ -144,8 +145,9 @@ class TileConfig:
             elems = (2 * self.block_c + self.block_r) * qkv_pitch + self.block_r * (self.block_c + pad)
             return elems * self.itemsize
         if self.kernel == "fwd_v2_sm90":
-            # s_Q (B_r, DP); two buffers each of K_j and V_j (B_c, DP), swizzled; + slack to align them to 1024 bytes
-            return (self.block_r + 4 * self.block_c) * self.d_pad * self.itemsize + 1024
+            # s_Q (B_r, DP); rings of two K_j and two V_j (B_c, DP), swizzled; nine mbarriers;
+            # + slack to align the tiles to 1024 bytes
+            return (self.block_r + 4 * self.block_c) * self.d_pad * self.itemsize + 9 * 8 + 1024
         if self.kernel == "fwd_v2":
             # s_Q (B_r, DP); two stages of K_j, V_j (B_c, DP); s_P (B_r, B_c) for the FMA dtypes only
             elems = (self.block_r + 2 * 2 * self.block_c) * qkv_pitch

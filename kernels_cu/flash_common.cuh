@@ -353,24 +353,39 @@ __device__ __forceinline__ int sw128_offset(int r, int c) {
     return (c / SW_COLS) * ROWS * SW_COLS + r * SW_COLS + ((((c % SW_COLS) / VEC) ^ (r % 8)) * VEC) + c % VEC;
 }
 
-// load_tile / load_tile_async into a swizzled tile: cp.async when `vec`, else plain loads.
-// Either way the tensor cores read it through the async proxy: fence_proxy_async before the barrier.
-template <int ROWS, int COLS>
+// load_tile / load_tile_async into a swizzled tile by THREADS threads: cp.async when `vec`, else plain
+// loads. Either way the tensor cores read it through the async proxy (fence_proxy_async first).
+// With vec each thread owns one 16-byte column chunk and walks down the rows, so a copy costs
+// a few instructions (the copying warps run on few registers, setmaxnreg).
+template <int ROWS, int COLS, int THREADS>
 __device__ __forceinline__ void load_tile_sw128(elem_t* __restrict__ s_tile, const elem_t* __restrict__ g,
-                                                i64 row_stride, int rows_valid, int d, bool vec, int tid, int nthreads) {
+                                                i64 row_stride, int rows_valid, int d, bool vec, int tid) {
+    constexpr int CHUNKS = COLS / VEC, ROWS_PER_PASS = THREADS / CHUNKS;
     static_assert(COLS % SW_COLS == 0 && ROWS % 8 == 0, "swizzled tiles are whole 64-column blocks of 8-row atoms");
-    if (vec) {
-        constexpr int CHUNKS = COLS / VEC;
-        for (int c = tid; c < ROWS * CHUNKS; c += nthreads) {
+    if (vec && THREADS % CHUNKS) {   // rows do not split evenly over the threads (D = 192)
+#pragma unroll 1
+        for (int c = tid; c < ROWS * CHUNKS; c += THREADS) {
             const int r = c / CHUNKS, col = (c % CHUNKS) * VEC;
             const bool valid = r < rows_valid && col < d;
-            const elem_t* src = valid ? g + r * row_stride + col : g;   // not read when invalid
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                         :: "r"(smem_addr(s_tile + sw128_offset<ROWS>(r, col))), "l"(src), "r"(valid ? 16 : 0)
+                         :: "r"(smem_addr(s_tile + sw128_offset<ROWS>(r, col))),
+                            "l"(valid ? g + r * row_stride + col : g), "r"(valid ? 16 : 0)
                          : "memory");
         }
+    } else if (vec) {
+        const int r_first = tid / CHUNKS, col = (tid % CHUNKS) * VEC;
+        const elem_t* src = g + r_first * row_stride + col;
+#pragma unroll 4
+        for (int r = r_first; r < ROWS; r += ROWS_PER_PASS, src += ROWS_PER_PASS * row_stride) {
+            const bool valid = r < rows_valid && col < d;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                         :: "r"(smem_addr(s_tile + sw128_offset<ROWS>(r, col))), "l"(valid ? src : g),
+                            "r"(valid ? 16 : 0)
+                         : "memory");   // an invalid chunk reads nothing and is zero-filled
+        }
     } else {
-        for (int c = tid; c < ROWS * COLS; c += nthreads) {
+#pragma unroll 1
+        for (int c = tid; c < ROWS * COLS; c += THREADS) {
             const int r = c / COLS, col = c % COLS;
             elem_t val = (elem_t)0;
             if (r < rows_valid && col < d) val = g[r * row_stride + col];
@@ -393,6 +408,45 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 
 template <int PENDING>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(PENDING) : "memory"); }
+
+// mbarriers (shared-memory arrival counters with a phase bit) hand tiles from producer to consumer threads
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}" :: "r"(smem_addr(bar)) : "memory");
+}
+
+// arrive once every cp.async this thread issued so far has landed (the barrier's count includes it)
+__device__ __forceinline__ void mbar_arrive_cp_async(unsigned long long* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(smem_addr(bar)) : "memory");
+}
+
+// wait until the phase of parity `parity` has completed
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// named barrier `id` (1..15; 0 is __syncthreads) over `count` threads: wait for it, or only arrive
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+
+// give registers back (producer warpgroups) or take them (consumer warpgroups); all of a warpgroup runs it
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(REGS)); }
+
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(REGS)); }
 
 // Keep the compiler from touching an accumulator (or an A fragment) across an asynchronous
 // wgmma: nothing reads or reuses the registers before the wait that precedes the pin.
@@ -492,30 +546,40 @@ __device__ __forceinline__ bool key_visible(int q_row, int k_col, int Nq, int Nk
     return k_col < Nk && (!causal || k_col <= q_row + (Nk - Nq));
 }
 
-// S_ij = scale Q_i K_j^T, rounded once as a naive attention rounds it; invisible keys -> -inf.
-// A warp's (16, 8*NT) tile with first row r0 and first key kv0; `boundary` says a key may be invisible.
+// Invisible keys of a warp's (16, 8*NT) score tile -> -inf: first row r0, first key kv0;
+// `boundary` says a key of the tile may be invisible (else nothing to do).
 template <int NT>
-__device__ __forceinline__ void scale_and_mask(acc_t (&S)[NT][4], acc_t scale, bool boundary, int r0, int kv0,
-                                               int Nq, int Nk, bool causal) {
+__device__ __forceinline__ void mask_scores(acc_t (&S)[NT][4], bool boundary, int r0, int kv0, int Nq, int Nk,
+                                            bool causal) {
+    if (!boundary) return;
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            S[n][e] *= scale;
-            if (boundary && !key_visible(r0 + g + (e / 2) * 8, kv0 + n * 8 + 2 * t + e % 2, Nq, Nk, causal))
-                S[n][e] = NEG_INF;
-        }
+        for (int e = 0; e < 4; ++e)
+            if (!key_visible(r0 + g + (e / 2) * 8, kv0 + n * 8 + 2 * t + e % 2, Nq, Nk, causal)) S[n][e] = NEG_INF;
+}
+
+// S_ij = scale Q_i K_j^T, rounded once as a naive attention rounds it; invisible keys -> -inf.
+template <int NT>
+__device__ __forceinline__ void scale_and_mask(acc_t (&S)[NT][4], acc_t scale, bool boundary, int r0, int kv0,
+                                               int Nq, int Nk, bool causal) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) S[n][e] *= scale;
+    mask_scores(S, boundary, r0, kv0, Nq, Nk, causal);
 }
 
 // The online softmax step (Algorithm 1, lines 10-11) on a warp's (16, 8*NT) score tile, in place:
-//   m_new = max(m_i, rowmax(S_ij));  S_ij <- P~_ij = exp(S_ij - m_new);  alpha = exp(m_i - m_new)
+//   m_new = max(m_i, rowmax(S_ij));  S_ij <- P~_ij = exp2((S_ij - m_new) c);  alpha = exp2((m_i - m_new) c)
 // and rowsum(P~_ij) per accumulator row (g, g+8). The caller rescales l_i and O_i by alpha.
-// The difference is taken in natural units, where it is exact near the max, then exp = exp2(x log2 e).
+// Scores in natural units take c = log2 e; raw scores Q K^T take c = scale log2 e (scale > 0).
+// The difference is taken first, where it is exact near the max, then scaled into the exponent.
 template <int NT>
 __device__ __forceinline__ void online_softmax(acc_t (&S)[NT][4], const acc_t (&m_i)[2], acc_t (&m_new)[2],
-                                               acc_t (&alpha)[2], acc_t (&rowsum)[2]) {
+                                               acc_t (&alpha)[2], acc_t (&rowsum)[2], acc_t c) {
     acc_t m_use[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -525,14 +589,14 @@ __device__ __forceinline__ void online_softmax(acc_t (&S)[NT][4], const acc_t (&
         m_new[h] = max(m_i[h], quad_max(mx));
         // a row with no visible key so far: exponentiate against 0, not -inf (-inf - -inf = NaN)
         m_use[h] = m_new[h] == NEG_INF ? (acc_t)0 : m_new[h];
-        alpha[h] = exp2_acc((m_i[h] - m_use[h]) * (acc_t)LOG2E);
+        alpha[h] = exp2_acc((m_i[h] - m_use[h]) * c);
         rowsum[h] = (acc_t)0;
     }
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            S[n][e] = exp2_acc((S[n][e] - m_use[e / 2]) * (acc_t)LOG2E);
+            S[n][e] = exp2_acc((S[n][e] - m_use[e / 2]) * c);
             rowsum[e / 2] += S[n][e];
         }
     rowsum[0] = quad_sum(rowsum[0]);

@@ -140,7 +140,7 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
 
             // m_i^new = max(m_i, rowmax(S_ij));  P~_ij = exp(S_ij - m_i^new);  l_i^new = e^(m_i - m_i^new) l_i + rowsum(P~_ij)
             acc_t m_new[2], alpha[2], rowsum[2], l_new[2];
-            online_softmax(S, m_i, m_new, alpha, rowsum);
+            online_softmax(S, m_i, m_new, alpha, rowsum, (acc_t)LOG2E);
 #pragma unroll
             for (int h = 0; h < 2; ++h) l_new[h] = alpha[h] * l_i[h] + rowsum[h];
 

@@ -69,7 +69,9 @@ def test_tiles_fit_and_follow_the_seed_bound(arch, smem):
             M = smem // cfg.itemsize
             assert cfg.block_c <= -(-M // (4 * cfg.d_pad))
             assert cfg.block_r <= min(cfg.block_c, cfg.d_pad)
-        if cfg.kernel.startswith("fwd"):
+        if cfg.kernel == "fwd_v2_sm90":   # a producer warpgroup, then 64 query rows per consumer warpgroup
+            assert cfg.block_r == 64 * (cfg.warps // 4 - 1) and cfg.warps % 4 == 0
+        elif cfg.kernel.startswith("fwd"):
             assert cfg.block_r == 16 * cfg.warps
         else:
             assert cfg.block_c == 16 * cfg.warps
