@@ -12,8 +12,8 @@ timed calls after untimed warm-up calls (the first call compiles kernels).
 Systems, timed in one process on the same inputs:
   cupyflash-v1  cupyflash.flash_attention_forward / _backward, schedule="v1"
   cupyflash-v2  the same with schedule="v2" (ratio columns compare this one); on sm_90 its
-                16-bit forward is the warpgroup-MMA kernel
-  cupyflash-v2-mma  schedule="v2" on the portable mma.sync forward kernel (an A/B on sm_90)
+                16-bit forward and backward are the warpgroup-MMA kernels
+  cupyflash-v2-mma  schedule="v2" on the portable mma.sync kernels (an A/B on sm_90)
   naive         cuBLAS S = q kᵀ in the input dtype, softmax in float32,
                 P cast back, P v (cupy.matmul; bf16 through
                 cublasGemmStridedBatchedEx, as cupy.matmul lacks it);
@@ -155,6 +155,7 @@ def cupyflash_runs(schedule: str, x: Inputs, *, wgmma: bool = True) -> dict:
         return cupyflash.flash_attention_forward(x.q, x.k, x.v, causal=x.causal, schedule=schedule)
 
     def backward_from(o, m, l):
+        _launch.USE_WGMMA = wgmma
         return cupyflash.flash_attention_backward(x.do, x.q, x.k, x.v, o, m, l, causal=x.causal, schedule=schedule)
 
     saved = forward()       # o, m, l for the timed backward

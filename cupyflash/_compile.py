@@ -16,12 +16,13 @@ from ._tiles import TileConfig
 
 HEADER = "flash_common.cuh"
 KERNEL_FILES = {"fwd_v1": "flash_fwd_v1.cu", "fwd_v2": "flash_fwd_v2.cu", "fwd_v2_sm90": "flash_fwd_v2_sm90.cu",
-                "bwd_v1": "flash_bwd_v1.cu"}
+                "bwd_v1": "flash_bwd_v1.cu", "bwd_sm90": "flash_bwd_sm90.cu"}
 KERNEL_NAMES = {
     "fwd_v1": ("flash_fwd_v1",),
     "fwd_v2": ("flash_fwd_v2",),
     "fwd_v2_sm90": ("flash_fwd_v2_sm90",),
     "bwd_v1": ("flash_bwd_prep_v1", "flash_bwd_v1", "flash_convert"),
+    "bwd_sm90": ("flash_bwd_sm90",),
 }
 BASE_OPTIONS = ("-std=c++17",)
 

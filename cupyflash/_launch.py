@@ -17,7 +17,7 @@ from functools import lru_cache
 import numpy
 
 from ._compile import get_kernels
-from ._tiles import TileConfig, accumulator_dtype, choose_tiles
+from ._tiles import BWD_SM90_MAX_HEAD_DIM, TileConfig, accumulator_dtype, choose_tiles
 
 MAX_BATCH_DIMS = 3  # collapsed batch dims a kernel indexes (flash_common.cuh: split_batch)
 VECTOR_BYTES = 16   # width of the vectorised tile loads
@@ -127,8 +127,9 @@ def forward_schedule(schedule: str, head_dim: int, dtype) -> str:
     return schedule
 
 
-# Run the V2 forward of 16-bit inputs on Hopper's warpgroup MMA (flash_fwd_v2_sm90.cu) on sm_90
-# devices. Tests and the benchmark turn it off to reach the portable mma.sync kernel there.
+# Run the V2 forward and backward of 16-bit inputs on Hopper's warpgroup MMA (flash_fwd_v2_sm90.cu,
+# flash_bwd_sm90.cu) on sm_90 devices. Tests and the benchmark turn it off to reach the portable
+# mma.sync kernels there.
 USE_WGMMA = True
 
 
@@ -207,11 +208,22 @@ def forward(q, k, v, *, schedule: str, causal: bool, scale: float, batch_shape, 
     return o, m, l
 
 
-def backward_v1(do, q, k, v, o, m, l, *, causal: bool, scale: float, batch_shape, layout: BatchLayout):
-    """Launch the V1 backward on validated inputs; returns ``(dq, dk, dv)``.
+def backward_kernel(schedule: str, dtype, head_dim: int) -> str:
+    """The main kernel of a backward ``schedule`` for ``dtype`` and ``head_dim`` on the current device."""
+    import cupy
+
+    if (schedule != "v1" and USE_WGMMA and numpy.dtype(dtype).itemsize == 2 and head_dim <= BWD_SM90_MAX_HEAD_DIM
+            and cupy.cuda.Device().compute_capability == "90"):
+        return "bwd_sm90"
+    return "bwd_v1"
+
+
+def backward(do, q, k, v, o, m, l, *, schedule: str, causal: bool, scale: float, batch_shape, layout: BatchLayout):
+    """Launch the backward of ``schedule`` on validated inputs; returns ``(dq, dk, dv)``.
 
     ``layout.strides`` holds, in order, q, k, v, o, do and the contiguous
-    own-shape layouts of dq, dk, dv.
+    own-shape layouts of dq, dk, dv. The preparation (D_i) and conversion
+    kernels are the V1 module's; the main kernel is ``backward_kernel``'s.
     """
     import cupy
 
@@ -221,6 +233,8 @@ def backward_v1(do, q, k, v, o, m, l, *, causal: bool, scale: float, batch_shape
     acc = accumulator_dtype(q.dtype)
     cfg = device_tiles("bwd_v1", D, q.dtype)
     kernels = get_kernels(cfg)
+    main_cfg = device_tiles(backward_kernel(schedule, q.dtype, D), D, q.dtype)
+    main = get_kernels(main_cfg)[f"flash_{main_cfg.kernel}"]
     s_q, s_k, s_v, s_o, s_do, s_dq, s_dk, s_dv = layout.strides
     n1, n2 = numpy.int64(layout.sizes[1]), numpy.int64(layout.sizes[2])
 
@@ -243,17 +257,19 @@ def backward_v1(do, q, k, v, o, m, l, *, causal: bool, scale: float, batch_shape
     else:
         dk_out, dv_out = cupy.empty(k.shape, q.dtype), cupy.empty(v.shape, q.dtype)
         dk_acc, dv_acc = dq_acc, dq_acc   # not written
-    T_c = -(-Nk // cfg.block_c)
-    n_chunks = -(-D // cfg.d_chunk)
-    kernels["flash_bwd_v1"](
-        (BH * T_c * n_chunks,), (cfg.threads,),
+    T_c = -(-Nk // main_cfg.block_c)
+    n_chunks = -(-D // main_cfg.d_chunk)
+    # bwd_sm90 also takes the batch*heads count: its grid runs the first K/V tiles of every head first
+    sizes = (n1, n2) if main_cfg.kernel == "bwd_v1" else (n1, n2, numpy.int64(BH))
+    main(
+        (BH * T_c * n_chunks,), (main_cfg.threads,),
         (q, k, v, do, m_b, inv_l, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc,
          *_strides4(q, s_q), *_strides4(k, s_k), *_strides4(v, s_v), *_strides4(do, s_do),
          *(numpy.int64(s) for s in s_dq), *(numpy.int64(s) for s in s_dk), *(numpy.int64(s) for s in s_dv),
-         n1, n2, numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D),
+         *sizes, numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D),
          acc.type(scale),
          numpy.int32(causal), numpy.int32(_vector_ok((q, k, v, do), D)), numpy.int32(kv_atomic)),
-        shared_mem=cfg.smem_bytes)
+        shared_mem=main_cfg.smem_bytes)
 
     def to_dtype(x_acc):
         if x_acc.dtype == q.dtype:

@@ -39,9 +39,10 @@ HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-KERNELS = ("fwd_v1", "fwd_v2", "fwd_v2_sm90", "bwd_v1")
+KERNELS = ("fwd_v1", "fwd_v2", "fwd_v2_sm90", "bwd_v1", "bwd_sm90")
 # kernels built for one architecture only (NVRTC -arch), and the dtypes they take
-ARCH_KERNELS = {"fwd_v2_sm90": ("sm_90a", ("float16", "bfloat16"))}
+ARCH_KERNELS = {"fwd_v2_sm90": ("sm_90a", ("float16", "bfloat16")), "bwd_sm90": ("sm_90a", ("float16", "bfloat16"))}
+BWD_SM90_MAX_HEAD_DIM = 128   # dK_j, dV_j of 64 keys per warpgroup in registers
 SMEM_PAD_BYTES = 16  # one 16-byte pad per shared row (flash_common.cuh: SMEM_PAD_BYTES)
 
 # (B_r, B_c, warps) in order of preference
@@ -154,6 +155,11 @@ class TileConfig:
             if _precision_class(self.dtype) != "16bit":
                 elems += self.block_r * (self.block_c + pad)
             return elems * self.itemsize
+        if self.kernel == "bwd_sm90":
+            # s_K, s_V (B_c, DP); rings of two Q_i, dO_i (B_r, DP); dS^T (B_c, B_r); two (3, B_r) statistics;
+            # five mbarriers; + slack to align the tiles to 1024 bytes
+            elems = (2 * self.block_c + 4 * self.block_r) * self.d_pad + self.block_c * self.block_r
+            return elems * self.itemsize + 2 * 3 * self.block_r * self.acc_itemsize + 5 * 8 + 1024
         # s_K, s_V (B_c, DP); s_Q, s_dO (B_r, DP); s_dS (B_c, B_r); s_m, s_inv_l, s_D (B_r)
         elems = (2 * self.block_c + 2 * self.block_r) * qkv_pitch + self.block_c * (self.block_r + pad)
         return elems * self.itemsize + 3 * self.block_r * self.acc_itemsize
@@ -234,6 +240,15 @@ def choose_tiles(kernel: str, head_dim: int, dtype, smem_limit: int) -> TileConf
             cfg = TileConfig(kernel, name, d_pad, block_r, block_c, warps, d_pad)
             if cfg.smem_bytes <= smem_limit:
                 return cfg
+    elif kernel == "bwd_sm90":
+        if name not in ARCH_KERNELS[kernel][1] or d_pad > BWD_SM90_MAX_HEAD_DIM:
+            raise ValueError(f"{kernel} takes {' and '.join(ARCH_KERNELS[kernel][1])} with D <= "
+                             f"{BWD_SM90_MAX_HEAD_DIM}, not {name} with D = {head_dim}")
+        d_pad = -(-d_pad // 64) * 64
+        # 64 queries per step; a producer warpgroup and two consumers of 64 keys each
+        cfg = TileConfig(kernel, name, d_pad, 64, 128, 12, d_pad)
+        if cfg.smem_bytes <= smem_limit:
+            return cfg
     elif kernel == "bwd_v1":
         for block_r, block_c, warps, max_chunk in _BWD_CANDIDATES[prec]:
             # chunks of 32 columns: the dQ product splits a chunk over two warps of even n-tiles
@@ -264,7 +279,7 @@ def all_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
                 try:
                     cfg = choose_tiles(kernel, bucket, dtype, smem_limit)
                 except ValueError:
-                    if kernel != "fwd_v2":
+                    if kernel != "fwd_v2" and not own:   # V1 always fits; the others may not
                         raise
                     continue
                 if cfg not in configs:

@@ -129,9 +129,11 @@ def flash_attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scal
     softmax_scale : float, optional
         As in the forward.
     schedule : {'auto', 'v1', 'v2'}, optional
-        Accepted for symmetry with the forward: every schedule runs the one
-        backward kernel, whose loop order (K/V tiles outer, dQ accumulated
-        with atomics) is already FlashAttention-2's.
+        'v1' runs the V1 recomputation kernel (below); 'v2' and 'auto' run
+        the Hopper warpgroup-MMA kernel for float16/bfloat16 with D <= 128 on
+        sm_90 GPUs, and the V1 kernel everywhere else. Both walk the same loop
+        order (K/V tiles outer, dQ accumulated with atomics), already
+        FlashAttention-2's, and return the same gradients up to rounding.
 
     Returns
     -------
@@ -169,10 +171,10 @@ def flash_attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scal
         if prob.Nq == 0 or prob.Nk == 0:
             return tuple(cupy.zeros(x.shape, prob.dtype) for x in (q, k, v))
         do, q, k, v, o = (kernel_ready(x) for x in (do, q, k, v, o))
-        return _backward_gpu(do, q, k, v, o, m, l, prob.batch_shape, prob)
+        return _backward_gpu(do, q, k, v, o, m, l, prob.batch_shape, prob, schedule)
 
 
-def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob):
+def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule):
     from . import _launch
 
     nb = len(batch_shape)
@@ -182,13 +184,13 @@ def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob):
     strides += [_launch.batch_strides(x.shape, s, batch_shape) for x, s in zip((q, k, v), own)]
     layout = _launch.collapse_batch(batch_shape, strides)
     if layout is not None:
-        return _launch.backward_v1(do, q, k, v, o, m, l, causal=prob.causal, scale=prob.scale,
-                                   batch_shape=batch_shape, layout=layout)
+        return _launch.backward(do, q, k, v, o, m, l, schedule=schedule, causal=prob.causal, scale=prob.scale,
+                                batch_shape=batch_shape, layout=layout)
     # peel the leading batch dim; a gradient is summed where its input broadcast along it
     import cupy
 
     parts = [_backward_gpu(do[i], *(_take_leading(x, i, nb) for x in (q, k, v)), o[i], m[i], l[i],
-                           batch_shape[1:], prob)
+                           batch_shape[1:], prob, schedule)
              for i in range(batch_shape[0])]
     grads = []
     for n, x in enumerate((q, k, v)):

@@ -40,15 +40,19 @@ constexpr int PV_N = DP % 128 == 0 ? 128 : 64;         // columns of O_i per P~ 
 constexpr int N_BARRIERS = 1 + 4 * STAGES;
 constexpr int SMEM_BYTES = (TILE_Q + 2 * STAGES * TILE_KV) * (int)sizeof(elem_t) + N_BARRIERS * 8
                            + SW_ATOM_BYTES;             // + slack for the 1024-byte alignment
-// registers per thread after setmaxnreg: the fewest for the producer, the rest to the consumers
-constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+// One consumer: two CTAs per SM keep each other's tensor cores busy; more: one CTA, ping-pong.
+constexpr int CTAS_PER_SM = CONSUMERS == 1 ? 2 : 1;
+// setmaxnreg moves registers between the warpgroups of the CTA's fixed allocation: the fewest
+// to the producer, the rest to the consumers (multiples of 8)
+constexpr int ENTRY_REGS = 65536 / (NTHREADS * CTAS_PER_SM) / 8 * 8;
+constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 40 : 32;
+constexpr int CONSUMER_SHARE = ((1 + CONSUMERS) * ENTRY_REGS - PRODUCER_REGS) / CONSUMERS / 8 * 8;
+constexpr int CONSUMER_REGS = CONSUMER_SHARE < 256 ? CONSUMER_SHARE : 256;
 
 static_assert(FLASH_WGMMA && FLASH_TENSOR_CORES, "a float16/bfloat16 warpgroup-MMA kernel");
 static_assert(B_R == 64 * CONSUMERS && FLASH_WARPS % 4 == 0, "one producer warpgroup, 64 query rows per consumer");
 static_assert(DP % SW_COLS == 0 && (B_C == 64 || B_C == 128), "tile shapes");
-// setmaxnreg moves registers between warpgroups of the CTA's fixed allocation (168 per thread at 384)
-static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS == (1 + CONSUMERS) * 168 && NTHREADS == 384,
-              "setmaxnreg only redistributes the launch's registers");
+static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * ENTRY_REGS, "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
 // Producer: a (ROWS, DP) tile of `rows` rows into a swizzled buffer, then an arrival on `full`
@@ -87,7 +91,7 @@ __device__ __forceinline__ void issue_values(acc_t (&O)[DP / 8][4], const unsign
     wgmma_commit();
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+extern "C" __global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
 flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                   const elem_t* __restrict__ k,    // (batch..., Nk, D) strided
                   const elem_t* __restrict__ v,    // (batch..., Nk, D) strided
@@ -198,15 +202,17 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             mbar_wait(bar, (j / STAGES) & 1);
             fence_proxy_async();
         };
-        // Ping-pong: the two consumers take turns issuing their products (named barriers 1 and 2),
-        // so one's softmax runs while the other's products keep the tensor cores busy.
-        // Consumer 0 goes first; every issue hands the turn over (the very last one has no taker).
-        constexpr int PAIR = CONSUMERS * WG_THREADS;
-        auto my_turn = [&]() { named_barrier_sync(1 + c, PAIR); };
-        auto your_turn = [&](bool last) {
-            if (!(last && c == 1)) named_barrier_arrive(2 - c, PAIR);
+        // Ping-pong: the consumers take turns issuing their products (named barrier 1 + c is
+        // consumer c's turn), so one's softmax runs while another's products keep the tensor cores
+        // busy. Consumer 0 goes first; every issue hands the turn on (the very last has no taker).
+        constexpr int PAIR = 2 * WG_THREADS;
+        auto my_turn = [&]() {
+            if (CONSUMERS > 1) named_barrier_sync(1 + c, PAIR);
         };
-        if (c == 1) named_barrier_arrive(1, PAIR);
+        auto your_turn = [&](bool last) {
+            if (CONSUMERS > 1 && !(last && c == CONSUMERS - 1)) named_barrier_arrive(1 + (c + 1) % CONSUMERS, PAIR);
+        };
+        if (CONSUMERS > 1 && c == CONSUMERS - 1) named_barrier_arrive(1, PAIR);
 
         // step 0: S_i0 alone
         mbar_wait(q_full, 0);

@@ -175,6 +175,7 @@ def test_nonpositive_scale(dtype, scale, schedule):
     rng = numpy.random.default_rng(8)
     q, k, v = random_inputs(rng, dtype, (2, 3, 100, 64), (2, 3, 130, 64))
     check_forward(dtype, q, k, v, True, scale, schedule)
+    check_backward(dtype, q, k, v, True, scale, rng, schedule)
 
 
 @SCHEDULES
@@ -285,8 +286,8 @@ def test_auto_schedule_is_the_documented_one(dtype, resolved):
         assert a.tobytes() == b.tobytes()
 
 
-def test_v2_runs_the_hopper_kernel_on_sm90():
-    """schedule="v2" of 16-bit inputs is the warpgroup-MMA kernel on sm_90 (so the "v2" cases test it)."""
+def test_v2_runs_the_hopper_kernels_on_sm90():
+    """schedule="v2" of 16-bit inputs runs the warpgroup-MMA kernels on sm_90 (so the "v2" cases test them)."""
     import cupy
 
     from cupyflash import _launch
@@ -295,6 +296,9 @@ def test_v2_runs_the_hopper_kernel_on_sm90():
     assert _launch.forward_kernel("v2", ml_dtypes.bfloat16) == ("fwd_v2_sm90" if hopper else "fwd_v2")
     assert _launch.forward_kernel("v2", numpy.float32) == "fwd_v2"
     assert _launch.forward_kernel("v1", numpy.float16) == "fwd_v1"
+    assert _launch.backward_kernel("v2", numpy.float16, 128) == ("bwd_sm90" if hopper else "bwd_v1")
+    assert _launch.backward_kernel("auto", numpy.float16, 200) == "bwd_v1"
+    assert _launch.backward_kernel("v1", ml_dtypes.bfloat16, 64) == "bwd_v1"
 
 
 def test_gpu_and_numpy_paths_agree():

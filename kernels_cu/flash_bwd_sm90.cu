@@ -1,0 +1,301 @@
+// flash_bwd_sm90.cu — the backward (flash_bwd_v1.cu's loop order and arithmetic) on Hopper's
+// warpgroup MMA, for float16/bfloat16 on sm_90a, D <= 128.
+//
+// One CTA per (K/V tile j of B_C keys, batch*head), walking the Q tiles i. Three warpgroups:
+//
+//   producer   warpgroup 0 copies K_j, V_j once, then Q_i, dO_i and the row statistics
+//              (m_i, 1/l_i, D_i from flash_bwd_prep_v1) into a ring of STAGES buffers (cp.async),
+//              each guarded by a "full" and an "empty" mbarrier;
+//   consumers  warpgroups 1, 2 own 64 keys each; dK_j, dV_j of their keys stay in registers.
+//
+// Keys sit on the accumulator rows, so every product of a consumer is one wgmma shape:
+//
+//   S_ij^T  = K_j Q_i^T                    A = K_j, B = Q_i     (shared memory, K-major)
+//   dP_ij^T = V_j dO_i^T                   A = V_j, B = dO_i    (shared memory, K-major)
+//   P_ij^T  = exp(scale S_ij^T - m_i) / l_i,  dS_ij^T = P_ij^T o (dP_ij^T - D_i)
+//   dV_j   += P_ij^T dO_i                  A = P^T (registers), B = dO_i (N-major)
+//   dK_j   += dS_ij^T Q_i  (scale at end)  A = dS^T (registers), B = Q_i (N-major)
+//   dQ_i   += scale dS_ij K_j              A = dS^T (shared memory, M-major), B = K_j (N-major):
+//                                          each consumer adds its 64 keys' share into a float32
+//                                          workspace with vector atomics, 64 columns at a time.
+//
+// Shared memory (128-byte swizzle, flash_common.cuh), after 1024-byte alignment:
+//   s_K, s_V  (B_C, DP)               K_j, V_j
+//   s_Q, s_dO (STAGES, B_R, DP)       Q_i, dO_i ring
+//   s_dS      (CONSUMERS, 64, B_R)    each consumer's dS^T, rows = its keys
+//   s_stat    (STAGES, 3, B_R) acc_t  m_i, 1/l_i, D_i
+//   bars      (1 + 2 STAGES) u64      K/V full; Q full, Q empty per stage
+
+#include "flash_common.cuh"
+
+constexpr int DP = FLASH_DP;
+constexpr int B_R = FLASH_BR;
+constexpr int B_C = FLASH_BC;
+constexpr int NTHREADS = FLASH_WARPS * WARP_SIZE;
+constexpr int WG_THREADS = 4 * WARP_SIZE;
+constexpr int CONSUMERS = NTHREADS / WG_THREADS - 1;
+constexpr int STAGES = 2;
+constexpr int TILE_KV = B_C * DP, TILE_Q = B_R * DP, TILE_DS = 64 * B_R;   // elements
+constexpr int N_BARRIERS = 1 + 2 * STAGES;
+constexpr int SMEM_BYTES = (2 * TILE_KV + 2 * STAGES * TILE_Q + CONSUMERS * TILE_DS) * (int)sizeof(elem_t)
+                           + STAGES * 3 * B_R * (int)sizeof(acc_t) + N_BARRIERS * 8 + SW_ATOM_BYTES;
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;   // of 168 per thread at 384 (setmaxnreg); spare the consumers
+
+static_assert(FLASH_WGMMA && FLASH_TENSOR_CORES, "a float16/bfloat16 warpgroup-MMA kernel");
+static_assert(CONSUMERS == 2 && B_C == 64 * CONSUMERS, "one producer warpgroup, 64 keys per consumer");
+static_assert(B_R == 64 && DP % SW_COLS == 0 && DP <= 128, "tile shapes");
+static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * 168, "register file");
+static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
+
+// red.global.add of a pair of adjacent floats (8-byte aligned)
+__device__ __forceinline__ void atomic_add_pair(float* p, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(a), "f"(b) : "memory");
+}
+
+// Producer: one 4-byte cp.async per statistic of the rows q0 .. q0+B_R-1 (zero past Nq: P = 0 there)
+__device__ __forceinline__ void produce_stats(acc_t* s_stat, const acc_t* m_b, const acc_t* inv_l, const acc_t* Dsum,
+                                              int q0, int Nq, bool vec, int ptid) {
+    for (int c = ptid; c < 3 * B_R; c += WG_THREADS) {
+        const int which = c / B_R, r = c % B_R;
+        const acc_t* src = (which == 0 ? m_b : which == 1 ? inv_l : Dsum) + q0 + r;
+        const bool valid = q0 + r < Nq;
+        if (vec) {
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+                         :: "r"(smem_addr(s_stat + c)), "l"(valid ? src : m_b), "r"(valid ? 4 : 0) : "memory");
+        } else {
+            s_stat[c] = valid ? *src : (acc_t)0;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
+               const elem_t* __restrict__ k,      // (batch..., Nk, D) strided
+               const elem_t* __restrict__ v,      // (batch..., Nk, D) strided
+               const elem_t* __restrict__ dO,     // (batch..., Nq, D) strided
+               const acc_t* __restrict__ m_b,     // (BH, Nq) from flash_bwd_prep_v1
+               const acc_t* __restrict__ inv_l,   // (BH, Nq) from flash_bwd_prep_v1
+               const acc_t* __restrict__ Dsum,    // (BH, Nq)
+               acc_t* __restrict__ dq_acc,        // q's own shape, contiguous, zeroed
+               elem_t* __restrict__ dk,           // k's own shape, contiguous (direct store)
+               elem_t* __restrict__ dv,           // v's own shape, contiguous (direct store)
+               acc_t* __restrict__ dk_acc,        // k's own shape, zeroed (when kv_atomic)
+               acc_t* __restrict__ dv_acc,        // v's own shape, zeroed (when kv_atomic)
+               i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
+               i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
+               i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
+               i64 do_s0, i64 do_s1, i64 do_s2, i64 do_sn,
+               i64 dq_s0, i64 dq_s1, i64 dq_s2,
+               i64 dk_s0, i64 dk_s1, i64 dk_s2,
+               i64 dv_s0, i64 dv_s1, i64 dv_s2,
+               i64 n1, i64 n2, i64 bh_count,
+               int Nq, int Nk, int D, acc_t scale,
+               int causal_flag, int vec_flag, int kv_atomic) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const unsigned misalign = smem_addr(smem) % SW_ATOM_BYTES;
+    elem_t* s_K = reinterpret_cast<elem_t*>(smem + (misalign ? SW_ATOM_BYTES - misalign : 0));   // (B_C, DP)
+    elem_t* s_V = s_K + TILE_KV;                                          // (B_C, DP)
+    elem_t* s_Q = s_V + TILE_KV;                                          // (STAGES, B_R, DP)
+    elem_t* s_dO = s_Q + STAGES * TILE_Q;                                 // (STAGES, B_R, DP)
+    elem_t* s_dS = s_dO + STAGES * TILE_Q;                                // (CONSUMERS, 64, B_R)
+    acc_t* s_stat = reinterpret_cast<acc_t*>(s_dS + CONSUMERS * TILE_DS);  // (STAGES, 3, B_R)
+    unsigned long long* kv_full = reinterpret_cast<unsigned long long*>(s_stat + STAGES * 3 * B_R);
+    unsigned long long* q_full = kv_full + 1;                             // (STAGES)
+    unsigned long long* q_empty = q_full + STAGES;                        // (STAGES)
+
+    const bool causal = causal_flag != 0, vec = vec_flag != 0;
+    const int tid = threadIdx.x, wg = tid / WG_THREADS;
+    const int T_c = (Nk + B_C - 1) / B_C, T_r = (Nq + B_R - 1) / B_R;
+    const int j = (int)(blockIdx.x / bh_count);       // the first K/V tiles (the most Q tiles when causal) first
+    const i64 bh = blockIdx.x % bh_count;
+    const int kv0 = j * B_C;
+    // causal: the first query row that sees key kv0 is kv0 - (Nk - Nq)
+    const int i_first = causal ? max(0, kv0 - (Nk - Nq)) / B_R : 0;
+    const int steps = T_r - i_first;
+    (void)T_c;
+
+    const BatchIndex bi = split_batch(bh, n1, n2);
+    q += batch_offset(bi, q_s0, q_s1, q_s2);
+    dO += batch_offset(bi, do_s0, do_s1, do_s2);
+    m_b += bh * Nq;
+    inv_l += bh * Nq;
+    Dsum += bh * Nq;
+
+    if (tid == 0) {
+        mbar_init(kv_full, WG_THREADS);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(&q_full[s], WG_THREADS);
+            mbar_init(&q_empty[s], CONSUMERS * WG_THREADS);
+        }
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // producer: K_j, V_j; then Q_i, dO_i, statistics into stage n % STAGES once it is released
+        setmaxnreg_dec<PRODUCER_REGS>();
+        const int ptid = tid;
+        auto landed = [&](unsigned long long* bar) {
+            if (vec) {
+                mbar_arrive_cp_async(bar);
+            } else {
+                fence_proxy_async();
+                mbar_arrive(bar);
+            }
+        };
+        const int kv_rows = min(B_C, Nk - kv0);
+        load_tile_sw128<B_C, DP, WG_THREADS>(s_K, k + batch_offset(bi, k_s0, k_s1, k_s2) + (i64)kv0 * k_sn, k_sn,
+                                             kv_rows, D, vec, ptid);
+        load_tile_sw128<B_C, DP, WG_THREADS>(s_V, v + batch_offset(bi, v_s0, v_s1, v_s2) + (i64)kv0 * v_sn, v_sn,
+                                             kv_rows, D, vec, ptid);
+        landed(kv_full);
+        for (int n = 0; n < steps; ++n) {
+            const int s = n % STAGES, use = n / STAGES, q0 = (i_first + n) * B_R, rows = min(B_R, Nq - q0);
+            if (use > 0) mbar_wait(&q_empty[s], (use - 1) & 1);
+            load_tile_sw128<B_R, DP, WG_THREADS>(s_Q + s * TILE_Q, q + (i64)q0 * q_sn, q_sn, rows, D, vec, ptid);
+            load_tile_sw128<B_R, DP, WG_THREADS>(s_dO + s * TILE_Q, dO + (i64)q0 * do_sn, do_sn, rows, D, vec, ptid);
+            produce_stats(s_stat + s * 3 * B_R, m_b, inv_l, Dsum, q0, Nq, vec, ptid);
+            landed(&q_full[s]);
+        }
+        cp_async_wait<0>();   // no copy outlives its thread
+    } else {
+        // consumers: warpgroup c owns keys kv0 + 64c .. kv0 + 64c + 63
+        setmaxnreg_inc<CONSUMER_REGS>();
+        const int c = wg - 1;
+        const int warp = tid / WARP_SIZE - 4, lane = tid % WARP_SIZE;   // warp among the consumers
+        const int g = lane / 4, t = lane % 4;
+        const int key0 = kv0 + 16 * warp;                 // first key row of this warp
+        const elem_t* s_Kc = s_K + c * 64 * SW_COLS;      // this warpgroup's 64 rows of K_j, V_j
+        const elem_t* s_Vc = s_V + c * 64 * SW_COLS;
+        elem_t* s_dSc = s_dS + c * TILE_DS;               // (64, B_R) this warpgroup's dS^T
+        dq_acc += batch_offset(bi, dq_s0, dq_s1, dq_s2);
+        constexpr unsigned ATOM = SW_ATOM_BYTES;
+        constexpr unsigned Q_BLOCK = B_R * SW_COLS * sizeof(elem_t), K_BLOCK = B_C * SW_COLS * sizeof(elem_t);
+        constexpr int DV_N = DP;                          // dV, dK columns per instruction (64 or 128)
+
+        acc_t dK[DP / 8][4], dV[DP / 8][4];               // (16, DP) per warp
+        zero_frag(dK);
+        zero_frag(dV);
+
+        mbar_wait(kv_full, 0);
+        fence_proxy_async();
+        for (int n = 0; n < steps; ++n) {
+            const int s = n % STAGES, q0 = (i_first + n) * B_R;
+            const elem_t* s_Qs = s_Q + s * TILE_Q;
+            const elem_t* s_dOs = s_dO + s * TILE_Q;
+            const acc_t* st = s_stat + s * 3 * B_R;     // m_i, 1/l_i, D_i of the tile's rows
+            mbar_wait(&q_full[s], (n / STAGES) & 1);
+            fence_proxy_async();
+
+            // S_ij^T = K_j Q_i^T and dP_ij^T = V_j dO_i^T                   (64, B_R) per warpgroup
+            acc_t S[B_R / 8][4], dP[B_R / 8][4];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < DP / 16; ++kk)
+                Wgmma<B_R>::ss(S, sw128_desc(s_Kc + sw128_offset<B_C>(0, kk * 16), 16, ATOM),
+                               sw128_desc(s_Qs + sw128_offset<B_R>(0, kk * 16), 16, ATOM), kk > 0);
+            wgmma_commit();
+#pragma unroll
+            for (int kk = 0; kk < DP / 16; ++kk)
+                Wgmma<B_R>::ss(dP, sw128_desc(s_Vc + sw128_offset<B_C>(0, kk * 16), 16, ATOM),
+                               sw128_desc(s_dOs + sw128_offset<B_R>(0, kk * 16), 16, ATOM), kk > 0);
+            wgmma_commit();
+
+            // P_ij^T = exp(scale S_ij^T - m_i) / l_i, the difference in natural units as in the forward;
+            // invisible -> 0 (a row past Nq has 1/l = 0);  dS_ij^T = P_ij^T o (dP_ij^T - D_i)
+            wgmma_wait<0>();
+            wgmma_pin(S);
+            wgmma_pin(dP);
+            const bool boundary = key0 + 16 > Nk || (causal && key0 + 15 > q0 + (Nk - Nq));
+#pragma unroll
+            for (int nn = 0; nn < B_R / 8; ++nn)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int qc = nn * 8 + 2 * t + e % 2;   // query column inside the tile
+                    const int kr = key0 + g + (e / 2) * 8;   // key row
+                    S[nn][e] = (boundary && !key_visible(q0 + qc, kr, Nq, Nk, causal))
+                                   ? (acc_t)0
+                                   : exp2_acc((S[nn][e] * scale - st[qc]) * (acc_t)LOG2E) * st[B_R + qc];
+                    dP[nn][e] = S[nn][e] * (dP[nn][e] - st[2 * B_R + qc]);
+                }
+            unsigned Pf[B_R / 16][4], dSf[B_R / 16][4];
+            frag_to_a(Pf, S);
+            frag_to_a(dSf, dP);
+
+            // dV_j += P_ij^T dO_i,  dK_j += dS_ij^T Q_i (scaled at the end)            (64, DP)
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < B_R / 16; ++kk)
+                Wgmma<DV_N>::rs(dV, Pf[kk], sw128_desc(s_dOs + sw128_offset<B_R>(kk * 16, 0), Q_BLOCK, ATOM));
+#pragma unroll
+            for (int kk = 0; kk < B_R / 16; ++kk)
+                Wgmma<DV_N>::rs(dK, dSf[kk], sw128_desc(s_Qs + sw128_offset<B_R>(kk * 16, 0), Q_BLOCK, ATOM));
+            wgmma_commit();
+
+            // dS_ij^T into shared memory: the A operand (M-major) of dQ_i += dS_ij K_j
+#pragma unroll
+            for (int nn = 0; nn < B_R / 8; ++nn)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    *reinterpret_cast<unsigned*>(s_dSc + sw128_offset<64>(16 * (warp % 4) + g + 8 * h, nn * 8 + 2 * t)) =
+                        pack2(dP[nn][2 * h], dP[nn][2 * h + 1]);
+            fence_proxy_async();
+            named_barrier_sync(1 + c, WG_THREADS);        // this warpgroup's dS^T is written
+
+            // dQ_i += scale dS_ij K_j over this warpgroup's keys, 64 columns at a time  (B_R, 64)
+#pragma unroll
+            for (int cb = 0; cb < DP / 64; ++cb) {
+                acc_t dQ[8][4];
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+                    Wgmma<64>::ss<1, 1>(dQ, sw128_desc(s_dSc + sw128_offset<64>(kk * 16, 0), 64 * SW_COLS * 2, ATOM),
+                                        sw128_desc(s_Kc + sw128_offset<B_C>(kk * 16, cb * 64), K_BLOCK, ATOM), kk > 0);
+                wgmma_commit();
+                wgmma_wait<0>();
+                wgmma_pin(dQ);
+                if (cb == 0) {   // the dV_j and dK_j products are done with P^T, dS^T too
+                    wgmma_pin(dV);
+                    wgmma_pin(dK);
+                    wgmma_pin_a(Pf);
+                    wgmma_pin_a(dSf);
+                }
+                // rows of dQ_i are queries here: warp w of the group holds rows 16w + g (+8)
+#pragma unroll
+                for (int nn = 0; nn < 8; ++nn)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int row = q0 + 16 * (warp % 4) + g + 8 * h, col = cb * 64 + nn * 8 + 2 * t;
+                        if (row >= Nq) continue;
+                        acc_t* p = dq_acc + (i64)row * D + col;
+                        if (D % 2 == 0 && col + 1 < D) {
+                            atomic_add_pair(p, scale * dQ[nn][2 * h], scale * dQ[nn][2 * h + 1]);
+                        } else {
+                            if (col < D) atomicAdd(p, scale * dQ[nn][2 * h]);
+                            if (col + 1 < D) atomicAdd(p + 1, scale * dQ[nn][2 * h + 1]);
+                        }
+                    }
+            }
+            mbar_arrive(&q_empty[s]);                     // Q_i, dO_i, statistics and dS^T are free
+        }
+
+        // dK_j, dV_j from registers to HBM
+#pragma unroll
+        for (int nn = 0; nn < DP / 8; ++nn)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = key0 + g + 8 * h, col = nn * 8 + 2 * t;
+                if (row >= Nk) continue;
+                const acc_t k0 = scale * dK[nn][2 * h], k1 = scale * dK[nn][2 * h + 1];
+                const acc_t v0 = dV[nn][2 * h], v1 = dV[nn][2 * h + 1];
+                if (kv_atomic) {
+                    acc_t* dk_r = dk_acc + batch_offset(bi, dk_s0, dk_s1, dk_s2) + (i64)row * D;
+                    acc_t* dv_r = dv_acc + batch_offset(bi, dv_s0, dv_s1, dv_s2) + (i64)row * D;
+                    if (col < D) { atomicAdd(dk_r + col, k0); atomicAdd(dv_r + col, v0); }
+                    if (col + 1 < D) { atomicAdd(dk_r + col + 1, k1); atomicAdd(dv_r + col + 1, v1); }
+                } else {
+                    store_row_pair(dk + batch_offset(bi, dk_s0, dk_s1, dk_s2) + (i64)row * D, col, D, k0, k1);
+                    store_row_pair(dv + batch_offset(bi, dv_s0, dv_s1, dv_s2) + (i64)row * D, col, D, v0, v1);
+                }
+            }
+    }
+}
