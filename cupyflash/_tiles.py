@@ -156,10 +156,11 @@ class TileConfig:
                 elems += self.block_r * (self.block_c + pad)
             return elems * self.itemsize
         if self.kernel == "bwd_sm90":
-            # s_K, s_V (B_c, DP); rings of two Q_i, dO_i (B_r, DP); dS^T (B_c, B_r); two (3, B_r) statistics;
-            # five mbarriers; + slack to align the tiles to 1024 bytes
-            elems = (2 * self.block_c + 4 * self.block_r) * self.d_pad + self.block_c * self.block_r
-            return elems * self.itemsize + 2 * 3 * self.block_r * self.acc_itemsize + 5 * 8 + 1024
+            # s_K, s_V (B_c, DP); rings of two Q_i, dO_i (B_r, DP); two dS^T (B_c, B_r); float32 dQ_i
+            # (B_r, DP + 4); two (3, B_r) statistics; five mbarriers; + slack to align the tiles to 1024 bytes
+            elems = (2 * self.block_c + 4 * self.block_r) * self.d_pad + 2 * self.block_c * self.block_r
+            return (elems * self.itemsize + self.block_r * (self.d_pad + 4) * 4
+                    + 2 * 3 * self.block_r * self.acc_itemsize + 5 * 8 + 1024)
         # s_K, s_V (B_c, DP); s_Q, s_dO (B_r, DP); s_dS (B_c, B_r); s_m, s_inv_l, s_D (B_r)
         elems = (2 * self.block_c + 2 * self.block_r) * qkv_pitch + self.block_c * (self.block_r + pad)
         return elems * self.itemsize + 3 * self.block_r * self.acc_itemsize
@@ -245,8 +246,9 @@ def choose_tiles(kernel: str, head_dim: int, dtype, smem_limit: int) -> TileConf
             raise ValueError(f"{kernel} takes {' and '.join(ARCH_KERNELS[kernel][1])} with D <= "
                              f"{BWD_SM90_MAX_HEAD_DIM}, not {name} with D = {head_dim}")
         d_pad = -(-d_pad // 64) * 64
-        # 64 queries per step; a producer warpgroup and two consumers of 64 keys each
-        cfg = TileConfig(kernel, name, d_pad, 64, 128, 12, d_pad)
+        # a producer warpgroup and two consumers of 64 keys each; 128 queries per step at D = 64,
+        # 64 at D = 128 (dK_j, dV_j, S_ij^T and dP_ij^T share the registers)
+        cfg = TileConfig(kernel, name, d_pad, 128 if d_pad <= 64 else 64, 128, 12, d_pad)
         if cfg.smem_bytes <= smem_limit:
             return cfg
     elif kernel == "bwd_v1":

@@ -1,7 +1,8 @@
 // flash_bwd_sm90.cu — the backward (flash_bwd_v1.cu's loop order and arithmetic) on Hopper's
 // warpgroup MMA, for float16/bfloat16 on sm_90a, D <= 128.
 //
-// One CTA per (K/V tile j of B_C keys, batch*head), walking the Q tiles i. Three warpgroups:
+// One CTA per (K/V tile j of B_C keys, batch*head), walking the Q tiles i of B_R rows (128 at
+// D = 64, where the products are small, 64 at D = 128, where registers are). Three warpgroups:
 //
 //   producer   warpgroup 0 copies K_j, V_j once, then Q_i, dO_i and the row statistics
 //              (m_i, 1/l_i, D_i from flash_bwd_prep_v1) into a ring of STAGES buffers (cp.async),
@@ -13,18 +14,25 @@
 //   S_ij^T  = K_j Q_i^T                    A = K_j, B = Q_i     (shared memory, K-major)
 //   dP_ij^T = V_j dO_i^T                   A = V_j, B = dO_i    (shared memory, K-major)
 //   P_ij^T  = exp(scale S_ij^T - m_i) / l_i,  dS_ij^T = P_ij^T o (dP_ij^T - D_i)
+//                                          (the exponent as one FFMA, as FlashAttention-2 does)
 //   dV_j   += P_ij^T dO_i                  A = P^T (registers), B = dO_i (N-major)
 //   dK_j   += dS_ij^T Q_i  (scale at end)  A = dS^T (registers), B = Q_i (N-major)
-//   dQ_i   += scale dS_ij K_j              A = dS^T (shared memory, M-major), B = K_j (N-major):
-//                                          each consumer adds its 64 keys' share into a float32
-//                                          workspace with vector atomics, 64 columns at a time.
+//   dQ_i   += scale dS_ij K_j              A = dS^T (shared memory, M-major), B = K_j (N-major),
+//                                          over all B_C keys: the consumers take turns with its
+//                                          (64, 64) blocks, stage them in float32 and the copy
+//                                          engine adds whole rows into the float32 workspace
+//                                          (cp.reduce.async.bulk), half the traffic of atomics.
 //
 // Shared memory (128-byte swizzle, flash_common.cuh), after 1024-byte alignment:
 //   s_K, s_V  (B_C, DP)               K_j, V_j
 //   s_Q, s_dO (STAGES, B_R, DP)       Q_i, dO_i ring
-//   s_dS      (CONSUMERS, 64, B_R)    each consumer's dS^T, rows = its keys
+//   s_dS      (2, B_C, B_R)           dS^T by step parity, rows = keys (consumer c: rows 64c..)
+//   s_dQ      (B_R, DP + 4) float     scale dS_ij K_j, for the bulk add
 //   s_stat    (STAGES, 3, B_R) acc_t  m_i, 1/l_i, D_i
 //   bars      (1 + 2 STAGES) u64      K/V full; Q full, Q empty per stage
+//
+// Per step the consumers meet twice (named barriers over both): once both halves of dS^T are
+// written (and the previous bulk add has read s_dQ), once s_dQ is.
 
 #include "flash_common.cuh"
 
@@ -35,22 +43,19 @@ constexpr int NTHREADS = FLASH_WARPS * WARP_SIZE;
 constexpr int WG_THREADS = 4 * WARP_SIZE;
 constexpr int CONSUMERS = NTHREADS / WG_THREADS - 1;
 constexpr int STAGES = 2;
-constexpr int TILE_KV = B_C * DP, TILE_Q = B_R * DP, TILE_DS = 64 * B_R;   // elements
+constexpr int TILE_KV = B_C * DP, TILE_Q = B_R * DP, TILE_DS = B_C * B_R;   // elements
+constexpr int DQ_PITCH = DP + 4;                   // floats: rows 16 bytes apart in banks
 constexpr int N_BARRIERS = 1 + 2 * STAGES;
-constexpr int SMEM_BYTES = (2 * TILE_KV + 2 * STAGES * TILE_Q + CONSUMERS * TILE_DS) * (int)sizeof(elem_t)
-                           + STAGES * 3 * B_R * (int)sizeof(acc_t) + N_BARRIERS * 8 + SW_ATOM_BYTES;
+constexpr int SMEM_BYTES = (2 * TILE_KV + 2 * STAGES * TILE_Q + 2 * TILE_DS) * (int)sizeof(elem_t)
+                           + B_R * DQ_PITCH * (int)sizeof(float) + STAGES * 3 * B_R * (int)sizeof(acc_t)
+                           + N_BARRIERS * 8 + SW_ATOM_BYTES;
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;   // of 168 per thread at 384 (setmaxnreg); spare the consumers
 
 static_assert(FLASH_WGMMA && FLASH_TENSOR_CORES, "a float16/bfloat16 warpgroup-MMA kernel");
 static_assert(CONSUMERS == 2 && B_C == 64 * CONSUMERS, "one producer warpgroup, 64 keys per consumer");
-static_assert(B_R == 64 && DP % SW_COLS == 0 && DP <= 128, "tile shapes");
+static_assert((B_R == 64 || B_R == 128) && DP % SW_COLS == 0 && DP <= 128, "tile shapes");
 static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * 168, "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
-
-// red.global.add of a pair of adjacent floats (8-byte aligned)
-__device__ __forceinline__ void atomic_add_pair(float* p, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(a), "f"(b) : "memory");
-}
 
 // Producer: one 4-byte cp.async per statistic of the rows q0 .. q0+B_R-1 (zero past Nq: P = 0 there)
 __device__ __forceinline__ void produce_stats(acc_t* s_stat, const acc_t* m_b, const acc_t* inv_l, const acc_t* Dsum,
@@ -97,8 +102,9 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
     elem_t* s_V = s_K + TILE_KV;                                          // (B_C, DP)
     elem_t* s_Q = s_V + TILE_KV;                                          // (STAGES, B_R, DP)
     elem_t* s_dO = s_Q + STAGES * TILE_Q;                                 // (STAGES, B_R, DP)
-    elem_t* s_dS = s_dO + STAGES * TILE_Q;                                // (CONSUMERS, 64, B_R)
-    acc_t* s_stat = reinterpret_cast<acc_t*>(s_dS + CONSUMERS * TILE_DS);  // (STAGES, 3, B_R)
+    elem_t* s_dS = s_dO + STAGES * TILE_Q;                                // (2, B_C, B_R)
+    float* s_dQ = reinterpret_cast<float*>(s_dS + 2 * TILE_DS);           // (B_R, DQ_PITCH)
+    acc_t* s_stat = reinterpret_cast<acc_t*>(s_dQ + B_R * DQ_PITCH);      // (STAGES, 3, B_R)
     unsigned long long* kv_full = reinterpret_cast<unsigned long long*>(s_stat + STAGES * 3 * B_R);
     unsigned long long* q_full = kv_full + 1;                             // (STAGES)
     unsigned long long* q_empty = q_full + STAGES;                        // (STAGES)
@@ -166,12 +172,13 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
         const int key0 = kv0 + 16 * warp;                 // first key row of this warp
         const elem_t* s_Kc = s_K + c * 64 * SW_COLS;      // this warpgroup's 64 rows of K_j, V_j
         const elem_t* s_Vc = s_V + c * 64 * SW_COLS;
-        elem_t* s_dSc = s_dS + c * TILE_DS;               // (64, B_R) this warpgroup's dS^T
+        const int ctid = tid - WG_THREADS;                // thread among the consumers
         dq_acc += batch_offset(bi, dq_s0, dq_s1, dq_s2);
         constexpr unsigned ATOM = SW_ATOM_BYTES;
         constexpr unsigned Q_BLOCK = B_R * SW_COLS * sizeof(elem_t), K_BLOCK = B_C * SW_COLS * sizeof(elem_t);
         constexpr int DV_N = DP;                          // dV, dK columns per instruction (64 or 128)
 
+        const acc_t scale_log2 = scale * (acc_t)LOG2E;
         acc_t dK[DP / 8][4], dV[DP / 8][4];               // (16, DP) per warp
         zero_frag(dK);
         zero_frag(dV);
@@ -200,23 +207,31 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                                sw128_desc(s_dOs + sw128_offset<B_R>(0, kk * 16), 16, ATOM), kk > 0);
             wgmma_commit();
 
-            // P_ij^T = exp(scale S_ij^T - m_i) / l_i, the difference in natural units as in the forward;
-            // invisible -> 0 (a row past Nq has 1/l = 0);  dS_ij^T = P_ij^T o (dP_ij^T - D_i)
+            // P_ij^T = exp(scale S_ij^T - m_i) / l_i = exp2(S_ij^T scale log2 e - m_i log2 e) / l_i (one FFMA
+            // into the exponent: 16-bit inputs round P far coarser); invisible -> 0 (a row past Nq has 1/l = 0);
+            // dS_ij^T = P_ij^T o (dP_ij^T - D_i)
             wgmma_wait<0>();
             wgmma_pin(S);
             wgmma_pin(dP);
             const bool boundary = key0 + 16 > Nk || (causal && key0 + 15 > q0 + (Nk - Nq));
 #pragma unroll
-            for (int nn = 0; nn < B_R / 8; ++nn)
+            for (int nn = 0; nn < B_R / 8; ++nn) {
+                const int qc = nn * 8 + 2 * t;               // query columns qc, qc + 1 inside the tile
+                const float2 m2 = *reinterpret_cast<const float2*>(st + qc);
+                const float2 il2 = *reinterpret_cast<const float2*>(st + B_R + qc);
+                const float2 D2 = *reinterpret_cast<const float2*>(st + 2 * B_R + qc);
+                const acc_t mq[2] = {-m2.x * (acc_t)LOG2E, -m2.y * (acc_t)LOG2E};
+                const acc_t il[2] = {il2.x, il2.y}, Dq[2] = {D2.x, D2.y};
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int qc = nn * 8 + 2 * t + e % 2;   // query column inside the tile
                     const int kr = key0 + g + (e / 2) * 8;   // key row
-                    S[nn][e] = (boundary && !key_visible(q0 + qc, kr, Nq, Nk, causal))
-                                   ? (acc_t)0
-                                   : exp2_acc((S[nn][e] * scale - st[qc]) * (acc_t)LOG2E) * st[B_R + qc];
-                    dP[nn][e] = S[nn][e] * (dP[nn][e] - st[2 * B_R + qc]);
+                    const acc_t p = (boundary && !key_visible(q0 + qc + e % 2, kr, Nq, Nk, causal))
+                                        ? (acc_t)0
+                                        : exp2_acc(fmaf(S[nn][e], scale_log2, mq[e % 2])) * il[e % 2];
+                    S[nn][e] = p;
+                    dP[nn][e] = p * (dP[nn][e] - Dq[e % 2]);
                 }
+            }
             unsigned Pf[B_R / 16][4], dSf[B_R / 16][4];
             frag_to_a(Pf, S);
             frag_to_a(dSf, dP);
@@ -231,52 +246,61 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                 Wgmma<DV_N>::rs(dK, dSf[kk], sw128_desc(s_Qs + sw128_offset<B_R>(kk * 16, 0), Q_BLOCK, ATOM));
             wgmma_commit();
 
-            // dS_ij^T into shared memory: the A operand (M-major) of dQ_i += dS_ij K_j
+            // dS_ij^T into shared memory (this step's parity): the A operand (M-major) of dQ_i += dS_ij K_j
+            elem_t* s_dSn = s_dS + (n % 2) * TILE_DS;
 #pragma unroll
-            for (int nn = 0; nn < B_R / 8; ++nn)
+            for (int kk = 0; kk < B_R / 16; ++kk)
 #pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    *reinterpret_cast<unsigned*>(s_dSc + sw128_offset<64>(16 * (warp % 4) + g + 8 * h, nn * 8 + 2 * t)) =
-                        pack2(dP[nn][2 * h], dP[nn][2 * h + 1]);
+                for (int r = 0; r < 4; ++r)   // A fragment register r: row g + 8 (r % 2), columns 16kk + 8 (r / 2) + 2t
+                    *reinterpret_cast<unsigned*>(s_dSn + sw128_offset<B_C>(16 * warp + g + 8 * (r % 2),
+                                                                           kk * 16 + 8 * (r / 2) + 2 * t)) = dSf[kk][r];
             fence_proxy_async();
-            named_barrier_sync(1 + c, WG_THREADS);        // this warpgroup's dS^T is written
+            if (ctid < B_R) bulk_wait_read();              // the last bulk add is done with s_dQ
+            named_barrier_sync(1, CONSUMERS * WG_THREADS);   // all of dS^T is written, s_dQ is free
 
-            // dQ_i += scale dS_ij K_j over this warpgroup's keys, 64 columns at a time  (B_R, 64)
+            // dQ_i = scale dS_ij K_j over all B_C keys, one (64, 64) block per turn, into s_dQ
 #pragma unroll
-            for (int cb = 0; cb < DP / 64; ++cb) {
+            for (int b = 0; b < (B_R / 64) * (DP / 64); ++b) {
+                const int rb = b / (DP / 64), cb = b % (DP / 64);   // query rows 64 rb.., columns 64 cb..
+                if ((b + n) % CONSUMERS != c) continue;
                 acc_t dQ[8][4];
                 wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < 4; ++kk)
-                    Wgmma<64>::ss<1, 1>(dQ, sw128_desc(s_dSc + sw128_offset<64>(kk * 16, 0), 64 * SW_COLS * 2, ATOM),
-                                        sw128_desc(s_Kc + sw128_offset<B_C>(kk * 16, cb * 64), K_BLOCK, ATOM), kk > 0);
+                for (int kk = 0; kk < B_C / 16; ++kk)
+                    Wgmma<64>::ss<1, 1>(dQ, sw128_desc(s_dSn + sw128_offset<B_C>(kk * 16, rb * 64), TILE_DS * 2, ATOM),
+                                        sw128_desc(s_K + sw128_offset<B_C>(kk * 16, cb * 64), K_BLOCK, ATOM), kk > 0);
                 wgmma_commit();
                 wgmma_wait<0>();
                 wgmma_pin(dQ);
-                if (cb == 0) {   // the dV_j and dK_j products are done with P^T, dS^T too
-                    wgmma_pin(dV);
-                    wgmma_pin(dK);
-                    wgmma_pin_a(Pf);
-                    wgmma_pin_a(dSf);
-                }
-                // rows of dQ_i are queries here: warp w of the group holds rows 16w + g (+8)
+                // rows of dQ_i are queries here: warp w of the group holds rows 16w + g (+8) of the block
 #pragma unroll
                 for (int nn = 0; nn < 8; ++nn)
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int row = q0 + 16 * (warp % 4) + g + 8 * h, col = cb * 64 + nn * 8 + 2 * t;
-                        if (row >= Nq) continue;
-                        acc_t* p = dq_acc + (i64)row * D + col;
-                        if (D % 2 == 0 && col + 1 < D) {
-                            atomic_add_pair(p, scale * dQ[nn][2 * h], scale * dQ[nn][2 * h + 1]);
-                        } else {
-                            if (col < D) atomicAdd(p, scale * dQ[nn][2 * h]);
-                            if (col + 1 < D) atomicAdd(p + 1, scale * dQ[nn][2 * h + 1]);
-                        }
-                    }
+                    for (int h = 0; h < 2; ++h)
+                        *reinterpret_cast<float2*>(s_dQ + (rb * 64 + 16 * (warp % 4) + g + 8 * h) * DQ_PITCH + cb * 64
+                                                   + nn * 8 + 2 * t) =
+                            make_float2(scale * dQ[nn][2 * h], scale * dQ[nn][2 * h + 1]);
             }
+            wgmma_wait<0>();                               // dV_j, dK_j are done with P^T, dS^T too
+            wgmma_pin(dV);
+            wgmma_pin(dK);
+            wgmma_pin_a(Pf);
+            wgmma_pin_a(dSf);
+            fence_proxy_async();
+            named_barrier_sync(2, CONSUMERS * WG_THREADS);   // s_dQ holds dQ_i
+
+            // dQ_i into the workspace: a bulk add per row (rows of 16-byte multiples), else float atomics
+            const int rows = min(B_R, Nq - q0);
+            if (D % 4 == 0) {
+                if (ctid < rows) bulk_reduce_add_f32(dq_acc + (i64)(q0 + ctid) * D, s_dQ + ctid * DQ_PITCH, D * 4);
+            } else {
+                for (int e = ctid; e < rows * D; e += CONSUMERS * WG_THREADS)
+                    atomicAdd(dq_acc + (i64)(q0 + e / D) * D + e % D, s_dQ[(e / D) * DQ_PITCH + e % D]);
+            }   // s_dQ is rewritten only after the next step's first barrier
             mbar_arrive(&q_empty[s]);                     // Q_i, dO_i, statistics and dS^T are free
         }
+
+        if (ctid < B_R) bulk_wait();                       // every bulk add of this thread has landed
 
         // dK_j, dV_j from registers to HBM
 #pragma unroll
