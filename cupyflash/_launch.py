@@ -241,11 +241,11 @@ def backward(do, q, k, v, o, m, l, *, schedule: str, causal: bool, scale: float,
     # D_i = rowsum(dO_i o O_i); m_i and 1 / l_i as the recomputation reads them
     m = cupy.ascontiguousarray(m)
     l = cupy.ascontiguousarray(l)
-    m_b, inv_l, d_sum = (cupy.empty((BH, Nq), acc) for _ in range(3))
+    m_b, inv_l, d_sum, lse2 = (cupy.empty((BH, Nq), acc) for _ in range(4))
     rows = BH * Nq
     kernels["flash_bwd_prep_v1"](
         (-(-rows // cfg.warps),), (cfg.threads,),
-        (o, do, m, l, m_b, inv_l, d_sum, *_strides4(o, s_o), *_strides4(do, s_do),
+        (o, do, m, l, m_b, inv_l, d_sum, lse2, *_strides4(o, s_o), *_strides4(do, s_do),
          n1, n2, numpy.int64(rows), numpy.int32(Nq), numpy.int32(D)))
 
     # dK, dV are stored directly unless several batch entries share one K/V head
@@ -263,7 +263,8 @@ def backward(do, q, k, v, o, m, l, *, schedule: str, causal: bool, scale: float,
     sizes = (n1, n2) if main_cfg.kernel == "bwd_v1" else (n1, n2, numpy.int64(BH))
     main(
         (BH * T_c * n_chunks,), (main_cfg.threads,),
-        (q, k, v, do, m_b, inv_l, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc,
+        (q, k, v, do, *((m_b, inv_l) if main_cfg.kernel == "bwd_v1" else (lse2,)), d_sum,
+         dq_acc, dk_out, dv_out, dk_acc, dv_acc,
          *_strides4(q, s_q), *_strides4(k, s_k), *_strides4(v, s_v), *_strides4(do, s_do),
          *(numpy.int64(s) for s in s_dq), *(numpy.int64(s) for s in s_dk), *(numpy.int64(s) for s in s_dv),
          *sizes, numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D),

@@ -19,13 +19,16 @@ How tiles are chosen (``choose_tiles``):
   CTA with O_i in registers, B_c keys per step, K/V double-buffered; B_c = 64
   up to D = 128, 32 above, where O_i takes half the registers.
 * Forward, V2 on Hopper (``fwd_v2_sm90``, 16-bit, sm_90a): a producer
-  warpgroup and two consumer warpgroups of 64 query rows (B_r = 128, 12
-  warps), B_c = 128 keys up to D = 128 and 64 above; the head dim is padded to
-  whole 64-column swizzle blocks.
+  warpgroup and consumer warpgroups of 64 query rows each, three up to D = 64
+  (B_r = 192), two above (B_r = 128); B_c = 128 keys up to D = 128 and 64
+  above; the head dim is padded to whole 64-column swizzle blocks.
 * Backward: each warp owns 16 key rows of a K/V tile (B_c = 16 x warps); the
   Q tiles walked by the inner loop have B_r rows. dK_j and dV_j live in
   registers, so the head dim is split into chunks of ``d_chunk`` columns, one
   CTA per chunk (S and dP are recomputed per chunk; D <= 128 is one chunk).
+* Backward on Hopper (``bwd_sm90``, 16-bit, sm_90a, D <= 128): a producer
+  warpgroup and two consumers of 64 keys each (B_c = 128), B_r = 128 queries
+  per step at D = 64, 64 at D = 128.
 """
 
 from __future__ import annotations
@@ -58,9 +61,10 @@ _FWD_V2_CANDIDATES = {
     "float32": ((64, 32, 4), (32, 32, 2), (16, 16, 1)),
     "float64": ((32, 32, 2), (16, 16, 1)),
 }
-# (B_r, B_c, warps) of the Hopper V2 forward: a producer warpgroup and two consumer warpgroups of
-# 64 query rows; B_c = 128 keys up to D = 128, 64 above, where O_i (64, D) takes half the registers
-_FWD_V2_SM90_CANDIDATES = {"narrow": ((128, 128, 12),), "wide": ((128, 64, 12),)}
+# (B_r, B_c, warps) of the Hopper V2 forward: a producer warpgroup and consumer warpgroups of 64
+# query rows each. Three consumers up to D = 64 (measured 1.1-1.3x two at N >= 2048, equal at 512),
+# two above, where O_i needs the registers; B_c = 128 keys up to D = 128, 64 above.
+_FWD_V2_SM90_CANDIDATES = {64: ((192, 128, 16),), 128: ((128, 128, 12),), 256: ((128, 64, 12),)}
 # (B_r, B_c, warps, max d_chunk) in order of preference
 _BWD_CANDIDATES = {
     "16bit": ((32, 64, 4, 128), (32, 32, 2, 128), (16, 16, 1, 64)),
@@ -157,10 +161,10 @@ class TileConfig:
             return elems * self.itemsize
         if self.kernel == "bwd_sm90":
             # s_K, s_V (B_c, DP); rings of two Q_i, dO_i (B_r, DP); two dS^T (B_c, B_r); float32 dQ_i
-            # (B_r, DP + 4); two (3, B_r) statistics; five mbarriers; + slack to align the tiles to 1024 bytes
+            # (B_r, DP + 4); two (2, B_r) statistics; five mbarriers; + slack to align the tiles to 1024 bytes
             elems = (2 * self.block_c + 4 * self.block_r) * self.d_pad + 2 * self.block_c * self.block_r
             return (elems * self.itemsize + self.block_r * (self.d_pad + 4) * 4
-                    + 2 * 3 * self.block_r * self.acc_itemsize + 5 * 8 + 1024)
+                    + 2 * 2 * self.block_r * self.acc_itemsize + 5 * 8 + 1024)
         # s_K, s_V (B_c, DP); s_Q, s_dO (B_r, DP); s_dS (B_c, B_r); s_m, s_inv_l, s_D (B_r)
         elems = (2 * self.block_c + 2 * self.block_r) * qkv_pitch + self.block_c * (self.block_r + pad)
         return elems * self.itemsize + 3 * self.block_r * self.acc_itemsize
@@ -237,7 +241,7 @@ def choose_tiles(kernel: str, head_dim: int, dtype, smem_limit: int) -> TileConf
         if name not in ARCH_KERNELS[kernel][1]:
             raise ValueError(f"{kernel} takes {' and '.join(ARCH_KERNELS[kernel][1])}, not {name}")
         d_pad = -(-d_pad // 64) * 64   # whole 64-column swizzle blocks; the padding is zero-filled
-        for block_r, block_c, warps in _FWD_V2_SM90_CANDIDATES["narrow" if d_pad <= 128 else "wide"]:
+        for block_r, block_c, warps in _FWD_V2_SM90_CANDIDATES[min(b for b in _FWD_V2_SM90_CANDIDATES if d_pad <= b)]:
             cfg = TileConfig(kernel, name, d_pad, block_r, block_c, warps, d_pad)
             if cfg.smem_bytes <= smem_limit:
                 return cfg

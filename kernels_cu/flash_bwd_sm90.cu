@@ -5,7 +5,7 @@
 // D = 64, where the products are small, 64 at D = 128, where registers are). Three warpgroups:
 //
 //   producer   warpgroup 0 copies K_j, V_j once, then Q_i, dO_i and the row statistics
-//              (m_i, 1/l_i, D_i from flash_bwd_prep_v1) into a ring of STAGES buffers (cp.async),
+//              (lse_i log2 e and D_i from flash_bwd_prep_v1) into a ring of STAGES buffers (cp.async),
 //              each guarded by a "full" and an "empty" mbarrier;
 //   consumers  warpgroups 1, 2 own 64 keys each; dK_j, dV_j of their keys stay in registers.
 //
@@ -13,8 +13,8 @@
 //
 //   S_ij^T  = K_j Q_i^T                    A = K_j, B = Q_i     (shared memory, K-major)
 //   dP_ij^T = V_j dO_i^T                   A = V_j, B = dO_i    (shared memory, K-major)
-//   P_ij^T  = exp(scale S_ij^T - m_i) / l_i,  dS_ij^T = P_ij^T o (dP_ij^T - D_i)
-//                                          (the exponent as one FFMA, as FlashAttention-2 does)
+//   P_ij^T  = exp(scale S_ij^T - lse_i),  dS_ij^T = P_ij^T o (dP_ij^T - D_i)
+//                                          (lse_i = m_i + log l_i; the exponent is one FFMA)
 //   dV_j   += P_ij^T dO_i                  A = P^T (registers), B = dO_i (N-major)
 //   dK_j   += dS_ij^T Q_i  (scale at end)  A = dS^T (registers), B = Q_i (N-major)
 //   dQ_i   += scale dS_ij K_j              A = dS^T (shared memory, M-major), B = K_j (N-major),
@@ -28,7 +28,7 @@
 //   s_Q, s_dO (STAGES, B_R, DP)       Q_i, dO_i ring
 //   s_dS      (2, B_C, B_R)           dS^T by step parity, rows = keys (consumer c: rows 64c..)
 //   s_dQ      (B_R, DP + 4) float     scale dS_ij K_j, for the bulk add
-//   s_stat    (STAGES, 3, B_R) acc_t  m_i, 1/l_i, D_i
+//   s_stat    (STAGES, 2, B_R) acc_t  lse_i log2 e, D_i
 //   bars      (1 + 2 STAGES) u64      K/V full; Q full, Q empty per stage
 //
 // Per step the consumers meet twice (named barriers over both): once both halves of dS^T are
@@ -47,7 +47,7 @@ constexpr int TILE_KV = B_C * DP, TILE_Q = B_R * DP, TILE_DS = B_C * B_R;   // e
 constexpr int DQ_PITCH = DP + 4;                   // floats: rows 16 bytes apart in banks
 constexpr int N_BARRIERS = 1 + 2 * STAGES;
 constexpr int SMEM_BYTES = (2 * TILE_KV + 2 * STAGES * TILE_Q + 2 * TILE_DS) * (int)sizeof(elem_t)
-                           + B_R * DQ_PITCH * (int)sizeof(float) + STAGES * 3 * B_R * (int)sizeof(acc_t)
+                           + B_R * DQ_PITCH * (int)sizeof(float) + STAGES * 2 * B_R * (int)sizeof(acc_t)
                            + N_BARRIERS * 8 + SW_ATOM_BYTES;
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;   // of 168 per thread at 384 (setmaxnreg); spare the consumers
 
@@ -57,16 +57,17 @@ static_assert((B_R == 64 || B_R == 128) && DP % SW_COLS == 0 && DP <= 128, "tile
 static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * 168, "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
-// Producer: one 4-byte cp.async per statistic of the rows q0 .. q0+B_R-1 (zero past Nq: P = 0 there)
-__device__ __forceinline__ void produce_stats(acc_t* s_stat, const acc_t* m_b, const acc_t* inv_l, const acc_t* Dsum,
+// Producer: one 4-byte cp.async per statistic of the rows q0 .. q0+B_R-1. Past Nq they are zero:
+// those rows of Q_i and dO_i are zero too, so their P_ij^T = 1 meets dO = 0 and dP - D = 0.
+__device__ __forceinline__ void produce_stats(acc_t* s_stat, const acc_t* lse2, const acc_t* Dsum,
                                               int q0, int Nq, bool vec, int ptid) {
-    for (int c = ptid; c < 3 * B_R; c += WG_THREADS) {
-        const int which = c / B_R, r = c % B_R;
-        const acc_t* src = (which == 0 ? m_b : which == 1 ? inv_l : Dsum) + q0 + r;
+    for (int c = ptid; c < 2 * B_R; c += WG_THREADS) {
+        const int r = c % B_R;
+        const acc_t* src = (c < B_R ? lse2 : Dsum) + q0 + r;
         const bool valid = q0 + r < Nq;
         if (vec) {
             asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
-                         :: "r"(smem_addr(s_stat + c)), "l"(valid ? src : m_b), "r"(valid ? 4 : 0) : "memory");
+                         :: "r"(smem_addr(s_stat + c)), "l"(valid ? src : lse2), "r"(valid ? 4 : 0) : "memory");
         } else {
             s_stat[c] = valid ? *src : (acc_t)0;
         }
@@ -78,8 +79,7 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                const elem_t* __restrict__ k,      // (batch..., Nk, D) strided
                const elem_t* __restrict__ v,      // (batch..., Nk, D) strided
                const elem_t* __restrict__ dO,     // (batch..., Nq, D) strided
-               const acc_t* __restrict__ m_b,     // (BH, Nq) from flash_bwd_prep_v1
-               const acc_t* __restrict__ inv_l,   // (BH, Nq) from flash_bwd_prep_v1
+               const acc_t* __restrict__ lse2,    // (BH, Nq) from flash_bwd_prep_v1
                const acc_t* __restrict__ Dsum,    // (BH, Nq)
                acc_t* __restrict__ dq_acc,        // q's own shape, contiguous, zeroed
                elem_t* __restrict__ dk,           // k's own shape, contiguous (direct store)
@@ -104,8 +104,8 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
     elem_t* s_dO = s_Q + STAGES * TILE_Q;                                 // (STAGES, B_R, DP)
     elem_t* s_dS = s_dO + STAGES * TILE_Q;                                // (2, B_C, B_R)
     float* s_dQ = reinterpret_cast<float*>(s_dS + 2 * TILE_DS);           // (B_R, DQ_PITCH)
-    acc_t* s_stat = reinterpret_cast<acc_t*>(s_dQ + B_R * DQ_PITCH);      // (STAGES, 3, B_R)
-    unsigned long long* kv_full = reinterpret_cast<unsigned long long*>(s_stat + STAGES * 3 * B_R);
+    acc_t* s_stat = reinterpret_cast<acc_t*>(s_dQ + B_R * DQ_PITCH);      // (STAGES, 2, B_R)
+    unsigned long long* kv_full = reinterpret_cast<unsigned long long*>(s_stat + STAGES * 2 * B_R);
     unsigned long long* q_full = kv_full + 1;                             // (STAGES)
     unsigned long long* q_empty = q_full + STAGES;                        // (STAGES)
 
@@ -123,8 +123,7 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
     const BatchIndex bi = split_batch(bh, n1, n2);
     q += batch_offset(bi, q_s0, q_s1, q_s2);
     dO += batch_offset(bi, do_s0, do_s1, do_s2);
-    m_b += bh * Nq;
-    inv_l += bh * Nq;
+    lse2 += bh * Nq;
     Dsum += bh * Nq;
 
     if (tid == 0) {
@@ -159,7 +158,7 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
             if (use > 0) mbar_wait(&q_empty[s], (use - 1) & 1);
             load_tile_sw128<B_R, DP, WG_THREADS>(s_Q + s * TILE_Q, q + (i64)q0 * q_sn, q_sn, rows, D, vec, ptid);
             load_tile_sw128<B_R, DP, WG_THREADS>(s_dO + s * TILE_Q, dO + (i64)q0 * do_sn, do_sn, rows, D, vec, ptid);
-            produce_stats(s_stat + s * 3 * B_R, m_b, inv_l, Dsum, q0, Nq, vec, ptid);
+            produce_stats(s_stat + s * 2 * B_R, lse2, Dsum, q0, Nq, vec, ptid);
             landed(&q_full[s]);
         }
         cp_async_wait<0>();   // no copy outlives its thread
@@ -189,7 +188,7 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
             const int s = n % STAGES, q0 = (i_first + n) * B_R;
             const elem_t* s_Qs = s_Q + s * TILE_Q;
             const elem_t* s_dOs = s_dO + s * TILE_Q;
-            const acc_t* st = s_stat + s * 3 * B_R;     // m_i, 1/l_i, D_i of the tile's rows
+            const acc_t* st = s_stat + s * 2 * B_R;     // lse_i log2 e, D_i of the tile's rows
             mbar_wait(&q_full[s], (n / STAGES) & 1);
             fence_proxy_async();
 
@@ -207,34 +206,42 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                                sw128_desc(s_dOs + sw128_offset<B_R>(0, kk * 16), 16, ATOM), kk > 0);
             wgmma_commit();
 
-            // P_ij^T = exp(scale S_ij^T - m_i) / l_i = exp2(S_ij^T scale log2 e - m_i log2 e) / l_i (one FFMA
-            // into the exponent: 16-bit inputs round P far coarser); invisible -> 0 (a row past Nq has 1/l = 0);
+            // P_ij^T = exp(scale S_ij^T - lse_i) = exp2(S_ij^T scale log2 e - lse_i log2 e), one FFMA into the
+            // exponent (16-bit inputs round P far coarser); invisible -> 0 (a row that saw no key has lse = inf);
             // dS_ij^T = P_ij^T o (dP_ij^T - D_i)
             wgmma_wait<0>();
             wgmma_pin(S);
             wgmma_pin(dP);
             const bool boundary = key0 + 16 > Nk || (causal && key0 + 15 > q0 + (Nk - Nq));
+            unsigned Pf[B_R / 16][4], dSf[B_R / 16][4];  // P^T, dS^T as A fragments, 16 queries at a time
 #pragma unroll
-            for (int nn = 0; nn < B_R / 8; ++nn) {
-                const int qc = nn * 8 + 2 * t;               // query columns qc, qc + 1 inside the tile
-                const float2 m2 = *reinterpret_cast<const float2*>(st + qc);
-                const float2 il2 = *reinterpret_cast<const float2*>(st + B_R + qc);
-                const float2 D2 = *reinterpret_cast<const float2*>(st + 2 * B_R + qc);
-                const acc_t mq[2] = {-m2.x * (acc_t)LOG2E, -m2.y * (acc_t)LOG2E};
-                const acc_t il[2] = {il2.x, il2.y}, Dq[2] = {D2.x, D2.y};
+            for (int kk = 0; kk < B_R / 16; ++kk) {
+                acc_t p[2][4], ds[2][4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int kr = key0 + g + (e / 2) * 8;   // key row
-                    const acc_t p = (boundary && !key_visible(q0 + qc + e % 2, kr, Nq, Nk, causal))
-                                        ? (acc_t)0
-                                        : exp2_acc(fmaf(S[nn][e], scale_log2, mq[e % 2])) * il[e % 2];
-                    S[nn][e] = p;
-                    dP[nn][e] = p * (dP[nn][e] - Dq[e % 2]);
+                for (int half = 0; half < 2; ++half) {
+                    const int nn = 2 * kk + half, qc = nn * 8 + 2 * t;   // query columns qc, qc + 1 of the tile
+                    const float2 lse = *reinterpret_cast<const float2*>(st + qc);
+                    const float2 Dv = *reinterpret_cast<const float2*>(st + B_R + qc);
+                    const acc_t neg_lse[2] = {-lse.x, -lse.y}, Dq[2] = {Dv.x, Dv.y};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int kr = key0 + g + (e / 2) * 8;   // key row
+                        p[half][e] = (boundary && !key_visible(q0 + qc + e % 2, kr, Nq, Nk, causal))
+                                         ? (acc_t)0
+                                         : exp2_acc(fmaf(S[nn][e], scale_log2, neg_lse[e % 2]));
+                        ds[half][e] = p[half][e] * (dP[nn][e] - Dq[e % 2]);
+                    }
                 }
+                // the A fragment of columns 16kk .. 16kk+15: rows g, g+8 of the left, then the right 8
+                Pf[kk][0] = pack2(p[0][0], p[0][1]);
+                Pf[kk][1] = pack2(p[0][2], p[0][3]);
+                Pf[kk][2] = pack2(p[1][0], p[1][1]);
+                Pf[kk][3] = pack2(p[1][2], p[1][3]);
+                dSf[kk][0] = pack2(ds[0][0], ds[0][1]);
+                dSf[kk][1] = pack2(ds[0][2], ds[0][3]);
+                dSf[kk][2] = pack2(ds[1][0], ds[1][1]);
+                dSf[kk][3] = pack2(ds[1][2], ds[1][3]);
             }
-            unsigned Pf[B_R / 16][4], dSf[B_R / 16][4];
-            frag_to_a(Pf, S);
-            frag_to_a(dSf, dP);
 
             // dV_j += P_ij^T dO_i,  dK_j += dS_ij^T Q_i (scaled at the end)            (64, DP)
             wgmma_fence();

@@ -2,7 +2,8 @@
 // statistics instead of storing it.
 //
 //   flash_bwd_prep_v1   D_i = rowsum(dO_i o O_i), and m_i, 1/l_i as the recomputation
-//                       reads them (m = +inf, 1/l = 0 for a row that saw no key: P = 0)
+//                       reads them (m = +inf, 1/l = 0 for a row that saw no key: P = 0);
+//                       also lse_i log2 e = (m_i + log l_i) log2 e for flash_bwd_sm90
 //   flash_bwd_v1        one CTA per (batch*head, K/V tile j, head-dim chunk):
 //                       K_j, V_j stay in SRAM, dK_j, dV_j accumulate in
 //                       registers, the CTA walks the Q tiles i:
@@ -62,6 +63,7 @@ flash_bwd_prep_v1(const elem_t* __restrict__ o,    // (batch..., Nq, D) strided
                   acc_t* __restrict__ m_b,         // (BH, Nq) m_i, +inf where l_i = 0
                   acc_t* __restrict__ inv_l,       // (BH, Nq) 1 / l_i, 0 where l_i = 0
                   acc_t* __restrict__ Dsum,        // (BH, Nq)
+                  acc_t* __restrict__ lse2,        // (BH, Nq) (m_i + log l_i) log2 e, +inf where l_i = 0
                   i64 o_s0, i64 o_s1, i64 o_s2, i64 o_sn,
                   i64 do_s0, i64 do_s1, i64 do_s2, i64 do_sn,
                   i64 n1, i64 n2, i64 rows, int Nq, int D) {
@@ -82,6 +84,7 @@ flash_bwd_prep_v1(const elem_t* __restrict__ o,    // (batch..., Nq, D) strided
         Dsum[row] = acc;
         m_b[row] = seen ? m[row] : POS_INF;
         inv_l[row] = seen ? (acc_t)1 / l[row] : (acc_t)0;
+        lse2[row] = seen ? m[row] * (acc_t)LOG2E + log2(l[row]) : POS_INF;
     }
 }
 
