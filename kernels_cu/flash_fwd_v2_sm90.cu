@@ -3,20 +3,24 @@
 //
 // Same loop order as flash_fwd_v2.cu: one CTA per (Q tile i, batch*head), O_i, m_i, l_i in
 // registers, normalisation deferred to the end. What changes is who does what. The CTA is
-// three warpgroups (four warps each), specialised:
+// 1 + CONSUMERS warpgroups (four warps each), specialised:
 //
 //   producer   warpgroup 0 copies Q_i once, then K_j and V_j into a ring of STAGES buffers
 //              (cp.async), each buffer guarded by a "full" and an "empty" mbarrier;
-//   consumers  warpgroups 1, 2 own 64 query rows each and issue wgmma, which reads Q_i, K_j
-//              and V_j straight from swizzled shared memory (S_ij = Q_i K_j^T) and P~_ij from
-//              registers (O_i += P~_ij V_j). The producer hands its registers to them (setmaxnreg).
+//   consumers  warpgroups 1 .. CONSUMERS own 64 query rows each and issue wgmma, which reads
+//              Q_i, K_j and V_j straight from swizzled shared memory (S_ij = Q_i K_j^T) and P~_ij
+//              from registers (O_i += P~_ij V_j). The producer hands its registers to them
+//              (setmaxnreg).
 //
-// The consumers never wait on each other, only on tiles. wgmma is asynchronous, so one step of
-// a consumer overlaps S_ij = Q_i K_j^T with P~_{i,j-1} V_{j-1}, and the softmax of S_ij with
-// the latter. Consumer step j (0 <= j <= T, T = K/V tiles):
+// The consumers wait only on tiles and on their turn to issue products (ping-pong: while one
+// runs its softmax another's products keep the tensor cores busy). wgmma is asynchronous, so
+// one step of a consumer also overlaps S_ij = Q_i K_j^T with P~_{i,j-1} V_{j-1}, and the
+// softmax of S_ij with the latter. The softmax takes the row max of raw scores Q K^T and
+// scales differences (scale > 0, checked on the host). Consumer step j (0 <= j <= T, T = K/V
+// tiles):
 //
 //   wait K_j full, V_{j-1} full
-//   issue S_ij = Q_i K_j^T, then O_i += P~_{i,j-1} V_{j-1}
+//   (my turn) issue S_ij = Q_i K_j^T, then O_i += P~_{i,j-1} V_{j-1} (next consumer's turn)
 //   wait for S_ij;  K_j empty;  scale, mask, online softmax -> P~_ij, alpha
 //   wait for O_i;   V_{j-1} empty;  O_i <- alpha O_i,  l_i <- alpha l_i + rowsum(P~_ij)
 //
