@@ -111,14 +111,13 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
 
     const bool causal = causal_flag != 0, vec = vec_flag != 0;
     const int tid = threadIdx.x, wg = tid / WG_THREADS;
-    const int T_c = (Nk + B_C - 1) / B_C, T_r = (Nq + B_R - 1) / B_R;
+    const int T_r = (Nq + B_R - 1) / B_R;
     const int j = (int)(blockIdx.x / bh_count);       // the first K/V tiles (the most Q tiles when causal) first
     const i64 bh = blockIdx.x % bh_count;
     const int kv0 = j * B_C;
     // causal: the first query row that sees key kv0 is kv0 - (Nk - Nq)
     const int i_first = causal ? max(0, kv0 - (Nk - Nq)) / B_R : 0;
     const int steps = T_r - i_first;
-    (void)T_c;
 
     const BatchIndex bi = split_batch(bh, n1, n2);
     q += batch_offset(bi, q_s0, q_s1, q_s2);
@@ -139,27 +138,19 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
         // producer: K_j, V_j; then Q_i, dO_i, statistics into stage n % STAGES once it is released
         setmaxnreg_dec<PRODUCER_REGS>();
         const int ptid = tid;
-        auto landed = [&](unsigned long long* bar) {
-            if (vec) {
-                mbar_arrive_cp_async(bar);
-            } else {
-                fence_proxy_async();
-                mbar_arrive(bar);
-            }
-        };
         const int kv_rows = min(B_C, Nk - kv0);
         load_tile_sw128<B_C, DP, WG_THREADS>(s_K, k + batch_offset(bi, k_s0, k_s1, k_s2) + (i64)kv0 * k_sn, k_sn,
                                              kv_rows, D, vec, ptid);
         load_tile_sw128<B_C, DP, WG_THREADS>(s_V, v + batch_offset(bi, v_s0, v_s1, v_s2) + (i64)kv0 * v_sn, v_sn,
                                              kv_rows, D, vec, ptid);
-        landed(kv_full);
+        arrive_when_landed(kv_full, vec);
         for (int n = 0; n < steps; ++n) {
             const int s = n % STAGES, use = n / STAGES, q0 = (i_first + n) * B_R, rows = min(B_R, Nq - q0);
             if (use > 0) mbar_wait(&q_empty[s], (use - 1) & 1);
             load_tile_sw128<B_R, DP, WG_THREADS>(s_Q + s * TILE_Q, q + (i64)q0 * q_sn, q_sn, rows, D, vec, ptid);
             load_tile_sw128<B_R, DP, WG_THREADS>(s_dO + s * TILE_Q, dO + (i64)q0 * do_sn, do_sn, rows, D, vec, ptid);
             produce_stats(s_stat + s * 2 * B_R, lse2, Dsum, q0, Nq, vec, ptid);
-            landed(&q_full[s]);
+            arrive_when_landed(&q_full[s], vec);
         }
         cp_async_wait<0>();   // no copy outlives its thread
     } else {

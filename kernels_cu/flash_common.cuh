@@ -423,6 +423,17 @@ __device__ __forceinline__ void mbar_arrive_cp_async(unsigned long long* bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(smem_addr(bar)) : "memory");
 }
 
+// A producer thread's arrival on `full` once the tile copies it issued have landed: through
+// cp.async (vec), or now, its plain stores fenced for the tensor cores' async proxy.
+__device__ __forceinline__ void arrive_when_landed(unsigned long long* full, bool vec) {
+    if (vec) {
+        mbar_arrive_cp_async(full);
+    } else {
+        fence_proxy_async();
+        mbar_arrive(full);
+    }
+}
+
 // wait until the phase of parity `parity` has completed
 __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
     unsigned done;

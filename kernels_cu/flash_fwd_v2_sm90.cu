@@ -60,17 +60,12 @@ static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * ENT
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
 // Producer: a (ROWS, DP) tile of `rows` rows into a swizzled buffer, then an arrival on `full`
-// once it has landed (cp.async when vec; plain copies are done when the loop is)
+// once it has landed
 template <int ROWS>
 __device__ __forceinline__ void produce_tile(elem_t* s, const elem_t* g, i64 sn, int rows, int D, bool vec,
                                              unsigned long long* full) {
     load_tile_sw128<ROWS, DP, WG_THREADS>(s, g, sn, rows, D, vec, threadIdx.x % WG_THREADS);
-    if (vec) {
-        mbar_arrive_cp_async(full);
-    } else {
-        fence_proxy_async();
-        mbar_arrive(full);
-    }
+    arrive_when_landed(full, vec);
 }
 
 // S (64, B_C) = Q_i K_j^T for this warpgroup's 64 rows of Q_i, issued (not waited for)
