@@ -77,3 +77,35 @@ def test_head_dim_buckets(head_dim, bucket):
 def test_head_dim_past_the_last_bucket_raises():
     with pytest.raises(ValueError, match="257"):
         _tiles.head_dim_bucket(257)
+
+
+H100_SMEM = 227 * 1024
+
+
+@pytest.mark.parametrize("kernel", ["fwd_v2_sm90", "bwd_sm90"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_hopper_kernels_take_16_bit_only(kernel, dtype):
+    with pytest.raises(ValueError, match=kernel):
+        _tiles.choose_tiles(kernel, 64, dtype, H100_SMEM)
+
+
+@pytest.mark.parametrize("head_dim", [129, 192, 256])
+def test_hopper_backward_stops_at_128(head_dim):
+    with pytest.raises(ValueError, match="D <= 128"):
+        _tiles.choose_tiles("bwd_sm90", head_dim, "bfloat16", H100_SMEM)
+
+
+@pytest.mark.parametrize("kernel", ["fwd_v2_sm90", "bwd_sm90"])
+@pytest.mark.parametrize("head_dim", [1, 33, 64, 65, 96, 128])
+def test_hopper_tiles_pad_to_swizzle_blocks_and_fit(kernel, head_dim):
+    """Whole 64-column swizzle blocks, warpgroups of 64 rows plus a producer, within an H100/H200 block."""
+    cfg = _tiles.choose_tiles(kernel, head_dim, "float16", H100_SMEM)
+    assert cfg.d_pad == -(-_tiles.head_dim_bucket(head_dim) // 64) * 64   # its bucket, up to a 64 multiple
+    rows = cfg.block_r if kernel == "fwd_v2_sm90" else cfg.block_c
+    assert rows == 64 * (cfg.warps // 4 - 1) and cfg.smem_bytes <= H100_SMEM
+    assert cfg.arch == "sm_90a" and "-DFLASH_WGMMA=1" in cfg.defines()
+
+
+def test_portable_kernels_have_no_arch():
+    cfg = _tiles.choose_tiles("fwd_v2", 64, "float16", H100_SMEM)
+    assert cfg.arch is None and "-DFLASH_WGMMA=0" in cfg.defines()
