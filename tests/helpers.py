@@ -1,7 +1,15 @@
 """Test helpers: GPU detection, a poisoned memory pool, error measures and tolerances."""
 
+import ml_dtypes
 import numpy
 import pytest
+
+# The four dtypes the API takes
+FLOAT16 = numpy.dtype(numpy.float16)
+BFLOAT16 = numpy.dtype(ml_dtypes.bfloat16)
+FLOAT32 = numpy.dtype(numpy.float32)
+FLOAT64 = numpy.dtype(numpy.float64)
+FLOAT_DTYPES = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
 
 
 def _gpu_available() -> bool:

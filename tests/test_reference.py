@@ -13,7 +13,6 @@ scale; an algorithmic slip (a lost key, a wrong alpha) is orders larger.
 
 import dataclasses
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -27,15 +26,11 @@ from cupyflash.reference import (
     naive_same_precision_backward,
     naive_same_precision_forward,
 )
+from helpers import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, FLOAT_DTYPES
 
 # A NaN made by -inf - (-inf) or 0 / 0 would raise a RuntimeWarning: make it fail the test.
 pytestmark = pytest.mark.filterwarnings("error")
 
-FLOAT16 = np.dtype(np.float16)
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-FLOAT32 = np.dtype(np.float32)
-FLOAT64 = np.dtype(np.float64)
-ALL_DTYPES = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
 
 # Unit roundoff 2^-(mantissa bits + 1) of each dtype.
 UNIT_ROUNDOFF = {FLOAT16: 2.0**-11, BFLOAT16: 2.0**-8, FLOAT32: 2.0**-24, FLOAT64: 2.0**-53}
@@ -143,7 +138,7 @@ class AttentionProblem:
 
 
 @st.composite
-def attention_problems(draw, dtypes=ALL_DTYPES, lengths=sequence_lengths(), dims=head_dims(),
+def attention_problems(draw, dtypes=FLOAT_DTYPES, lengths=sequence_lengths(), dims=head_dims(),
                        scales=softmax_scales(), causal=st.booleans(), gain=1.0, extra_queries=None):
     """Random q, k, v, dO (standard normal times ``gain``, rounded to the drawn dtype).
 
@@ -471,7 +466,7 @@ def test_inputs_are_not_modified(problem):
         assert x.dtype == copy.dtype and np.array_equal(x, copy)
 
 
-@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 def test_empty_queries_give_empty_outputs(dtype, causal):
     q = np.zeros((2, 3, 0, 8), dtype)

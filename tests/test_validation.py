@@ -20,15 +20,11 @@ from hypothesis import strategies as st
 
 import cupyflash
 from cupyflash import flash_attention, flash_attention_backward, flash_attention_forward
+from helpers import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, FLOAT_DTYPES
 
 # Valid calls on random data emit no warning; an overflow or 0/0 would be a bug.
 pytestmark = pytest.mark.filterwarnings("error")
 
-FLOAT16 = np.dtype(np.float16)
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-FLOAT32 = np.dtype(np.float32)
-FLOAT64 = np.dtype(np.float64)
-SUPPORTED_DTYPES = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
 UNSUPPORTED_DTYPES = (np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_), np.dtype(np.complex64),
                       np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.longdouble), np.dtype(object))
 MAX_HEAD_DIM = 256
@@ -410,7 +406,7 @@ def run_forward_and_backward(q, k, v, **flags):
     return outputs, gradients
 
 
-@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("q_shape", "kv_shape", "batch"), [
     pytest.param((2, 5, 1), (2, 7, 1), (2,), id="D=1"),
@@ -513,7 +509,7 @@ STRIDED_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", STRIDED_LAYOUTS)
-@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_strided_views_compute_what_their_contiguous_copies_do(layout, dtype):
     b, h, n_q, n_k, d = 2, 3, 5, 7, 8
     q_view, kv_view = STRIDED_LAYOUTS[layout]
@@ -531,7 +527,7 @@ def test_strided_views_compute_what_their_contiguous_copies_do(layout, dtype):
 # Inputs are never modified
 # ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(("q_shape", "kv_shape"), [
     pytest.param(Q_SHAPE, KV_SHAPE, id="MHA"),
@@ -573,7 +569,7 @@ def forward_contract_errors(q, k, v, causal, softmax_scale):
         return {TypeError}
     errors = set()
     dtypes = {x.dtype for x in arrays.values()}
-    if len(dtypes) > 1 or not dtypes <= set(SUPPORTED_DTYPES):
+    if len(dtypes) > 1 or not dtypes <= set(FLOAT_DTYPES):
         errors.add(TypeError)
     if not isinstance(causal, (bool, np.bool_)):
         errors.add(TypeError)
@@ -648,12 +644,12 @@ def forward_calls(draw):
         name = draw(st.sampled_from(arrays))
         shapes[name] = draw(st.sampled_from([[], shapes[name][-1:]]))
 
-    dtype = draw(st.sampled_from(SUPPORTED_DTYPES))
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
     if "unsupported dtype" in faults:
         dtype = draw(st.sampled_from(UNSUPPORTED_DTYPES))
     dtypes = dict.fromkeys(arrays, dtype)
     if "mixed dtypes" in faults:
-        dtypes[draw(st.sampled_from(arrays))] = draw(st.sampled_from(SUPPORTED_DTYPES + UNSUPPORTED_DTYPES))
+        dtypes[draw(st.sampled_from(arrays))] = draw(st.sampled_from(FLOAT_DTYPES + UNSUPPORTED_DTYPES))
     values = {name: random_array(tuple(shapes[name]), dtypes[name]) for name in arrays}
     if "non-array" in faults:
         name = draw(st.sampled_from(arrays))
@@ -693,7 +689,7 @@ def backward_calls(draw):
     Returns ``(arguments, error)``: the seven backward arguments and the error the
     contract demands (None when nothing was made wrong).
     """
-    dtype = draw(st.sampled_from(SUPPORTED_DTYPES))
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
     batch = tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
     kv_batch = tuple(1 if draw(st.booleans()) else n for n in batch)
     n_q, n_k, d = draw(st.integers(0, 4)), draw(st.integers(0, 4)), draw(st.sampled_from([1, 8, 16]))
@@ -716,7 +712,7 @@ def backward_calls(draw):
         arguments[name] = random_array(bad_shape, x.dtype)
         return arguments, ValueError
     if fault == "dtype":
-        other = [dt for dt in SUPPORTED_DTYPES + UNSUPPORTED_DTYPES[:3] if dt != x.dtype]
+        other = [dt for dt in FLOAT_DTYPES + UNSUPPORTED_DTYPES[:3] if dt != x.dtype]
         arguments[name] = random_array(x.shape, draw(st.sampled_from(other)))
         return arguments, TypeError
     arguments[name] = x.tolist()
