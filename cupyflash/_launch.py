@@ -21,6 +21,8 @@ from ._tiles import BWD_SM90_MAX_HEAD_DIM, TileConfig, accumulator_dtype, choose
 
 MAX_BATCH_DIMS = 3  # collapsed batch dims a kernel indexes (flash_common.cuh: split_batch)
 VECTOR_BYTES = 16   # width of the vectorised tile loads
+PREP_LANES, PREP_THREADS = 8, 256   # flash_bwd_prep_v1: threads per row, per block
+CONVERT_THREADS = 256
 
 
 @dataclass(frozen=True)
@@ -91,21 +93,46 @@ def collapse_batch(batch_shape, tensor_strides) -> BatchLayout | None:
     return BatchLayout(sizes, per_tensor)
 
 
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What the launches need to know of a device."""
+
+    compute_capability: str   # e.g. "90"
+    smem_block: int           # shared memory a block may opt in to (bytes)
+    smem_sm: int              # shared memory per multiprocessor (bytes)
+    sms: int                  # multiprocessors
+    l2_bytes: int             # L2 cache
+
+
 @lru_cache(maxsize=None)
-def _device_limits(device_id: int) -> tuple[int, int, int]:
+def _device_limits(device_id: int) -> DeviceLimits:
     import cupy
 
-    attrs = cupy.cuda.Device(device_id).attributes
-    return (attrs["MaxSharedMemoryPerBlockOptin"], attrs["MaxSharedMemoryPerMultiprocessor"],
-            attrs["MultiProcessorCount"])
+    device = cupy.cuda.Device(device_id)
+    attrs = device.attributes
+    return DeviceLimits(device.compute_capability, attrs["MaxSharedMemoryPerBlockOptin"],
+                        attrs["MaxSharedMemoryPerMultiprocessor"], attrs["MultiProcessorCount"], attrs["L2CacheSize"])
+
+
+def current_limits() -> DeviceLimits:
+    import cupy
+
+    return _device_limits(cupy.cuda.Device().id)
 
 
 def device_tiles(kernel: str, head_dim: int, dtype) -> TileConfig:
     """``choose_tiles`` for the current device."""
-    import cupy
+    return choose_tiles(kernel, head_dim, dtype, current_limits().smem_block)
 
-    smem_block, _, _ = _device_limits(cupy.cuda.Device().id)
-    return choose_tiles(kernel, head_dim, dtype, smem_block)
+
+# A group of heads whose tensors take at most this share of L2 runs side by side (flash_common.cuh: grid_tile)
+L2_SHARE = 0.5
+
+
+def head_group(heads: int, bytes_per_head: int) -> numpy.int32:
+    """Heads per group of the grid order (``grid_tile``): as many as fit ``L2_SHARE`` of L2, one at least."""
+    fit = int(current_limits().l2_bytes * L2_SHARE) // max(1, bytes_per_head)
+    return numpy.int32(min(max(1, fit), heads))
 
 
 def forward_schedule(schedule: str, head_dim: int, dtype) -> str:
@@ -133,16 +160,18 @@ def forward_schedule(schedule: str, head_dim: int, dtype) -> str:
 USE_WGMMA = True
 
 
+def _hopper(dtype) -> bool:
+    """The Hopper kernels take ``dtype`` on the current device."""
+    return USE_WGMMA and numpy.dtype(dtype).itemsize == 2 and current_limits().compute_capability == "90"
+
+
 def forward_kernel(schedule: str, dtype, scale: float = 1.0) -> str:
     """The kernel of a forward ``schedule`` ('v1' or 'v2') for ``dtype`` on the current device.
 
     The Hopper kernel takes the row max of raw scores, so it needs ``scale > 0``; a zero or
     negative scale runs the portable V2 kernel.
     """
-    import cupy
-
-    if (schedule == "v2" and USE_WGMMA and numpy.dtype(dtype).itemsize == 2 and scale > 0
-            and cupy.cuda.Device().compute_capability == "90"):
+    if schedule == "v2" and scale > 0 and _hopper(dtype):
         return "fwd_v2_sm90"
     return f"fwd_{schedule}"
 
@@ -189,31 +218,29 @@ def forward(q, k, v, *, schedule: str, causal: bool, scale: float, batch_shape, 
     m = cupy.empty((*batch_shape, Nq), acc)
     l = cupy.empty((*batch_shape, Nq), acc)
     T_r = -(-Nq // cfg.block_r)
-    inputs = (*_strides4(q, layout.strides[0]), *_strides4(k, layout.strides[1]), *_strides4(v, layout.strides[2]),
-              numpy.int64(layout.sizes[1]), numpy.int64(layout.sizes[2]),
-              numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D),
-              acc.type(scale))
+    strides = (*_strides4(q, layout.strides[0]), *_strides4(k, layout.strides[1]), *_strides4(v, layout.strides[2]),
+               numpy.int64(layout.sizes[1]), numpy.int64(layout.sizes[2]))
+    sizes = (numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D), acc.type(scale))
     flags = (numpy.int32(causal), numpy.int32(_vector_ok((q, k, v), D)))
-    if schedule == "v2":   # fwd_v2 and fwd_v2_sm90 take the same arguments
-        kernel((BH * T_r,), (cfg.threads,), (q, k, v, o, m, l, *inputs, *flags), shared_mem=cfg.smem_bytes)
+    if schedule == "v2":   # fwd_v2 and fwd_v2_sm90 take the same arguments; the Q tiles of a head share K, V
+        group = head_group(BH, 2 * Nk * D * q.itemsize)
+        kernel((BH * T_r,), (cfg.threads,), (q, k, v, o, m, l, *strides, group, *sizes, *flags),
+               shared_mem=cfg.smem_bytes)
         return o, m, l
 
     # V1: the running O_i between outer steps (with a single K/V tile every step is the last)
     o_run = cupy.empty((BH, Nq, cfg.d_pad), acc) if Nk > cfg.block_c else m
-    _, smem_sm, sms = _device_limits(cupy.cuda.Device().id)
-    slots = sms * max(1, min(4, smem_sm // cfg.smem_bytes))   # CTAs resident at once
+    limits = current_limits()
+    slots = limits.sms * max(1, min(4, limits.smem_sm // cfg.smem_bytes))   # CTAs resident at once
     n_splits = choose_splits(BH, T_r, slots)
-    kernel((BH * n_splits,), (cfg.threads,), (q, k, v, o, o_run, m, l, *inputs, numpy.int32(n_splits), *flags),
+    kernel((BH * n_splits,), (cfg.threads,), (q, k, v, o, o_run, m, l, *strides, *sizes, numpy.int32(n_splits), *flags),
            shared_mem=cfg.smem_bytes)
     return o, m, l
 
 
 def backward_kernel(schedule: str, dtype, head_dim: int) -> str:
     """The main kernel of a backward ``schedule`` for ``dtype`` and ``head_dim`` on the current device."""
-    import cupy
-
-    if (schedule != "v1" and USE_WGMMA and numpy.dtype(dtype).itemsize == 2 and head_dim <= BWD_SM90_MAX_HEAD_DIM
-            and cupy.cuda.Device().compute_capability == "90"):
+    if schedule != "v1" and head_dim <= BWD_SM90_MAX_HEAD_DIM and _hopper(dtype):
         return "bwd_sm90"
     return "bwd_v1"
 
@@ -238,15 +265,20 @@ def backward(do, q, k, v, o, m, l, *, schedule: str, causal: bool, scale: float,
     s_q, s_k, s_v, s_o, s_do, s_dq, s_dk, s_dv = layout.strides
     n1, n2 = numpy.int64(layout.sizes[1]), numpy.int64(layout.sizes[2])
 
-    # D_i = rowsum(dO_i o O_i); m_i and 1 / l_i as the recomputation reads them
+    # D_i = rowsum(dO_i o O_i) and the statistics the main kernel reads: m_i and 1 / l_i (bwd_v1),
+    # lse_i log2 e (bwd_sm90)
     m = cupy.ascontiguousarray(m)
     l = cupy.ascontiguousarray(l)
-    m_b, inv_l, d_sum, lse2 = (cupy.empty((BH, Nq), acc) for _ in range(4))
+    lse_stats = main_cfg.kernel == "bwd_sm90"
+    d_sum = cupy.empty((BH, Nq), acc)
+    stats = tuple(cupy.empty((BH, Nq), acc) for _ in range(1 if lse_stats else 2))
+    m_b, inv_l, lse2 = (d_sum, d_sum, *stats) if lse_stats else (*stats, d_sum)   # d_sum where not written
     rows = BH * Nq
     kernels["flash_bwd_prep_v1"](
-        (-(-rows // cfg.warps),), (cfg.threads,),
-        (o, do, m, l, m_b, inv_l, d_sum, lse2, *_strides4(o, s_o), *_strides4(do, s_do),
-         n1, n2, numpy.int64(rows), numpy.int32(Nq), numpy.int32(D)))
+        (-(-rows * PREP_LANES // PREP_THREADS),), (PREP_THREADS,),
+        (o, do, m, l, m_b, inv_l, lse2, d_sum, *_strides4(o, s_o), *_strides4(do, s_do),
+         n1, n2, numpy.int64(rows), numpy.int32(Nq), numpy.int32(D),
+         numpy.int32(_vector_ok((o, do), D)), numpy.int32(lse_stats)))
 
     # dK, dV are stored directly unless several batch entries share one K/V head
     kv_atomic = math.prod(k.shape[:-2]) < BH or math.prod(v.shape[:-2]) < BH
@@ -259,15 +291,15 @@ def backward(do, q, k, v, o, m, l, *, schedule: str, causal: bool, scale: float,
         dk_acc, dv_acc = dq_acc, dq_acc   # not written
     T_c = -(-Nk // main_cfg.block_c)
     n_chunks = -(-D // main_cfg.d_chunk)
-    # bwd_sm90 also takes the batch*heads count: its grid runs the first K/V tiles of every head first
-    sizes = (n1, n2) if main_cfg.kernel == "bwd_v1" else (n1, n2, numpy.int64(BH))
+    # bwd_sm90's K/V tiles of a head share Q, dO, the statistics and the dQ workspace
+    group = head_group(BH, Nq * (D * (2 * q.itemsize + acc.itemsize) + 2 * acc.itemsize) + 2 * Nk * D * q.itemsize)
     main(
         (BH * T_c * n_chunks,), (main_cfg.threads,),
-        (q, k, v, do, *((m_b, inv_l) if main_cfg.kernel == "bwd_v1" else (lse2,)), d_sum,
+        (q, k, v, do, *stats, d_sum,
          dq_acc, dk_out, dv_out, dk_acc, dv_acc,
          *_strides4(q, s_q), *_strides4(k, s_k), *_strides4(v, s_v), *_strides4(do, s_do),
          *(numpy.int64(s) for s in s_dq), *(numpy.int64(s) for s in s_dk), *(numpy.int64(s) for s in s_dv),
-         *sizes, numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D),
+         n1, n2, *(() if main_cfg.kernel == "bwd_v1" else (group,)), numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D),
          acc.type(scale),
          numpy.int32(causal), numpy.int32(_vector_ok((q, k, v, do), D)), numpy.int32(kv_atomic)),
         shared_mem=main_cfg.smem_bytes)
@@ -278,7 +310,8 @@ def backward(do, q, k, v, o, m, l, *, schedule: str, causal: bool, scale: float,
         out = cupy.empty(x_acc.shape, q.dtype)
         n = x_acc.size
         if n:
-            kernels["flash_convert"]((min(-(-n // 256), 65535),), (256,), (x_acc, out, numpy.int64(n)))
+            blocks = min(max(1, -(-n // (4 * CONVERT_THREADS))), 65535)   # four elements per thread
+            kernels["flash_convert"]((blocks,), (CONVERT_THREADS,), (x_acc, out, numpy.int64(n)))
         return out
 
     dq = to_dtype(dq_acc)

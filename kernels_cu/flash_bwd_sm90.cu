@@ -93,7 +93,7 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                i64 dq_s0, i64 dq_s1, i64 dq_s2,
                i64 dk_s0, i64 dk_s1, i64 dk_s2,
                i64 dv_s0, i64 dv_s1, i64 dv_s2,
-               i64 n1, i64 n2, i64 bh_count,
+               i64 n1, i64 n2, int head_group,
                int Nq, int Nk, int D, acc_t scale,
                int causal_flag, int vec_flag, int kv_atomic) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -110,10 +110,12 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
     unsigned long long* q_empty = q_full + STAGES;                        // (STAGES)
 
     const bool causal = causal_flag != 0, vec = vec_flag != 0;
-    const int tid = threadIdx.x, wg = tid / WG_THREADS;
-    const int T_r = (Nq + B_R - 1) / B_R;
-    const int j = (int)(blockIdx.x / bh_count);       // the first K/V tiles (the most Q tiles when causal) first
-    const i64 bh = blockIdx.x % bh_count;
+    const int tid = threadIdx.x;
+    const int wg = __shfl_sync(0xffffffffu, tid / WG_THREADS, 0);   // from lane 0: the compiler sees it warp-uniform
+    const int T_r = (Nq + B_R - 1) / B_R, T_c = (Nk + B_C - 1) / B_C;
+    const GridTile at = grid_tile(T_c, head_group);
+    const i64 bh = at.bh;
+    const int j = at.tile;                             // the most Q tiles first when causal
     const int kv0 = j * B_C;
     // causal: the first query row that sees key kv0 is kv0 - (Nk - Nq)
     const int i_first = causal ? max(0, kv0 - (Nk - Nq)) / B_R : 0;

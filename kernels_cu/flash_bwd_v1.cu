@@ -1,9 +1,9 @@
 // flash_bwd_v1.cu — FlashAttention V1 backward: recompute P from the saved
 // statistics instead of storing it.
 //
-//   flash_bwd_prep_v1   D_i = rowsum(dO_i o O_i), and m_i, 1/l_i as the recomputation
-//                       reads them (m = +inf, 1/l = 0 for a row that saw no key: P = 0);
-//                       also lse_i log2 e = (m_i + log l_i) log2 e for flash_bwd_sm90
+//   flash_bwd_prep_v1   D_i = rowsum(dO_i o O_i), and the statistics the main kernel reads:
+//                       m_i, 1/l_i for flash_bwd_v1 (m = +inf, 1/l = 0 for a row that saw
+//                       no key: P = 0), lse_i log2 e = (m_i + log l_i) log2 e for flash_bwd_sm90
 //   flash_bwd_v1        one CTA per (batch*head, K/V tile j, head-dim chunk):
 //                       K_j, V_j stay in SRAM, dK_j, dV_j accumulate in
 //                       registers, the CTA walks the Q tiles i:
@@ -49,42 +49,54 @@ static_assert(NWARPS % DQ_WM == 0 && DQ_NT * 8 * DQ_WN == DC && DQ_NT % 2 == 0, 
 static_assert(DP % DC == 0 && B_R % 16 == 0, "tile shapes");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
-__device__ __forceinline__ acc_t warp_sum(acc_t x) {
-#pragma unroll
-    for (int s = WARP_SIZE / 2; s > 0; s /= 2) x += __shfl_xor_sync(0xffffffffu, x, s);
-    return x;
-}
+// flash_bwd_prep_v1: PREP_LANES threads per row, each reading 16-byte vectors of O_i and dO_i
+constexpr int PREP_LANES = 8;
+constexpr int PREP_THREADS = 256;
 
-extern "C" __global__ void __launch_bounds__(NTHREADS)
+extern "C" __global__ void __launch_bounds__(PREP_THREADS)
 flash_bwd_prep_v1(const elem_t* __restrict__ o,    // (batch..., Nq, D) strided
                   const elem_t* __restrict__ dO,   // (batch..., Nq, D) strided
                   const acc_t* __restrict__ m,     // (BH, Nq)
                   const acc_t* __restrict__ l,     // (BH, Nq)
-                  acc_t* __restrict__ m_b,         // (BH, Nq) m_i, +inf where l_i = 0
-                  acc_t* __restrict__ inv_l,       // (BH, Nq) 1 / l_i, 0 where l_i = 0
+                  acc_t* __restrict__ m_b,         // (BH, Nq) m_i, +inf where l_i = 0        } for flash_bwd_v1
+                  acc_t* __restrict__ inv_l,       // (BH, Nq) 1 / l_i, 0 where l_i = 0       }
+                  acc_t* __restrict__ lse2,        // (BH, Nq) (m_i + log l_i) log2 e, +inf where l_i = 0: flash_bwd_sm90
                   acc_t* __restrict__ Dsum,        // (BH, Nq)
-                  acc_t* __restrict__ lse2,        // (BH, Nq) (m_i + log l_i) log2 e, +inf where l_i = 0
                   i64 o_s0, i64 o_s1, i64 o_s2, i64 o_sn,
                   i64 do_s0, i64 do_s1, i64 do_s2, i64 do_sn,
-                  i64 n1, i64 n2, i64 rows, int Nq, int D) {
-    const int lane = threadIdx.x % WARP_SIZE;
-    const i64 row = (i64)blockIdx.x * NWARPS + threadIdx.x / WARP_SIZE;   // over BH * Nq
-    if (row >= rows) return;
-    const i64 bh = row / Nq;
-    const int r = (int)(row % Nq);
+                  i64 n1, i64 n2, i64 rows, int Nq, int D, int vec_flag, int lse_flag) {
+    const i64 row = ((i64)blockIdx.x * PREP_THREADS + threadIdx.x) / PREP_LANES;   // over BH * Nq
+    const int part = threadIdx.x % PREP_LANES;
+    const bool valid = row < rows;   // no early return: the row's lanes meet in the shuffles below
+    const i64 bh = valid ? row / Nq : 0;
+    const int r = valid ? (int)(row % Nq) : 0;
     const BatchIndex bi = split_batch(bh, n1, n2);
     const elem_t* o_r = o + batch_offset(bi, o_s0, o_s1, o_s2) + r * o_sn;
     const elem_t* do_r = dO + batch_offset(bi, do_s0, do_s1, do_s2) + r * do_sn;
     // D_i = rowsum(dO_i o O_i)
     acc_t acc = 0;
-    for (int d = lane; d < D; d += WARP_SIZE) acc += to_acc(o_r[d]) * to_acc(do_r[d]);
-    acc = warp_sum(acc);
-    if (lane == 0) {
+    if (valid && vec_flag) {
+        for (int d = part * VEC; d < D; d += PREP_LANES * VEC) {
+            elem_t a[VEC], b[VEC];
+            *reinterpret_cast<uint4*>(a) = *reinterpret_cast<const uint4*>(o_r + d);
+            *reinterpret_cast<uint4*>(b) = *reinterpret_cast<const uint4*>(do_r + d);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc += to_acc(a[e]) * to_acc(b[e]);
+        }
+    } else if (valid) {
+        for (int d = part; d < D; d += PREP_LANES) acc += to_acc(o_r[d]) * to_acc(do_r[d]);
+    }
+#pragma unroll
+    for (int s = PREP_LANES / 2; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+    if (valid && part == 0) {
         const bool seen = l[row] > (acc_t)0;
         Dsum[row] = acc;
-        m_b[row] = seen ? m[row] : POS_INF;
-        inv_l[row] = seen ? (acc_t)1 / l[row] : (acc_t)0;
-        lse2[row] = seen ? m[row] * (acc_t)LOG2E + log2(l[row]) : POS_INF;
+        if (lse_flag) {
+            lse2[row] = seen ? m[row] * (acc_t)LOG2E + log2(l[row]) : POS_INF;
+        } else {
+            m_b[row] = seen ? m[row] : POS_INF;
+            inv_l[row] = seen ? (acc_t)1 / l[row] : (acc_t)0;
+        }
     }
 }
 
@@ -246,7 +258,23 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
         }
 }
 
+// flash_convert: four elements per thread and step (float4 in, four elem_t out)
+struct alignas(4 * sizeof(elem_t)) elem4 { elem_t x[4]; };
+
 extern "C" __global__ void flash_convert(const acc_t* __restrict__ src, elem_t* __restrict__ dst, i64 n) {
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
-        dst[i] = from_acc(src[i]);
+    const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x, stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = first; i < n / 4; i += stride) {
+        acc_t a[4];
+        if constexpr (sizeof(acc_t) == 4) {
+            *reinterpret_cast<float4*>(a) = reinterpret_cast<const float4*>(src)[i];
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a[e] = src[4 * i + e];
+        }
+        elem4 out;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) out.x[e] = from_acc(a[e]);
+        reinterpret_cast<elem4*>(dst)[i] = out;
+    }
+    if (first < n % 4) dst[n / 4 * 4 + first] = from_acc(src[n / 4 * 4 + first]);
 }

@@ -117,6 +117,20 @@ __device__ __forceinline__ i64 batch_offset(BatchIndex bi, i64 s0, i64 s1, i64 s
     return bi.b0 * s0 + bi.b1 * s1 + bi.b2 * s2;
 }
 
+// Grid order of the one-CTA-per-(tile, batch*head) kernels: gridDim.x = count * tiles CTAs, heads
+// in groups of `group` (the host sizes a group to fit L2), tile-major inside a group. The CTAs
+// resident at once then share a few heads' tensors in L2, and tile 0 (the caller's heaviest when
+// causal) of every head in a group starts first, which balances the causal load.
+struct GridTile { i64 bh; int tile; };
+
+__device__ __forceinline__ GridTile grid_tile(int tiles, int group) {
+    const i64 count = gridDim.x / tiles;
+    const i64 first = blockIdx.x / ((i64)group * tiles) * group;   // the group's first head
+    const int size = (int)min((i64)group, count - first);
+    const int r = (int)(blockIdx.x - first * tiles);
+    return {first + r % size, r / size};
+}
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }

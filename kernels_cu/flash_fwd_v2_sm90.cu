@@ -24,6 +24,9 @@
 //   wait for S_ij;  K_j empty;  scale, mask, online softmax -> P~_ij, alpha
 //   wait for O_i;   V_{j-1} empty;  O_i <- alpha O_i,  l_i <- alpha l_i + rowsum(P~_ij)
 //
+// A consumer multiplies only the K/V tiles its own 64 rows see (fewer than the CTA's when causal,
+// none when the rows are all past Nq); it still takes each turn and releases each tile.
+//
 // Shared memory (elem_t, 128-byte swizzle, flash_common.cuh), after 1024-byte alignment:
 //   s_Q  (B_R, DP)              Q_i
 //   s_K  (STAGES, B_C, DP)      K_j ring
@@ -100,7 +103,7 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                   i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
                   i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
                   i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
-                  i64 n1, i64 n2,
+                  i64 n1, i64 n2, int head_group,
                   int Nq, int Nk, int D, acc_t scale, int causal_flag, int vec_flag) {
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned misalign = smem_addr(smem) % SW_ATOM_BYTES;
@@ -114,10 +117,12 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
     unsigned long long* v_empty = v_full + STAGES;
 
     const bool causal = causal_flag != 0, vec = vec_flag != 0;
-    const int tid = threadIdx.x, wg = tid / WG_THREADS;
+    const int tid = threadIdx.x;
+    const int wg = __shfl_sync(0xffffffffu, tid / WG_THREADS, 0);   // from lane 0: the compiler sees it warp-uniform
     const int T_r = (Nq + B_R - 1) / B_R, T_c = (Nk + B_C - 1) / B_C;
-    const i64 bh = blockIdx.x / T_r;
-    const int i = T_r - 1 - (int)(blockIdx.x % T_r);   // heaviest causal tiles first
+    const GridTile at = grid_tile(T_r, head_group);
+    const i64 bh = at.bh;
+    const int i = T_r - 1 - at.tile;                   // heaviest causal tiles first
 
     const BatchIndex bi = split_batch(bh, n1, n2);
     q += batch_offset(bi, q_s0, q_s1, q_s2);
@@ -213,48 +218,72 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
         };
         if (CONSUMERS > 1 && c == CONSUMERS - 1) named_barrier_arrive(1, PAIR);
 
-        // step 0: S_i0 alone
-        mbar_wait(q_full, 0);
-        wait_full(&k_full[0], 0);
-        my_turn();
-        wgmma_fence();
-        issue_scores(S, s_Qg, s_K);
-        your_turn(false);
-        wgmma_wait<0>();
-        wgmma_pin(S);
-        mbar_arrive(&k_empty[0]);
-        softmax_step(0);
-        rescale();
+        // The K/V tiles this warpgroup's rows need (fewer than the CTA's when causal; none for rows
+        // all past Nq). It still takes every turn and releases every tile, computing nothing there.
+        const int row_first = i * B_R + 64 * c, row_last = min(row_first + 63, Nq - 1);
+        const int my_key_last = causal ? row_last + (Nk - Nq) : Nk - 1;
+        const int my_stop = row_first >= Nq ? 0 : my_key_last < 0 ? 1 : min(my_key_last / B_C, T_c - 1) + 1;
 
-        // step j: S_ij and P~_{i,j-1} V_{j-1} in flight together, the softmax of S_ij under the latter
-        for (int j = 1; j < j_stop; ++j) {
-            const int s = j % STAGES, sp = (j - 1) % STAGES;
-            wait_full(&k_full[s], j);
+        // a turn with nothing to multiply: release K_j and V_{j-1} once they have landed (an arrival
+        // before the tile's own must not count towards the previous use of its buffer)
+        auto idle_step = [&](int j) {
+            if (j < j_stop) wait_full(&k_full[j % STAGES], j);
+            if (j >= 1) wait_full(&v_full[(j - 1) % STAGES], j - 1);
+            my_turn();
+            your_turn(j == j_stop);
+            if (j < j_stop) mbar_arrive(&k_empty[j % STAGES]);
+            if (j >= 1) mbar_arrive(&v_empty[(j - 1) % STAGES]);
+        };
+
+        mbar_wait(q_full, 0);
+        if (my_stop > 0) {
+            // step 0: S_i0 alone
+            wait_full(&k_full[0], 0);
+            my_turn();
+            wgmma_fence();
+            issue_scores(S, s_Qg, s_K);
+            your_turn(false);
+            wgmma_wait<0>();
+            wgmma_pin(S);
+            mbar_arrive(&k_empty[0]);
+            softmax_step(0);
+            rescale();
+
+            // step j: S_ij and P~_{i,j-1} V_{j-1} in flight together, the softmax of S_ij under the latter
+            for (int j = 1; j < my_stop; ++j) {
+                const int s = j % STAGES, sp = (j - 1) % STAGES;
+                wait_full(&k_full[s], j);
+                wait_full(&v_full[sp], j - 1);
+                my_turn();
+                wgmma_fence();
+                issue_scores(S, s_Qg, s_K + s * TILE_KV);
+                issue_values(O, P, s_V + sp * TILE_KV);
+                your_turn(false);
+                wgmma_wait<1>();
+                wgmma_pin(S);
+                mbar_arrive(&k_empty[s]);
+                softmax_step(j);
+                wgmma_wait<0>();
+                wgmma_pin(O);
+                wgmma_pin_a(P);
+                mbar_arrive(&v_empty[sp]);
+                rescale();
+            }
+
+            // step my_stop: P~_{i,my_stop-1} V_{my_stop-1}; K_{my_stop}, if the CTA has it, is not mine
+            const int j = my_stop, s = j % STAGES, sp = (j - 1) % STAGES;
+            if (j < j_stop) wait_full(&k_full[s], j);
             wait_full(&v_full[sp], j - 1);
             my_turn();
             wgmma_fence();
-            issue_scores(S, s_Qg, s_K + s * TILE_KV);
             issue_values(O, P, s_V + sp * TILE_KV);
-            your_turn(false);
-            wgmma_wait<1>();
-            wgmma_pin(S);
-            mbar_arrive(&k_empty[s]);
-            softmax_step(j);
+            your_turn(j == j_stop);
+            if (j < j_stop) mbar_arrive(&k_empty[s]);
             wgmma_wait<0>();
             wgmma_pin(O);
-            wgmma_pin_a(P);
             mbar_arrive(&v_empty[sp]);
-            rescale();
         }
-
-        // last step: P~_{i,T-1} V_{T-1}
-        wait_full(&v_full[(j_stop - 1) % STAGES], j_stop - 1);
-        my_turn();
-        wgmma_fence();
-        issue_values(O, P, s_V + ((j_stop - 1) % STAGES) * TILE_KV);
-        your_turn(true);
-        wgmma_wait<0>();
-        wgmma_pin(O);
+        for (int j = my_stop > 0 ? my_stop + 1 : 0; j <= j_stop; ++j) idle_step(j);
 
         // O_i = diag(l_i)^-1 O_i; write O_i, m_i (in natural units), l_i to HBM
 #pragma unroll
