@@ -291,7 +291,7 @@ def backward(do, q, k, v, o, m, l, *, schedule: str, causal: bool, scale: float,
         dk_acc, dv_acc = dq_acc, dq_acc   # not written
     T_c = -(-Nk // main_cfg.block_c)
     n_chunks = -(-D // main_cfg.d_chunk)
-    # bwd_sm90's K/V tiles of a head share Q, dO, the statistics and the dQ workspace
+    # the K/V tiles of a head share Q, dO, the statistics and the dQ workspace
     group = head_group(BH, Nq * (D * (2 * q.itemsize + acc.itemsize) + 2 * acc.itemsize) + 2 * Nk * D * q.itemsize)
     main(
         (BH * T_c * n_chunks,), (main_cfg.threads,),
@@ -299,7 +299,7 @@ def backward(do, q, k, v, o, m, l, *, schedule: str, causal: bool, scale: float,
          dq_acc, dk_out, dv_out, dk_acc, dv_acc,
          *_strides4(q, s_q), *_strides4(k, s_k), *_strides4(v, s_v), *_strides4(do, s_do),
          *(numpy.int64(s) for s in s_dq), *(numpy.int64(s) for s in s_dk), *(numpy.int64(s) for s in s_dv),
-         n1, n2, *(() if main_cfg.kernel == "bwd_v1" else (group,)), numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D),
+         n1, n2, group, numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D),
          acc.type(scale),
          numpy.int32(causal), numpy.int32(_vector_ok((q, k, v, do), D)), numpy.int32(kv_atomic)),
         shared_mem=main_cfg.smem_bytes)

@@ -120,7 +120,7 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
              i64 dq_s0, i64 dq_s1, i64 dq_s2,
              i64 dk_s0, i64 dk_s1, i64 dk_s2,
              i64 dv_s0, i64 dv_s1, i64 dv_s2,
-             i64 n1, i64 n2,
+             i64 n1, i64 n2, int head_group,
              int Nq, int Nk, int D, acc_t scale,
              int causal_flag, int vec_flag, int kv_atomic) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -138,9 +138,10 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
     const int g = lane / 4, t = lane % 4;
     const int T_c = (Nk + B_C - 1) / B_C, T_r = (Nq + B_R - 1) / B_R;
     const int n_chunks = (D + DC - 1) / DC;
-    const int c0 = (blockIdx.x % n_chunks) * DC;            // head-dim chunk of dK, dV, dQ
-    const int j = (int)((blockIdx.x / n_chunks) % T_c);
-    const i64 bh = blockIdx.x / n_chunks / T_c;
+    const GridTile at = grid_tile(T_c * n_chunks, head_group);
+    const i64 bh = at.bh;
+    const int j = at.tile / n_chunks;                       // the most Q tiles first when causal
+    const int c0 = (at.tile % n_chunks) * DC;               // head-dim chunk of dK, dV, dQ
     const int kv0 = j * B_C;
 
     const BatchIndex bi = split_batch(bh, n1, n2);

@@ -124,11 +124,12 @@ __device__ __forceinline__ i64 batch_offset(BatchIndex bi, i64 s0, i64 s1, i64 s
 struct GridTile { i64 bh; int tile; };
 
 __device__ __forceinline__ GridTile grid_tile(int tiles, int group) {
-    const i64 count = gridDim.x / tiles;
-    const i64 first = blockIdx.x / ((i64)group * tiles) * group;   // the group's first head
-    const int size = (int)min((i64)group, count - first);
-    const int r = (int)(blockIdx.x - first * tiles);
-    return {first + r % size, r / size};
+    // 32-bit throughout: group <= count, so group * tiles <= gridDim.x
+    const unsigned count = gridDim.x / tiles, per_group = (unsigned)group * tiles;
+    const unsigned first = blockIdx.x / per_group * group;   // the group's first head
+    const unsigned size = min((unsigned)group, count - first);
+    const unsigned r = blockIdx.x - first * tiles;
+    return {(i64)(first + r % size), (int)(r / size)};
 }
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {

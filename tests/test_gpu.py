@@ -291,15 +291,17 @@ def test_auto_schedule_is_the_documented_one(dtype, resolved):
 @pytest.mark.parametrize("group", [1, 3, 7])
 @pytest.mark.parametrize("causal", [False, True])
 def test_grid_order_of_head_groups(group, causal, schedule, monkeypatch):
-    """The V2 kernels walk their grid in groups of heads (sized to L2, here forced): a last group
-    short of heads, one head per group and one group for all give the same function."""
+    """The V2 kernels and the backward walk their grid in groups of heads (sized to L2, here forced):
+    a last group short of heads, one head per group and one group for all give the same function
+    (D = 200: the V1 backward's tiles are two head-dim chunks)."""
     from cupyflash import _launch
 
     monkeypatch.setattr(_launch, "head_group", lambda heads, _bytes: numpy.int32(min(group, heads)))
     rng = numpy.random.default_rng(group)
-    q, k, v = random_inputs(rng, "bfloat16", (2, 4, 300, 64), (2, 4, 260, 64))
-    check_forward("bfloat16", q, k, v, causal, None, schedule)
-    check_backward("bfloat16", q, k, v, causal, None, rng, schedule)
+    for q_shape, kv_shape in (((2, 4, 300, 64), (2, 4, 260, 64)), ((2, 3, 130, 200), (2, 3, 150, 200))):
+        q, k, v = random_inputs(rng, "bfloat16", q_shape, kv_shape)
+        check_forward("bfloat16", q, k, v, causal, None, schedule)
+        check_backward("bfloat16", q, k, v, causal, None, rng, schedule)
 
 
 def test_v2_runs_the_hopper_kernels_on_sm90():
