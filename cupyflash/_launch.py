@@ -11,6 +11,7 @@ caller peels a batch dim off in Python.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -203,39 +204,71 @@ def choose_splits(heads: int, T_r: int, slots: int) -> int:
     return min(range(1, T_r + 1), key=lambda n: (-(-heads * n // slots)) * (-(-T_r // n)))
 
 
-def forward(q, k, v, *, schedule: str, causal: bool, scale: float, batch_shape, layout: BatchLayout):
-    """Launch the ``schedule`` ('v1' or 'v2') forward on validated inputs; returns ``(o, m, l)``."""
-    import cupy
+@dataclass(frozen=True)
+class ForwardPlan:
+    """A forward launch with everything but its arrays settled; ``plan(q, k, v)`` returns ``(o, m, l)``."""
 
+    kernel: object            # cupy.RawKernel
+    device: int
+    grid: int
+    threads: int
+    smem_bytes: int
+    dtype: numpy.dtype
+    acc: numpy.dtype          # of m, l and the running O_i
+    o_shape: tuple            # (*batch, Nq, D)
+    v1: bool                  # the V1 kernel, which takes a running O_i after o
+    tile_counter: bool        # the persistent Hopper kernel, which takes a zeroed tile counter after l
+    o_run_shape: tuple | None   # V1's running O_i (BH, Nq, d_pad); None with a single K/V tile (m stands in)
+    scalars: tuple            # the kernel's arguments after its arrays
+
+    def __call__(self, q, k, v):
+        import cupy
+
+        acc = self.acc
+        with cupy.cuda.Device(self.device):
+            o = cupy.empty(self.o_shape, self.dtype)
+            m = cupy.empty(self.o_shape[:-1], acc)
+            l = cupy.empty(self.o_shape[:-1], acc)
+            if self.v1:
+                o_run = m if self.o_run_shape is None else cupy.empty(self.o_run_shape, acc)
+                arrays = (q, k, v, o, o_run, m, l)
+            else:
+                arrays = (q, k, v, o, m, l)
+            if self.tile_counter:
+                arrays += (cupy.zeros(1, numpy.uint32),)
+            self.kernel((self.grid,), (self.threads,), arrays + self.scalars, shared_mem=self.smem_bytes)
+        return o, m, l
+
+
+def forward_plan(q, k, v, *, schedule: str, causal: bool, scale: float, batch_shape, layout: BatchLayout):
+    """The ``schedule`` ('v1' or 'v2') forward of validated inputs ``q, k, v`` as a ``ForwardPlan``."""
     Nq, D = q.shape[-2:]
     Nk = k.shape[-2]
     BH = layout.count
     acc = accumulator_dtype(q.dtype)
     cfg = device_tiles(forward_kernel(schedule, q.dtype, scale), D, q.dtype)
     kernel = get_kernels(cfg)[f"flash_{cfg.kernel}"]
-
-    o = cupy.empty((*batch_shape, Nq, D), q.dtype)
-    m = cupy.empty((*batch_shape, Nq), acc)
-    l = cupy.empty((*batch_shape, Nq), acc)
     T_r = -(-Nq // cfg.block_r)
     strides = (*_strides4(q, layout.strides[0]), *_strides4(k, layout.strides[1]), *_strides4(v, layout.strides[2]),
                numpy.int64(layout.sizes[1]), numpy.int64(layout.sizes[2]))
     sizes = (numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D), acc.type(scale))
     flags = (numpy.int32(causal), numpy.int32(_vector_ok((q, k, v), D)))
+    common = dict(kernel=kernel, device=q.data.device_id, threads=cfg.threads, smem_bytes=cfg.smem_bytes,
+                  dtype=q.dtype, acc=acc, o_shape=(*batch_shape, Nq, D))
     if schedule == "v2":   # fwd_v2 and fwd_v2_sm90 take the same arguments; the Q tiles of a head share K, V
         group = head_group(BH, 2 * Nk * D * q.itemsize)
-        kernel((BH * T_r,), (cfg.threads,), (q, k, v, o, m, l, *strides, group, *sizes, *flags),
-               shared_mem=cfg.smem_bytes)
-        return o, m, l
-
-    # V1: the running O_i between outer steps (with a single K/V tile every step is the last)
-    o_run = cupy.empty((BH, Nq, cfg.d_pad), acc) if Nk > cfg.block_c else m
+        grid, persistent = BH * T_r, cfg.kernel == "fwd_v2_sm90"   # one CTA per tile, or CTAs that claim tiles
+        if persistent:
+            grid = min(grid, current_limits().sms * cfg.ctas_per_sm)
+        return ForwardPlan(grid=grid, v1=False, tile_counter=persistent, o_run_shape=None,
+                           scalars=(*strides, group, numpy.int32(BH), *sizes, *flags), **common)
     limits = current_limits()
     slots = limits.sms * max(1, min(4, limits.smem_sm // cfg.smem_bytes))   # CTAs resident at once
     n_splits = choose_splits(BH, T_r, slots)
-    kernel((BH * n_splits,), (cfg.threads,), (q, k, v, o, o_run, m, l, *strides, *sizes, numpy.int32(n_splits), *flags),
-           shared_mem=cfg.smem_bytes)
-    return o, m, l
+    # the running O_i between outer steps: with a single K/V tile every step is the last
+    o_run_shape = (BH, Nq, cfg.d_pad) if Nk > cfg.block_c else None
+    return ForwardPlan(grid=BH * n_splits, v1=True, tile_counter=False, o_run_shape=o_run_shape,
+                       scalars=(*strides, *sizes, numpy.int32(n_splits), *flags), **common)
 
 
 def backward_kernel(schedule: str, dtype, head_dim: int) -> str:
@@ -245,76 +278,130 @@ def backward_kernel(schedule: str, dtype, head_dim: int) -> str:
     return "bwd_v1"
 
 
-def backward(do, q, k, v, o, m, l, *, schedule: str, causal: bool, scale: float, batch_shape, layout: BatchLayout):
-    """Launch the backward of ``schedule`` on validated inputs; returns ``(dq, dk, dv)``.
+@dataclass(frozen=True)
+class BackwardPlan:
+    """A backward's launches with everything but the arrays settled; ``plan(do, q, k, v, o, m, l)`` returns
+    ``(dq, dk, dv)``.
+
+    Three steps: the preparation kernel (D_i and the statistics the main kernel reads), the main
+    kernel (dQ into a float32/float64 workspace; dK, dV stored directly, or into workspaces when several
+    batch entries share a K/V head) and the conversion of each workspace to the input dtype.
+    """
+
+    prep: object              # cupy.RawKernel: flash_bwd_prep_v1
+    main: object              # cupy.RawKernel: flash_bwd_v1 or flash_bwd_sm90
+    convert: object           # cupy.RawKernel: flash_convert
+    device: int
+    dtype: numpy.dtype
+    acc: numpy.dtype          # of the statistics and the workspaces
+    rows: tuple               # (BH, Nq): the statistics
+    grad_shapes: tuple        # shapes of q, k, v
+    lse_stats: bool           # the main kernel reads lse_i log2 e (bwd_sm90), else m_i and 1 / l_i
+    kv_atomic: bool           # dK, dV summed over batch entries in workspaces
+    prep_grid: int
+    prep_scalars: tuple
+    main_grid: int
+    main_threads: int
+    main_smem_bytes: int
+    main_scalars: tuple
+
+    def __call__(self, do, q, k, v, o, m, l):
+        import cupy
+
+        acc = self.acc
+        with cupy.cuda.Device(self.device):
+            m, l = cupy.ascontiguousarray(m), cupy.ascontiguousarray(l)
+            d_sum = cupy.empty(self.rows, acc)
+            stats = tuple(cupy.empty(self.rows, acc) for _ in range(1 if self.lse_stats else 2))
+            m_b, inv_l, lse2 = (d_sum, d_sum, *stats) if self.lse_stats else (*stats, d_sum)   # d_sum: not written
+            self.prep((self.prep_grid,), (PREP_THREADS,), (o, do, m, l, m_b, inv_l, lse2, d_sum, *self.prep_scalars))
+
+            q_shape, k_shape, v_shape = self.grad_shapes
+            dq_acc = cupy.zeros(q_shape, acc)
+            if self.kv_atomic:
+                dk_acc, dv_acc = cupy.zeros(k_shape, acc), cupy.zeros(v_shape, acc)
+                dk_out, dv_out = q, q   # not written
+            else:
+                dk_out, dv_out = cupy.empty(k_shape, self.dtype), cupy.empty(v_shape, self.dtype)
+                dk_acc, dv_acc = dq_acc, dq_acc   # not written
+            self.main((self.main_grid,), (self.main_threads,),
+                      (q, k, v, do, *stats, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc, *self.main_scalars),
+                      shared_mem=self.main_smem_bytes)
+            if self.kv_atomic:
+                return self._to_dtype(dq_acc), self._to_dtype(dk_acc), self._to_dtype(dv_acc)
+            return self._to_dtype(dq_acc), dk_out, dv_out
+
+    def _to_dtype(self, x_acc):
+        import cupy
+
+        if x_acc.dtype == self.dtype:
+            return x_acc
+        out = cupy.empty(x_acc.shape, self.dtype)
+        n = x_acc.size
+        if n:
+            blocks = min(max(1, -(-n // (4 * CONVERT_THREADS))), 65535)   # four elements per thread
+            self.convert((blocks,), (CONVERT_THREADS,), (x_acc, out, numpy.int64(n)))
+        return out
+
+
+def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, layout: BatchLayout):
+    """The backward of ``schedule`` for validated inputs as a ``BackwardPlan``.
 
     ``layout.strides`` holds, in order, q, k, v, o, do and the contiguous
     own-shape layouts of dq, dk, dv. The preparation (D_i) and conversion
     kernels are the V1 module's; the main kernel is ``backward_kernel``'s.
     """
-    import cupy
-
     Nq, D = q.shape[-2:]
     Nk = k.shape[-2]
     BH = layout.count
     acc = accumulator_dtype(q.dtype)
-    cfg = device_tiles("bwd_v1", D, q.dtype)
-    kernels = get_kernels(cfg)
+    kernels = get_kernels(device_tiles("bwd_v1", D, q.dtype))
     main_cfg = device_tiles(backward_kernel(schedule, q.dtype, D), D, q.dtype)
-    main = get_kernels(main_cfg)[f"flash_{main_cfg.kernel}"]
     s_q, s_k, s_v, s_o, s_do, s_dq, s_dk, s_dv = layout.strides
     n1, n2 = numpy.int64(layout.sizes[1]), numpy.int64(layout.sizes[2])
-
-    # D_i = rowsum(dO_i o O_i) and the statistics the main kernel reads: m_i and 1 / l_i (bwd_v1),
-    # lse_i log2 e (bwd_sm90)
-    m = cupy.ascontiguousarray(m)
-    l = cupy.ascontiguousarray(l)
     lse_stats = main_cfg.kernel == "bwd_sm90"
-    d_sum = cupy.empty((BH, Nq), acc)
-    stats = tuple(cupy.empty((BH, Nq), acc) for _ in range(1 if lse_stats else 2))
-    m_b, inv_l, lse2 = (d_sum, d_sum, *stats) if lse_stats else (*stats, d_sum)   # d_sum where not written
     rows = BH * Nq
-    kernels["flash_bwd_prep_v1"](
-        (-(-rows * PREP_LANES // PREP_THREADS),), (PREP_THREADS,),
-        (o, do, m, l, m_b, inv_l, lse2, d_sum, *_strides4(o, s_o), *_strides4(do, s_do),
-         n1, n2, numpy.int64(rows), numpy.int32(Nq), numpy.int32(D),
-         numpy.int32(_vector_ok((o, do), D)), numpy.int32(lse_stats)))
-
+    prep_scalars = (*_strides4(o, s_o), *_strides4(do, s_do), n1, n2, numpy.int64(rows), numpy.int32(Nq),
+                    numpy.int32(D), numpy.int32(_vector_ok((o, do), D)), numpy.int32(lse_stats))
     # dK, dV are stored directly unless several batch entries share one K/V head
     kv_atomic = math.prod(k.shape[:-2]) < BH or math.prod(v.shape[:-2]) < BH
-    dq_acc = cupy.zeros(q.shape, acc)
-    if kv_atomic:
-        dk_acc, dv_acc = cupy.zeros(k.shape, acc), cupy.zeros(v.shape, acc)
-        dk_out, dv_out = q, q   # not written
-    else:
-        dk_out, dv_out = cupy.empty(k.shape, q.dtype), cupy.empty(v.shape, q.dtype)
-        dk_acc, dv_acc = dq_acc, dq_acc   # not written
     T_c = -(-Nk // main_cfg.block_c)
     n_chunks = -(-D // main_cfg.d_chunk)
     # the K/V tiles of a head share Q, dO, the statistics and the dQ workspace
     group = head_group(BH, Nq * (D * (2 * q.itemsize + acc.itemsize) + 2 * acc.itemsize) + 2 * Nk * D * q.itemsize)
-    main(
-        (BH * T_c * n_chunks,), (main_cfg.threads,),
-        (q, k, v, do, *stats, d_sum,
-         dq_acc, dk_out, dv_out, dk_acc, dv_acc,
-         *_strides4(q, s_q), *_strides4(k, s_k), *_strides4(v, s_v), *_strides4(do, s_do),
-         *(numpy.int64(s) for s in s_dq), *(numpy.int64(s) for s in s_dk), *(numpy.int64(s) for s in s_dv),
-         n1, n2, group, numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D),
-         acc.type(scale),
-         numpy.int32(causal), numpy.int32(_vector_ok((q, k, v, do), D)), numpy.int32(kv_atomic)),
-        shared_mem=main_cfg.smem_bytes)
+    main_scalars = (*_strides4(q, s_q), *_strides4(k, s_k), *_strides4(v, s_v), *_strides4(do, s_do),
+                    *(numpy.int64(s) for s in (*s_dq, *s_dk, *s_dv)),
+                    n1, n2, group, numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D), acc.type(scale),
+                    numpy.int32(causal), numpy.int32(_vector_ok((q, k, v, do), D)), numpy.int32(kv_atomic))
+    return BackwardPlan(
+        prep=kernels["flash_bwd_prep_v1"], main=get_kernels(main_cfg)[f"flash_{main_cfg.kernel}"],
+        convert=kernels["flash_convert"], device=q.data.device_id, dtype=q.dtype, acc=acc, rows=(BH, Nq),
+        grad_shapes=(q.shape, k.shape, v.shape), lse_stats=lse_stats, kv_atomic=kv_atomic,
+        prep_grid=-(-rows * PREP_LANES // PREP_THREADS), prep_scalars=prep_scalars,
+        main_grid=BH * T_c * n_chunks, main_threads=main_cfg.threads, main_smem_bytes=main_cfg.smem_bytes,
+        main_scalars=main_scalars)
 
-    def to_dtype(x_acc):
-        if x_acc.dtype == q.dtype:
-            return x_acc
-        out = cupy.empty(x_acc.shape, q.dtype)
-        n = x_acc.size
-        if n:
-            blocks = min(max(1, -(-n // (4 * CONVERT_THREADS))), 65535)   # four elements per thread
-            kernels["flash_convert"]((blocks,), (CONVERT_THREADS,), (x_acc, out, numpy.int64(n)))
-        return out
 
-    dq = to_dtype(dq_acc)
-    if kv_atomic:
-        return dq, to_dtype(dk_acc), to_dtype(dv_acc)
-    return dq, dk_out, dv_out
+# ---------------------------------------------------------------------------
+# Plans of earlier calls. Validation and planning read only the arrays' types, shapes, strides,
+# dtypes, devices and 16-byte alignment, the flags and USE_WGMMA: a call that agrees with an earlier
+# one in all of them reuses its plan and only allocates and launches.
+
+PLANS: dict = {}
+MAX_PLANS = 1024   # past this many the cache starts over
+
+
+def call_key(arrays, flags):
+    """What validating and planning a call of CuPy ``arrays`` and ``flags`` reads; None for other arrays."""
+    cupy = sys.modules.get("cupy")
+    if cupy is None or any(type(x) is not cupy.ndarray for x in arrays):
+        return None
+    return (tuple((x.shape, x.strides, x.dtype, x.data.ptr % VECTOR_BYTES, x.data.device_id) for x in arrays),
+            tuple((type(f), repr(f)) for f in flags), USE_WGMMA)
+
+
+def keep_plan(key, plan):
+    if key is not None:
+        if len(PLANS) >= MAX_PLANS:
+            PLANS.clear()
+        PLANS[key] = plan

@@ -21,7 +21,9 @@ How tiles are chosen (``choose_tiles``):
 * Forward, V2 on Hopper (``fwd_v2_sm90``, 16-bit, sm_90a): a producer
   warpgroup and consumer warpgroups of 64 query rows each, three up to D = 64
   (B_r = 192), two above (B_r = 128); B_c = 128 keys up to D = 128 and 64
-  above; the head dim is padded to whole 64-column swizzle blocks.
+  above; the head dim is padded to whole 64-column swizzle blocks. The CTAs
+  are persistent (``ctas_per_sm`` per SM), with Q_i double-buffered where two
+  fit (``q_stages``).
 * Backward: each warp owns 16 key rows of a K/V tile (B_c = 16 x warps); the
   Q tiles walked by the inner loop have B_r rows. dK_j and dV_j live in
   registers, so the head dim is split into chunks of ``d_chunk`` columns, one
@@ -47,6 +49,7 @@ KERNELS = ("fwd_v1", "fwd_v2", "fwd_v2_sm90", "bwd_v1", "bwd_sm90")
 ARCH_KERNELS = {"fwd_v2_sm90": ("sm_90a", ("float16", "bfloat16")), "bwd_sm90": ("sm_90a", ("float16", "bfloat16"))}
 BWD_SM90_MAX_HEAD_DIM = 128   # dK_j, dV_j of 64 keys per warpgroup in registers
 SMEM_PAD_BYTES = 16  # one 16-byte pad per shared row (flash_common.cuh: SMEM_PAD_BYTES)
+SM90_SMEM_BLOCK = 227 * 1024   # shared memory a block may opt in to on sm_90 (H100, H200)
 
 # (B_r, B_c, warps) in order of preference
 _FWD_CANDIDATES = {
@@ -150,9 +153,7 @@ class TileConfig:
             elems = (2 * self.block_c + self.block_r) * qkv_pitch + self.block_r * (self.block_c + pad)
             return elems * self.itemsize
         if self.kernel == "fwd_v2_sm90":
-            # s_Q (B_r, DP); rings of two K_j and two V_j (B_c, DP), swizzled; nine mbarriers;
-            # + slack to align the tiles to 1024 bytes
-            return (self.block_r + 4 * self.block_c) * self.d_pad * self.itemsize + 9 * 8 + 1024
+            return self._fwd_sm90_bytes(self.q_stages)
         if self.kernel == "fwd_v2":
             # s_Q (B_r, DP); two stages of K_j, V_j (B_c, DP); s_P (B_r, B_c) for the FMA dtypes only
             elems = (self.block_r + 2 * 2 * self.block_c) * qkv_pitch
@@ -168,6 +169,26 @@ class TileConfig:
         # s_K, s_V (B_c, DP); s_Q, s_dO (B_r, DP); s_dS (B_c, B_r); s_m, s_inv_l, s_D (B_r)
         elems = (2 * self.block_c + 2 * self.block_r) * qkv_pitch + self.block_c * (self.block_r + pad)
         return elems * self.itemsize + 3 * self.block_r * self.acc_itemsize
+
+    def _fwd_sm90_bytes(self, q_stages: int) -> int:
+        # a ring of q_stages Q_i (B_r, DP); rings of two K_j and two V_j (B_c, DP), swizzled;
+        # 2 q_stages + 8 mbarriers; q_stages + 1 tile indices (8 bytes each); + slack to align the tiles to 1024 bytes
+        return ((q_stages * self.block_r + 4 * self.block_c) * self.d_pad * self.itemsize + (2 * q_stages + 8) * 8
+                + (q_stages + 1) * 8 + 1024)
+
+    @property
+    def q_stages(self) -> int:
+        """Q_i buffers of the persistent Hopper forward: two (a CTA's next Q tile lands under its
+        current one) where they fit sm_90's shared memory, else one."""
+        if self.kernel != "fwd_v2_sm90":
+            return 1
+        return 2 if self._fwd_sm90_bytes(2) <= SM90_SMEM_BLOCK else 1
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """CTAs of the persistent Hopper forward per SM: two with one consumer warpgroup (they
+        keep each other's tensor cores busy), else one (the consumers ping-pong)."""
+        return 2 if self.kernel == "fwd_v2_sm90" and self.warps == 8 else 1
 
     @property
     def arch(self) -> str | None:
@@ -185,6 +206,8 @@ class TileConfig:
             f"-DFLASH_WARPS={self.warps}",
             f"-DFLASH_DC={self.d_chunk}",
             f"-DFLASH_SMEM_BYTES={self.smem_bytes}",
+            f"-DFLASH_Q_STAGES={self.q_stages}",
+            f"-DFLASH_CTAS_PER_SM={self.ctas_per_sm}",
         )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy
 
-from . import reference
+from . import _launch, reference
 from ._checks import check_backward, check_forward, check_schedule, kernel_ready
 from ._tiles import accumulator_dtype
 
@@ -70,13 +70,15 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, schedu
     cupyflash.reference.attention_forward : the naive float64 reference.
     cupyflash.reference.blocked_forward : the NumPy Algorithm 1 (CPU path).
     """
+    key = _launch.call_key((q, k, v), (causal, softmax_scale, schedule))
+    plan = _launch.PLANS.get(key)
+    if plan is not None:
+        return plan(q, k, v)
     prob = check_forward(q, k, v, causal, softmax_scale)
     check_schedule(schedule)
     if prob.xp is numpy:
         return reference.blocked_forward(q, k, v, causal=prob.causal, softmax_scale=prob.scale)
     import cupy
-
-    from . import _launch
 
     with q.device:
         if prob.Nq == 0 or prob.Nk == 0:
@@ -84,19 +86,23 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, schedu
             return (cupy.zeros((*prob.batch_shape, prob.Nq, prob.D), prob.dtype),
                     cupy.full((*prob.batch_shape, prob.Nq), -numpy.inf, acc),
                     cupy.zeros((*prob.batch_shape, prob.Nq), acc))
-        q, k, v = (kernel_ready(x) for x in (q, k, v))
-        return _forward_gpu(q, k, v, prob.batch_shape, prob, _launch.forward_schedule(schedule, prob.D, prob.dtype))
+        ready = tuple(kernel_ready(x) for x in (q, k, v))
+        if any(r is not x for r, x in zip(ready, (q, k, v))):
+            key = None   # a call with these arrays copies them again
+        return _forward_gpu(*ready, prob.batch_shape, prob, _launch.forward_schedule(schedule, prob.D, prob.dtype),
+                            key)
 
 
-def _forward_gpu(q, k, v, batch_shape, prob, schedule):
-    from . import _launch
-
+def _forward_gpu(q, k, v, batch_shape, prob, schedule, key=None):
+    """Plan and run; a single launch's plan is kept under ``key`` (``_launch.call_key``) for like calls."""
     nb = len(batch_shape)
     strides = [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch_shape) for x in (q, k, v)]
     layout = _launch.collapse_batch(batch_shape, strides)
     if layout is not None:
-        return _launch.forward(q, k, v, schedule=schedule, causal=prob.causal, scale=prob.scale,
-                               batch_shape=batch_shape, layout=layout)
+        plan = _launch.forward_plan(q, k, v, schedule=schedule, causal=prob.causal, scale=prob.scale,
+                                    batch_shape=batch_shape, layout=layout)
+        _launch.keep_plan(key, plan)
+        return plan(q, k, v)
     # more than three batch dims that cannot be merged: peel the leading one
     import cupy
 
@@ -166,6 +172,10 @@ def flash_attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scal
     cupyflash.reference.attention_backward : the naive float64 reference.
     cupyflash.reference.blocked_backward : the NumPy version (CPU path).
     """
+    key = _launch.call_key((do, q, k, v, o, m, l), (causal, softmax_scale, schedule))
+    plan = _launch.PLANS.get(key)
+    if plan is not None:
+        return plan(do, q, k, v, o, m, l)
     prob = check_backward(do, q, k, v, o, m, l, causal, softmax_scale)
     check_schedule(schedule)
     if prob.xp is numpy:
@@ -175,13 +185,14 @@ def flash_attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scal
     with q.device:
         if prob.Nq == 0 or prob.Nk == 0:
             return tuple(cupy.zeros(x.shape, prob.dtype) for x in (q, k, v))
-        do, q, k, v, o = (kernel_ready(x) for x in (do, q, k, v, o))
-        return _backward_gpu(do, q, k, v, o, m, l, prob.batch_shape, prob, schedule)
+        ready = tuple(kernel_ready(x) for x in (do, q, k, v, o))
+        if any(r is not x for r, x in zip(ready, (do, q, k, v, o))):
+            key = None   # a call with these arrays copies them again
+        return _backward_gpu(*ready, m, l, prob.batch_shape, prob, schedule, key)
 
 
-def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule):
-    from . import _launch
-
+def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, key=None):
+    """Plan and run; a single plan is kept under ``key`` (``_launch.call_key``) for like calls."""
     nb = len(batch_shape)
     own = [_launch.contiguous_strides(x.shape)[:-2] for x in (q, k, v)]
     strides = [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch_shape)
@@ -189,8 +200,10 @@ def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule):
     strides += [_launch.batch_strides(x.shape, s, batch_shape) for x, s in zip((q, k, v), own)]
     layout = _launch.collapse_batch(batch_shape, strides)
     if layout is not None:
-        return _launch.backward(do, q, k, v, o, m, l, schedule=schedule, causal=prob.causal, scale=prob.scale,
-                                batch_shape=batch_shape, layout=layout)
+        plan = _launch.backward_plan(do, q, k, v, o, schedule=schedule, causal=prob.causal, scale=prob.scale,
+                                     layout=layout)
+        _launch.keep_plan(key, plan)
+        return plan(do, q, k, v, o, m, l)
     # peel the leading batch dim; a gradient is summed where its input broadcast along it
     import cupy
 

@@ -10,6 +10,7 @@
 //   FLASH_BC      B_c, key rows per tile
 //   FLASH_WARPS   warps per CTA
 //   FLASH_DC      head-dim columns of one output chunk (divides FLASH_DP)
+//   FLASH_Q_STAGES, FLASH_CTAS_PER_SM   Q buffers and CTAs per SM of the persistent Hopper forward
 //
 // Warp tiles follow the mma.sync m16n8k16 fragment layout for every dtype:
 // lane = 4*g + t owns rows (g, g+8) and columns (2t, 2t+1) of each 16x8
@@ -117,19 +118,25 @@ __device__ __forceinline__ i64 batch_offset(BatchIndex bi, i64 s0, i64 s1, i64 s
     return bi.b0 * s0 + bi.b1 * s1 + bi.b2 * s2;
 }
 
-// Grid order of the one-CTA-per-(tile, batch*head) kernels: gridDim.x = count * tiles CTAs, heads
-// in groups of `group` (the host sizes a group to fit L2), tile-major inside a group. The CTAs
-// resident at once then share a few heads' tensors in L2, and tile 0 (the caller's heaviest when
-// causal) of every head in a group starts first, which balances the causal load.
+// Grid order of the (tile, batch*head) work: heads in groups of `group` (the host sizes a group to
+// fit L2), tile-major inside a group. The CTAs resident at once then share a few heads' tensors in
+// L2, and tile 0 (the caller's heaviest when causal) of every head in a group starts first, which
+// balances the causal load. One-CTA-per-tile kernels launch count * tiles CTAs (grid_tile); the
+// persistent Hopper forward walks the order with fewer (grid_tile_at).
 struct GridTile { i64 bh; int tile; };
 
-__device__ __forceinline__ GridTile grid_tile(int tiles, int group) {
-    // 32-bit throughout: group <= count, so group * tiles <= gridDim.x
-    const unsigned count = gridDim.x / tiles, per_group = (unsigned)group * tiles;
-    const unsigned first = blockIdx.x / per_group * group;   // the group's first head
-    const unsigned size = min((unsigned)group, count - first);
-    const unsigned r = blockIdx.x - first * tiles;
+// Tile `index` of the grid order of `heads` heads of `tiles` tiles each (32-bit: heads * tiles < 2^32)
+__device__ __forceinline__ GridTile grid_tile_at(unsigned index, unsigned heads, int tiles, int group) {
+    const unsigned per_group = (unsigned)group * tiles;
+    const unsigned first = index / per_group * group;   // the group's first head
+    const unsigned size = min((unsigned)group, heads - first);
+    const unsigned r = index - first * tiles;
     return {(i64)(first + r % size), (int)(r / size)};
+}
+
+// This CTA's tile, one CTA per tile
+__device__ __forceinline__ GridTile grid_tile(int tiles, int group) {
+    return grid_tile_at(blockIdx.x, gridDim.x / tiles, tiles, group);
 }
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {

@@ -62,7 +62,7 @@ flash_fwd_v2(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
              i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
              i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
              i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
-             i64 n1, i64 n2, int head_group,
+             i64 n1, i64 n2, int head_group, int heads,
              int Nq, int Nk, int D, acc_t scale, int causal_flag, int vec_flag) {
     extern __shared__ __align__(16) unsigned char smem[];
     elem_t* s_Q = reinterpret_cast<elem_t*>(smem);    // (B_R, DP)
@@ -72,7 +72,7 @@ flash_fwd_v2(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
     const int T_r = (Nq + B_R - 1) / B_R, T_c = (Nk + B_C - 1) / B_C;
-    const GridTile at = grid_tile(T_r, head_group);
+    const GridTile at = grid_tile_at(blockIdx.x, heads, T_r, head_group);
     const i64 bh = at.bh;
     const int i = T_r - 1 - at.tile;                   // heaviest causal tiles first
 

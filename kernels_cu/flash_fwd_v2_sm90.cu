@@ -1,12 +1,15 @@
 // flash_fwd_v2_sm90.cu — the V2 forward (flash_fwd_v2.cu's schedule and outputs) on Hopper's
 // warpgroup MMA, for float16/bfloat16 on sm_90a.
 //
-// Same loop order as flash_fwd_v2.cu: one CTA per (Q tile i, batch*head), O_i, m_i, l_i in
-// registers, normalisation deferred to the end. What changes is who does what. The CTA is
-// 1 + CONSUMERS warpgroups (four warps each), specialised:
+// Same loop order as flash_fwd_v2.cu: per (Q tile i, batch*head), O_i, m_i, l_i in registers,
+// normalisation deferred to the end. What changes is who does what, and that the CTAs are
+// persistent: the host launches one per SM slot and each claims tile after tile of the grid order
+// (grid_tile_at) from a counter, so one tile's first loads run under the last steps of the one
+// before, and the causal load balances itself. The CTA is 1 + CONSUMERS warpgroups (four warps each), specialised:
 //
-//   producer   warpgroup 0 copies Q_i once, then K_j and V_j into a ring of STAGES buffers
-//              (cp.async), each buffer guarded by a "full" and an "empty" mbarrier;
+//   producer   warpgroup 0 copies each Q_i into a ring of Q_STAGES buffers, then its K_j and V_j
+//              into a ring of STAGES buffers (cp.async), each buffer guarded by a "full" and an
+//              "empty" mbarrier; the K/V ring runs on from tile to tile;
 //   consumers  warpgroups 1 .. CONSUMERS own 64 query rows each and issue wgmma, which reads
 //              Q_i, K_j and V_j straight from swizzled shared memory (S_ij = Q_i K_j^T) and P~_ij
 //              from registers (O_i += P~_ij V_j). The producer hands its registers to them
@@ -17,21 +20,23 @@
 // one step of a consumer also overlaps S_ij = Q_i K_j^T with P~_{i,j-1} V_{j-1}, and the
 // softmax of S_ij with the latter. The softmax takes the row max of raw scores Q K^T and
 // scales differences (scale > 0, checked on the host). Consumer step j (0 <= j <= T, T = K/V
-// tiles):
+// tiles of Q tile i):
 //
 //   wait K_j full, V_{j-1} full
 //   (my turn) issue S_ij = Q_i K_j^T, then O_i += P~_{i,j-1} V_{j-1} (next consumer's turn)
-//   wait for S_ij;  K_j empty;  scale, mask, online softmax -> P~_ij, alpha
+//   wait for S_ij;  K_j empty (and Q_i empty after the last S_ij);  scale, mask, online softmax
 //   wait for O_i;   V_{j-1} empty;  O_i <- alpha O_i,  l_i <- alpha l_i + rowsum(P~_ij)
 //
 // A consumer multiplies only the K/V tiles its own 64 rows see (fewer than the CTA's when causal,
 // none when the rows are all past Nq); it still takes each turn and releases each tile.
 //
 // Shared memory (elem_t, 128-byte swizzle, flash_common.cuh), after 1024-byte alignment:
-//   s_Q  (B_R, DP)              Q_i
+//   s_Q  (Q_STAGES, B_R, DP)    Q_i ring
 //   s_K  (STAGES, B_C, DP)      K_j ring
 //   s_V  (STAGES, B_C, DP)      V_j ring
-//   bars (1 + 4 STAGES) u64     Q full; K full, K empty, V full, V empty per stage
+//   bars (2 Q_STAGES + 4 STAGES) u64   Q full, Q empty per Q stage; K full, K empty, V full, V empty per stage
+//   s_index (Q_STAGES) u32, 8 bytes apart    the tile index of each Q_i
+//   s_claim u32 (8 bytes)                    producer thread 0's next tile (in a register it would spill)
 
 #include "flash_common.cuh"
 
@@ -42,13 +47,17 @@ constexpr int NTHREADS = FLASH_WARPS * WARP_SIZE;
 constexpr int WG_THREADS = 4 * WARP_SIZE;              // one warpgroup
 constexpr int CONSUMERS = NTHREADS / WG_THREADS - 1;    // consumer warpgroups, 64 query rows each
 constexpr int STAGES = 2;
+constexpr int Q_STAGES = FLASH_Q_STAGES;               // two where they fit (the host's choice)
 constexpr int TILE_Q = B_R * DP, TILE_KV = B_C * DP;   // elements
 constexpr int PV_N = DP % 128 == 0 ? 128 : 64;         // columns of O_i per P~ V instruction
-constexpr int N_BARRIERS = 1 + 4 * STAGES;
-constexpr int SMEM_BYTES = (TILE_Q + 2 * STAGES * TILE_KV) * (int)sizeof(elem_t) + N_BARRIERS * 8
+constexpr int N_BARRIERS = 2 * Q_STAGES + 4 * STAGES;
+constexpr int SMEM_BYTES = (Q_STAGES * TILE_Q + 2 * STAGES * TILE_KV) * (int)sizeof(elem_t) + N_BARRIERS * 8
+                           + (Q_STAGES + 1) * 8        // s_index, s_claim (8 bytes apart)
                            + SW_ATOM_BYTES;             // + slack for the 1024-byte alignment
+constexpr int PRODUCER_BARRIER = 15;                   // named barrier of the producer warpgroup (consumers: 1 .. CONSUMERS)
 // One consumer: two CTAs per SM keep each other's tensor cores busy; more: one CTA, ping-pong.
-constexpr int CTAS_PER_SM = CONSUMERS == 1 ? 2 : 1;
+// The host launches this many per SM (FLASH_CTAS_PER_SM).
+constexpr int CTAS_PER_SM = FLASH_CTAS_PER_SM;
 // setmaxnreg moves registers between the warpgroups of the CTA's fixed allocation: the fewest
 // to the producer, the rest to the consumers (multiples of 8)
 constexpr int ENTRY_REGS = 65536 / (NTHREADS * CTAS_PER_SM) / 8 * 8;
@@ -58,16 +67,18 @@ constexpr int CONSUMER_REGS = CONSUMER_SHARE < 256 ? CONSUMER_SHARE : 256;
 
 static_assert(FLASH_WGMMA && FLASH_TENSOR_CORES, "a float16/bfloat16 warpgroup-MMA kernel");
 static_assert(B_R == 64 * CONSUMERS && FLASH_WARPS % 4 == 0, "one producer warpgroup, 64 query rows per consumer");
+static_assert(CTAS_PER_SM == (CONSUMERS == 1 ? 2 : 1) && (Q_STAGES == 1 || Q_STAGES == 2), "host and device disagree");
 static_assert(DP % SW_COLS == 0 && (B_C == 64 || B_C == 128), "tile shapes");
 static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * ENTRY_REGS, "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
-// Producer: a (ROWS, DP) tile of `rows` rows into a swizzled buffer, then an arrival on `full`
-// once it has landed
+// Producer thread `ptid` of WG_THREADS: its share of a (ROWS, DP) tile of `rows` rows into a
+// swizzled buffer, then its arrival on `full` once that has landed (the `%` tells the compiler
+// the range of ptid, from which it counts each thread's passes)
 template <int ROWS>
 __device__ __forceinline__ void produce_tile(elem_t* s, const elem_t* g, i64 sn, int rows, int D, bool vec,
-                                             unsigned long long* full) {
-    load_tile_sw128<ROWS, DP, WG_THREADS>(s, g, sn, rows, D, vec, threadIdx.x % WG_THREADS);
+                                             unsigned long long* full, unsigned ptid) {
+    load_tile_sw128<ROWS, DP, WG_THREADS>(s, g, sn, rows, D, vec, ptid % WG_THREADS);
     arrive_when_landed(full, vec);
 }
 
@@ -100,41 +111,47 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                   elem_t* __restrict__ o,          // (BH, Nq, D)
                   acc_t* __restrict__ m_out,       // (BH, Nq)
                   acc_t* __restrict__ l_out,       // (BH, Nq)
+                  unsigned* __restrict__ tile_counter,   // tiles claimed past the first gridDim.x; zero at launch
                   i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
                   i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
                   i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
-                  i64 n1, i64 n2, int head_group,
+                  i64 n1, i64 n2, int head_group, int heads,
                   int Nq, int Nk, int D, acc_t scale, int causal_flag, int vec_flag) {
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned misalign = smem_addr(smem) % SW_ATOM_BYTES;
-    elem_t* s_Q = reinterpret_cast<elem_t*>(smem + (misalign ? SW_ATOM_BYTES - misalign : 0));   // (B_R, DP)
-    elem_t* s_K = s_Q + TILE_Q;                                          // (STAGES, B_C, DP)
+    elem_t* s_Q = reinterpret_cast<elem_t*>(smem + (misalign ? SW_ATOM_BYTES - misalign : 0));   // (Q_STAGES, B_R, DP)
+    elem_t* s_K = s_Q + Q_STAGES * TILE_Q;                               // (STAGES, B_C, DP)
     elem_t* s_V = s_K + STAGES * TILE_KV;                                // (STAGES, B_C, DP)
-    unsigned long long* q_full = reinterpret_cast<unsigned long long*>(s_V + STAGES * TILE_KV);
-    unsigned long long* k_full = q_full + 1;                             // (STAGES) each
+    unsigned long long* q_full = reinterpret_cast<unsigned long long*>(s_V + STAGES * TILE_KV);   // (Q_STAGES) each
+    unsigned long long* q_empty = q_full + Q_STAGES;
+    unsigned long long* k_full = q_empty + Q_STAGES;                     // (STAGES) each
     unsigned long long* k_empty = k_full + STAGES;
     unsigned long long* v_full = k_empty + STAGES;
     unsigned long long* v_empty = v_full + STAGES;
+    unsigned* s_index = reinterpret_cast<unsigned*>(v_empty + STAGES);   // (Q_STAGES, 2) the tile of each Q_i
+    unsigned* s_claim = s_index + 2 * Q_STAGES;                          // producer thread 0's next tile
 
     const bool causal = causal_flag != 0, vec = vec_flag != 0;
     const int tid = threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid / WG_THREADS, 0);   // from lane 0: the compiler sees it warp-uniform
     const int T_r = (Nq + B_R - 1) / B_R, T_c = (Nk + B_C - 1) / B_C;
-    const GridTile at = grid_tile(T_r, head_group);
-    const i64 bh = at.bh;
-    const int i = T_r - 1 - at.tile;                   // heaviest causal tiles first
+    const unsigned n_tiles = (unsigned)heads * T_r;
 
-    const BatchIndex bi = split_batch(bh, n1, n2);
-    q += batch_offset(bi, q_s0, q_s1, q_s2);
-    k += batch_offset(bi, k_s0, k_s1, k_s2);
-    v += batch_offset(bi, v_s0, v_s1, v_s2);
-
-    // K/V tiles this CTA needs: up to the last key its last row sees (tile 0 at least)
-    const int key_last = causal ? min(i * B_R + B_R - 1, Nq - 1) + (Nk - Nq) : Nk - 1;
-    const int j_stop = key_last < 0 ? 1 : min(key_last / B_C, T_c - 1) + 1;
+    // Tile `index` of the grid order: its head, Q tile i (heaviest causal first) and the K/V tiles it
+    // needs, up to the last key its last row sees (tile 0 at least)
+    struct Work { i64 bh; int i, j_stop; };
+    auto work_at = [&](unsigned index) {
+        const GridTile at = grid_tile_at(index, heads, T_r, head_group);
+        const int i = T_r - 1 - at.tile;
+        const int key_last = causal ? min(i * B_R + B_R - 1, Nq - 1) + (Nk - Nq) : Nk - 1;
+        return Work{at.bh, i, key_last < 0 ? 1 : min(key_last / B_C, T_c - 1) + 1};
+    };
 
     if (tid == 0) {
-        mbar_init(q_full, WG_THREADS);
+        for (int s = 0; s < Q_STAGES; ++s) {
+            mbar_init(&q_full[s], WG_THREADS + 1);   // + producer thread 0's, which publishes s_index
+            mbar_init(&q_empty[s], CONSUMERS * WG_THREADS);
+        }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&k_full[s], WG_THREADS);
             mbar_init(&v_full[s], WG_THREADS);
@@ -144,160 +161,213 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
     }
     __syncthreads();
 
+    // Tiles are claimed, not dealt: a CTA takes tile blockIdx.x first, then gridDim.x + the next
+    // value of tile_counter, until that passes the last tile. The grid order puts heavy causal tiles
+    // first, so claiming in order balances the load. `n` counts the CTA's tiles, `kv` the K/V tiles
+    // of its ring so far (ring position kv + j: stage % STAGES, use / STAGES).
     if (wg == 0) {
-        // producer: Q_i, then K_j, V_j into stage j % STAGES once its previous tile is released
+        // producer: Q_i into buffer n % Q_STAGES once its previous tile is released, then K_j, V_j.
+        // Thread 0 claims each next tile once the current one's Q_i is on its way, and publishes it
+        // in s_index with the next Q_i; a tile past the last one ends the CTA.
         setmaxnreg_dec<PRODUCER_REGS>();
-        produce_tile<B_R>(s_Q, q + (i64)i * B_R * q_sn, q_sn, min(B_R, Nq - i * B_R), D, vec, q_full);
-        for (int j = 0; j < j_stop; ++j) {
-            const int s = j % STAGES, use = j / STAGES, rows = min(B_C, Nk - j * B_C);
-            if (use > 0) mbar_wait(&k_empty[s], (use - 1) & 1);
-            produce_tile<B_C>(s_K + s * TILE_KV, k + (i64)j * B_C * k_sn, k_sn, rows, D, vec, &k_full[s]);
-            if (use > 0) mbar_wait(&v_empty[s], (use - 1) & 1);
-            produce_tile<B_C>(s_V + s * TILE_KV, v + (i64)j * B_C * v_sn, v_sn, rows, D, vec, &v_full[s]);
+        if (tid == 0) *s_claim = blockIdx.x;
+        int kv = 0;
+        for (unsigned n = 0;; ++n) {
+            const int qs = n % Q_STAGES, q_use = n / Q_STAGES;
+            if (q_use > 0) mbar_wait(&q_empty[qs], (q_use - 1) & 1);
+            if (tid == 0) s_index[2 * qs] = *s_claim;
+            named_barrier_sync(PRODUCER_BARRIER, WG_THREADS);
+            const unsigned index = s_index[2 * qs];
+            if (index >= n_tiles) {
+                mbar_arrive(&q_full[qs]);
+                if (tid == 0) mbar_arrive(&q_full[qs]);
+                break;
+            }
+            const Work w = work_at(index);
+            // the thread's index, opaque to the compiler: its row offsets, hoisted out of the tile
+            // loop, would not fit the producer's registers
+            unsigned ptid = tid;
+            asm volatile("" : "+r"(ptid));
+            const BatchIndex bi = split_batch(w.bh, n1, n2);
+            const elem_t* q_h = q + batch_offset(bi, q_s0, q_s1, q_s2);
+            const elem_t* k_h = k + batch_offset(bi, k_s0, k_s1, k_s2);
+            const elem_t* v_h = v + batch_offset(bi, v_s0, v_s1, v_s2);
+            produce_tile<B_R>(s_Q + qs * TILE_Q, q_h + (i64)w.i * B_R * q_sn, q_sn, min(B_R, Nq - w.i * B_R), D, vec,
+                              &q_full[qs], ptid);
+            if (tid == 0) {
+                mbar_arrive(&q_full[qs]);
+                *s_claim = gridDim.x + atomicAdd(tile_counter, 1u);   // under the wait for K_0's buffer
+            }
+            for (int j = 0; j < w.j_stop; ++j) {
+                const int s = (kv + j) % STAGES, use = (kv + j) / STAGES, rows = min(B_C, Nk - j * B_C);
+                if (use > 0) mbar_wait(&k_empty[s], (use - 1) & 1);
+                produce_tile<B_C>(s_K + s * TILE_KV, k_h + (i64)j * B_C * k_sn, k_sn, rows, D, vec, &k_full[s], ptid);
+                if (use > 0) mbar_wait(&v_empty[s], (use - 1) & 1);
+                produce_tile<B_C>(s_V + s * TILE_KV, v_h + (i64)j * B_C * v_sn, v_sn, rows, D, vec, &v_full[s], ptid);
+            }
+            kv += w.j_stop;
         }
         cp_async_wait<0>();   // no copy outlives its thread
     } else {
-        // consumers: warpgroup c = wg - 1 owns rows 64c .. 64c+63 of Q_i
+        // consumers: warpgroup c = wg - 1 owns rows 64c .. 64c+63 of each Q_i
         setmaxnreg_inc<CONSUMER_REGS>();
         const int c = wg - 1;
         const int warp = tid / WARP_SIZE - 4, lane = tid % WARP_SIZE;   // warp among the consumers
         const int g = lane / 4, t = lane % 4;
-        const int r0 = i * B_R + 16 * warp;                 // first query row of this warp
-        const elem_t* s_Qg = s_Q + c * 64 * SW_COLS;
-        o += bh * Nq * D;
-        m_out += bh * Nq;
-        l_out += bh * Nq;
-
-        acc_t O[DP / 8][4];                                 // (16, DP) per warp: unnormalised O_i
-        zero_frag(O);
-        // m_i in units of raw scores Q K^T (the softmax scales differences: scale > 0, checked on the host)
-        acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
-        acc_t S[B_C / 8][4];                                // (16, B_C) per warp: S_ij, then P~_ij
-        unsigned P[B_C / 16][4];                            // P~_ij as A fragments
-        acc_t m_new[2], alpha[2], rowsum[2];
         const acc_t log2_scale = scale * (acc_t)LOG2E;
 
-        // S_ij -> P~_ij, its statistics into m_new, alpha, rowsum (masked online softmax)
-        auto softmax_step = [&](int j) {
-            const int kv0 = j * B_C;
-            const bool boundary = kv0 + B_C > Nk || (causal && kv0 + B_C - 1 > r0 + (Nk - Nq));
-            mask_scores(S, boundary, r0, kv0, Nq, Nk, causal);
-            online_softmax(S, m_i, m_new, alpha, rowsum, log2_scale);
-        };
-        // m_i <- m_new;  l_i <- alpha l_i + rowsum(P~_ij);  O_i <- alpha O_i (skipped while no row
-        // max of the warp moved: alpha = 1 exactly);  P~_ij to A fragments
-        auto rescale = [&]() {
-            const bool moved = __any_sync(0xffffffffu, alpha[0] != (acc_t)1 || alpha[1] != (acc_t)1);
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                m_i[h] = m_new[h];
-                l_i[h] = alpha[h] * l_i[h] + rowsum[h];
-                if (moved)
-#pragma unroll
-                    for (int n = 0; n < DP / 8; ++n) {
-                        O[n][2 * h] *= alpha[h];
-                        O[n][2 * h + 1] *= alpha[h];
-                    }
-            }
-            frag_to_a(P, S);
-        };
         // the tile's copies happened in the generic proxy; the tensor cores read through the async one
-        auto wait_full = [&](unsigned long long* bar, int j) {
-            mbar_wait(bar, (j / STAGES) & 1);
+        auto wait_full = [&](unsigned long long* bars, int pos) {
+            mbar_wait(&bars[pos % STAGES], (pos / STAGES) & 1);
             fence_proxy_async();
         };
         // Ping-pong: the consumers take turns issuing their products (named barrier 1 + c is
         // consumer c's turn), so one's softmax runs while another's products keep the tensor cores
-        // busy. Consumer 0 goes first; every issue hands the turn on (the very last has no taker).
+        // busy. Consumer 0 goes first; every issue hands the turn on, from tile to tile, and
+        // consumer 0 takes the last hand-off as the CTA ends.
         constexpr int PAIR = 2 * WG_THREADS;
         auto my_turn = [&]() {
             if (CONSUMERS > 1) named_barrier_sync(1 + c, PAIR);
         };
-        auto your_turn = [&](bool last) {
-            if (CONSUMERS > 1 && !(last && c == CONSUMERS - 1)) named_barrier_arrive(1 + (c + 1) % CONSUMERS, PAIR);
+        auto your_turn = [&]() {
+            if (CONSUMERS > 1) named_barrier_arrive(1 + (c + 1) % CONSUMERS, PAIR);
         };
         if (CONSUMERS > 1 && c == CONSUMERS - 1) named_barrier_arrive(1, PAIR);
 
-        // The K/V tiles this warpgroup's rows need (fewer than the CTA's when causal; none for rows
-        // all past Nq). It still takes every turn and releases every tile, computing nothing there.
-        const int row_first = i * B_R + 64 * c, row_last = min(row_first + 63, Nq - 1);
-        const int my_key_last = causal ? row_last + (Nk - Nq) : Nk - 1;
-        const int my_stop = row_first >= Nq ? 0 : my_key_last < 0 ? 1 : min(my_key_last / B_C, T_c - 1) + 1;
+        int kv = 0;
+        for (unsigned n = 0;; ++n) {
+            const int qs = n % Q_STAGES;
+            mbar_wait(&q_full[qs], (n / Q_STAGES) & 1);
+            const unsigned index = s_index[2 * qs];
+            if (index >= n_tiles) break;
+            const Work w = work_at(index);
+            const int i = w.i, j_stop = w.j_stop;
+            const int r0 = i * B_R + 16 * warp;             // first query row of this warp
+            const elem_t* s_Qg = s_Q + qs * TILE_Q + c * 64 * SW_COLS;
 
-        // a turn with nothing to multiply: release K_j and V_{j-1} once they have landed (an arrival
-        // before the tile's own must not count towards the previous use of its buffer)
-        auto idle_step = [&](int j) {
-            if (j < j_stop) wait_full(&k_full[j % STAGES], j);
-            if (j >= 1) wait_full(&v_full[(j - 1) % STAGES], j - 1);
-            my_turn();
-            your_turn(j == j_stop);
-            if (j < j_stop) mbar_arrive(&k_empty[j % STAGES]);
-            if (j >= 1) mbar_arrive(&v_empty[(j - 1) % STAGES]);
-        };
+            acc_t O[DP / 8][4];                             // (16, DP) per warp: unnormalised O_i
+            zero_frag(O);
+            // m_i in units of raw scores Q K^T (the softmax scales differences: scale > 0, checked on the host)
+            acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
+            acc_t S[B_C / 8][4];                            // (16, B_C) per warp: S_ij, then P~_ij
+            unsigned P[B_C / 16][4];                        // P~_ij as A fragments
+            acc_t m_new[2], alpha[2], rowsum[2];
 
-        mbar_wait(q_full, 0);
-        if (my_stop > 0) {
-            // step 0: S_i0 alone
-            wait_full(&k_full[0], 0);
-            my_turn();
-            wgmma_fence();
-            issue_scores(S, s_Qg, s_K);
-            your_turn(false);
-            wgmma_wait<0>();
-            wgmma_pin(S);
-            mbar_arrive(&k_empty[0]);
-            softmax_step(0);
-            rescale();
+            // S_ij -> P~_ij, its statistics into m_new, alpha, rowsum (masked online softmax)
+            auto softmax_step = [&](int j) {
+                const int kv0 = j * B_C;
+                const bool boundary = kv0 + B_C > Nk || (causal && kv0 + B_C - 1 > r0 + (Nk - Nq));
+                mask_scores(S, boundary, r0, kv0, Nq, Nk, causal);
+                online_softmax(S, m_i, m_new, alpha, rowsum, log2_scale);
+            };
+            // m_i <- m_new;  l_i <- alpha l_i + rowsum(P~_ij);  O_i <- alpha O_i (skipped while no row
+            // max of the warp moved: alpha = 1 exactly);  P~_ij to A fragments
+            auto rescale = [&]() {
+                const bool moved = __any_sync(0xffffffffu, alpha[0] != (acc_t)1 || alpha[1] != (acc_t)1);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    m_i[h] = m_new[h];
+                    l_i[h] = alpha[h] * l_i[h] + rowsum[h];
+                    if (moved)
+#pragma unroll
+                        for (int nn = 0; nn < DP / 8; ++nn) {
+                            O[nn][2 * h] *= alpha[h];
+                            O[nn][2 * h + 1] *= alpha[h];
+                        }
+                }
+                frag_to_a(P, S);
+            };
 
-            // step j: S_ij and P~_{i,j-1} V_{j-1} in flight together, the softmax of S_ij under the latter
-            for (int j = 1; j < my_stop; ++j) {
-                const int s = j % STAGES, sp = (j - 1) % STAGES;
-                wait_full(&k_full[s], j);
-                wait_full(&v_full[sp], j - 1);
+            // The K/V tiles this warpgroup's rows need (fewer than the CTA's when causal; none for rows
+            // all past Nq). It still takes every turn and releases every tile, computing nothing there.
+            const int row_first = i * B_R + 64 * c, row_last = min(row_first + 63, Nq - 1);
+            const int my_key_last = causal ? row_last + (Nk - Nq) : Nk - 1;
+            const int my_stop = row_first >= Nq ? 0 : my_key_last < 0 ? 1 : min(my_key_last / B_C, T_c - 1) + 1;
+
+            // a turn with nothing to multiply: release K_j and V_{j-1} once they have landed (an arrival
+            // before the tile's own must not count towards the previous use of its buffer)
+            auto idle_step = [&](int j) {
+                if (j < j_stop) wait_full(k_full, kv + j);
+                if (j >= 1) wait_full(v_full, kv + j - 1);
+                my_turn();
+                your_turn();
+                if (j < j_stop) mbar_arrive(&k_empty[(kv + j) % STAGES]);
+                if (j >= 1) mbar_arrive(&v_empty[(kv + j - 1) % STAGES]);
+            };
+            // Q_i is released once this warpgroup's last S_ij has completed; the producer loads the
+            // CTA's next Q tile (in the other buffer, if there are two) under the rest of this one
+            auto release_q = [&]() { mbar_arrive(&q_empty[qs]); };
+
+            if (my_stop > 0) {
+                // step 0: S_i0 alone
+                wait_full(k_full, kv);
                 my_turn();
                 wgmma_fence();
-                issue_scores(S, s_Qg, s_K + s * TILE_KV);
-                issue_values(O, P, s_V + sp * TILE_KV);
-                your_turn(false);
-                wgmma_wait<1>();
+                issue_scores(S, s_Qg, s_K + (kv % STAGES) * TILE_KV);
+                your_turn();
+                wgmma_wait<0>();
                 wgmma_pin(S);
-                mbar_arrive(&k_empty[s]);
-                softmax_step(j);
+                if (my_stop == 1) release_q();
+                mbar_arrive(&k_empty[kv % STAGES]);
+                softmax_step(0);
+                rescale();
+
+                // step j: S_ij and P~_{i,j-1} V_{j-1} in flight together, the softmax of S_ij under the latter
+                for (int j = 1; j < my_stop; ++j) {
+                    const int s = (kv + j) % STAGES, sp = (kv + j - 1) % STAGES;
+                    wait_full(k_full, kv + j);
+                    wait_full(v_full, kv + j - 1);
+                    my_turn();
+                    wgmma_fence();
+                    issue_scores(S, s_Qg, s_K + s * TILE_KV);
+                    issue_values(O, P, s_V + sp * TILE_KV);
+                    your_turn();
+                    wgmma_wait<1>();
+                    wgmma_pin(S);
+                    if (j == my_stop - 1) release_q();
+                    mbar_arrive(&k_empty[s]);
+                    softmax_step(j);
+                    wgmma_wait<0>();
+                    wgmma_pin(O);
+                    wgmma_pin_a(P);
+                    mbar_arrive(&v_empty[sp]);
+                    rescale();
+                }
+
+                // step my_stop: P~_{i,my_stop-1} V_{my_stop-1}; K_{my_stop}, if the CTA has it, is not mine
+                const int j = my_stop, s = (kv + j) % STAGES, sp = (kv + j - 1) % STAGES;
+                if (j < j_stop) wait_full(k_full, kv + j);
+                wait_full(v_full, kv + j - 1);
+                my_turn();
+                wgmma_fence();
+                issue_values(O, P, s_V + sp * TILE_KV);
+                your_turn();
+                if (j < j_stop) mbar_arrive(&k_empty[s]);
                 wgmma_wait<0>();
                 wgmma_pin(O);
-                wgmma_pin_a(P);
                 mbar_arrive(&v_empty[sp]);
-                rescale();
+            } else {
+                release_q();
             }
+            for (int j = my_stop > 0 ? my_stop + 1 : 0; j <= j_stop; ++j) idle_step(j);
 
-            // step my_stop: P~_{i,my_stop-1} V_{my_stop-1}; K_{my_stop}, if the CTA has it, is not mine
-            const int j = my_stop, s = j % STAGES, sp = (j - 1) % STAGES;
-            if (j < j_stop) wait_full(&k_full[s], j);
-            wait_full(&v_full[sp], j - 1);
-            my_turn();
-            wgmma_fence();
-            issue_values(O, P, s_V + sp * TILE_KV);
-            your_turn(j == j_stop);
-            if (j < j_stop) mbar_arrive(&k_empty[s]);
-            wgmma_wait<0>();
-            wgmma_pin(O);
-            mbar_arrive(&v_empty[sp]);
-        }
-        for (int j = my_stop > 0 ? my_stop + 1 : 0; j <= j_stop; ++j) idle_step(j);
-
-        // O_i = diag(l_i)^-1 O_i; write O_i, m_i (in natural units), l_i to HBM
+            // O_i = diag(l_i)^-1 O_i; write O_i, m_i (in natural units), l_i to HBM
+            elem_t* o_h = o + w.bh * Nq * D;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = r0 + g + 8 * h;
-            if (row >= Nq) continue;
-            const acc_t inv_l = l_i[h] > (acc_t)0 ? (acc_t)1 / l_i[h] : (acc_t)0;
+            for (int h = 0; h < 2; ++h) {
+                const int row = r0 + g + 8 * h;
+                if (row >= Nq) continue;
+                const acc_t inv_l = l_i[h] > (acc_t)0 ? (acc_t)1 / l_i[h] : (acc_t)0;
 #pragma unroll
-            for (int n = 0; n < DP / 8; ++n)
-                store_row_pair(o + (i64)row * D, n * 8 + 2 * t, D, O[n][2 * h] * inv_l, O[n][2 * h + 1] * inv_l);
-            if (t == 0) {
-                m_out[row] = m_i[h] == NEG_INF ? NEG_INF : m_i[h] * scale;
-                l_out[row] = l_i[h];
+                for (int nn = 0; nn < DP / 8; ++nn)
+                    store_row_pair(o_h + (i64)row * D, nn * 8 + 2 * t, D, O[nn][2 * h] * inv_l, O[nn][2 * h + 1] * inv_l);
+                if (t == 0) {
+                    m_out[w.bh * Nq + row] = m_i[h] == NEG_INF ? NEG_INF : m_i[h] * scale;
+                    l_out[w.bh * Nq + row] = l_i[h];
+                }
             }
+            kv += j_stop;
         }
+        if (CONSUMERS > 1 && c == 0) my_turn();   // the hand-off of the last issue
     }
 }

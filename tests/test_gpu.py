@@ -297,11 +297,74 @@ def test_grid_order_of_head_groups(group, causal, schedule, monkeypatch):
     from cupyflash import _launch
 
     monkeypatch.setattr(_launch, "head_group", lambda heads, _bytes: numpy.int32(min(group, heads)))
+    monkeypatch.setattr(_launch, "PLANS", {})   # plans of the unpatched grouping must not be reused
     rng = numpy.random.default_rng(group)
     for q_shape, kv_shape in (((2, 4, 300, 64), (2, 4, 260, 64)), ((2, 3, 130, 200), (2, 3, 150, 200))):
         q, k, v = random_inputs(rng, "bfloat16", q_shape, kv_shape)
         check_forward("bfloat16", q, k, v, causal, None, schedule)
         check_backward("bfloat16", q, k, v, causal, None, rng, schedule)
+
+
+@pytest.mark.parametrize("sms", [1, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_ctas_walk_many_tiles(sms, causal, monkeypatch):
+    """The Hopper forward's CTAs claim tile after tile; with one or three of them (sms forced) each
+    walks many, across heads, ragged ends, idle warpgroups and both Q buffer counts (D = 256: one)."""
+    import dataclasses
+
+    from cupyflash import _launch
+
+    limits = _launch.current_limits()
+    monkeypatch.setattr(_launch, "current_limits", lambda: dataclasses.replace(limits, sms=sms))
+    monkeypatch.setattr(_launch, "PLANS", {})
+    rng = numpy.random.default_rng(sms)
+    for dtype, q_shape, kv_shape in (("float16", (3, 2, 400, 64), (3, 2, 300, 64)),
+                                     ("bfloat16", (2, 4, 130, 128), (2, 1, 700, 128)),
+                                     ("float16", (5, 70, 256), (5, 333, 256))):
+        q, k, v = random_inputs(rng, dtype, q_shape, kv_shape)
+        check_forward(dtype, q, k, v, causal, None, "v2")
+
+
+@SCHEDULES
+def test_like_calls_reuse_their_plan(schedule, monkeypatch):
+    """A call like an earlier one (its arrays' shapes, strides, dtypes, devices and 16-byte alignment,
+    its flags) reuses that call's plan and computes the same bits; a call unlike every earlier one is
+    validated and planned afresh."""
+    import cupy
+
+    from cupyflash import _launch
+
+    monkeypatch.setattr(_launch, "PLANS", {})
+    rng = numpy.random.default_rng(6)
+    q_np, k_np, v_np = random_inputs(rng, "float16", (2, 3, 130, 64), (2, 3, 150, 64))
+    q, k, v = to_gpu(q_np, k_np, v_np)
+    kw = dict(causal=True, schedule=api_schedule(schedule))
+    first = cupyflash.flash_attention_forward(q, k, v, **kw)
+    again = cupyflash.flash_attention_forward(q.copy(), k.copy(), v.copy(), **kw)
+    assert len(_launch.PLANS) == 1
+    for a, b in zip(first, again):
+        assert a.tobytes() == b.tobytes()
+    do = cupy.asarray(rng.standard_normal(first[0].shape).astype(numpy.float16))
+    grads = [cupyflash.flash_attention_backward(do, q, k, v, *first, **kw) for _ in range(2)]
+    assert len(_launch.PLANS) == 2
+    for a, b in zip(*grads):
+        assert a.tobytes() == b.tobytes()
+
+    check_forward("float16", q_np, k_np, v_np, True, None, schedule)   # through the kept plan
+    assert len(_launch.PLANS) == 2
+
+    # a view off the 16-byte grid: a plan of its own (scalar loads), the same bits
+    shifted = cupy.empty(q.size + 1, q.dtype)[1:].reshape(q.shape)
+    shifted[...] = q
+    for a, b in zip(cupyflash.flash_attention_forward(shifted, k, v, **kw), first):
+        assert a.tobytes() == b.tobytes()
+    assert len(_launch.PLANS) == 3
+    # flags equal in value but not in type are checked again, and refused
+    with pytest.raises(TypeError, match="causal"):
+        cupyflash.flash_attention_forward(q, k, v, causal=1, schedule=kw["schedule"])
+    with pytest.raises(ValueError, match="softmax_scale"):
+        cupyflash.flash_attention_forward(q, k, v, causal=True, softmax_scale=math.nan)
+    assert len(_launch.PLANS) == 3
 
 
 def test_v2_runs_the_hopper_kernels_on_sm90():
