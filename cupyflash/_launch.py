@@ -308,40 +308,35 @@ class BackwardPlan:
     def __call__(self, do, q, k, v, o, m, l):
         import cupy
 
-        acc = self.acc
+        acc, empty = self.acc, cupy.empty
         with cupy.cuda.Device(self.device):
+            # every buffer first: a call that does not fit raises OutOfMemoryError before any launch
             m, l = cupy.ascontiguousarray(m), cupy.ascontiguousarray(l)
-            d_sum = cupy.empty(self.rows, acc)
-            stats = tuple(cupy.empty(self.rows, acc) for _ in range(1 if self.lse_stats else 2))
+            d_sum = empty(self.rows, acc)
+            stats = tuple(empty(self.rows, acc) for _ in range(1 if self.lse_stats else 2))
             m_b, inv_l, lse2 = (d_sum, d_sum, *stats) if self.lse_stats else (*stats, d_sum)   # d_sum: not written
-            self.prep((self.prep_grid,), (PREP_THREADS,), (o, do, m, l, m_b, inv_l, lse2, d_sum, *self.prep_scalars))
-
             q_shape, k_shape, v_shape = self.grad_shapes
-            dq_acc = cupy.zeros(q_shape, acc)
-            if self.kv_atomic:
-                dk_acc, dv_acc = cupy.zeros(k_shape, acc), cupy.zeros(v_shape, acc)
+            dq_acc = empty(q_shape, acc)
+            if self.kv_atomic:   # dK, dV summed in workspaces, then converted
+                dk_acc, dv_acc = empty(k_shape, acc), empty(v_shape, acc)
                 dk_out, dv_out = q, q   # not written
             else:
-                dk_out, dv_out = cupy.empty(k_shape, self.dtype), cupy.empty(v_shape, self.dtype)
+                dk_out, dv_out = empty(k_shape, self.dtype), empty(v_shape, self.dtype)
                 dk_acc, dv_acc = dq_acc, dq_acc   # not written
+            sums = (dq_acc, dk_acc, dv_acc) if self.kv_atomic else (dq_acc,)
+            grads = tuple(x if acc == self.dtype else empty(x.shape, self.dtype) for x in sums)
+
+            self.prep((self.prep_grid,), (PREP_THREADS,), (o, do, m, l, m_b, inv_l, lse2, d_sum, *self.prep_scalars))
+            for x in sums:
+                x.fill(0)
             self.main((self.main_grid,), (self.main_threads,),
                       (q, k, v, do, *stats, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc, *self.main_scalars),
                       shared_mem=self.main_smem_bytes)
-            if self.kv_atomic:
-                return self._to_dtype(dq_acc), self._to_dtype(dk_acc), self._to_dtype(dv_acc)
-            return self._to_dtype(dq_acc), dk_out, dv_out
-
-    def _to_dtype(self, x_acc):
-        import cupy
-
-        if x_acc.dtype == self.dtype:
-            return x_acc
-        out = cupy.empty(x_acc.shape, self.dtype)
-        n = x_acc.size
-        if n:
-            blocks = min(max(1, -(-n // (4 * CONVERT_THREADS))), 65535)   # four elements per thread
-            self.convert((blocks,), (CONVERT_THREADS,), (x_acc, out, numpy.int64(n)))
-        return out
+            for x_acc, out in zip(sums, grads):
+                if out is not x_acc and x_acc.size:
+                    blocks = min(max(1, -(-x_acc.size // (4 * CONVERT_THREADS))), 65535)   # four elements per thread
+                    self.convert((blocks,), (CONVERT_THREADS,), (x_acc, out, numpy.int64(x_acc.size)))
+        return grads if self.kv_atomic else (grads[0], dk_out, dv_out)
 
 
 def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, layout: BatchLayout):

@@ -81,7 +81,7 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, schedu
     import cupy
 
     with q.device:
-        if prob.Nq == 0 or prob.Nk == 0:
+        if _empty(prob):
             acc = accumulator_dtype(prob.dtype)
             return (cupy.zeros((*prob.batch_shape, prob.Nq, prob.D), prob.dtype),
                     cupy.full((*prob.batch_shape, prob.Nq), -numpy.inf, acc),
@@ -91,6 +91,11 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, schedu
             key = None   # a call with these arrays copies them again
         return _forward_gpu(*ready, prob.batch_shape, prob, _launch.forward_schedule(schedule, prob.D, prob.dtype),
                             key)
+
+
+def _empty(prob) -> bool:
+    """No query, no key or no batch entry: nothing to launch (CuPy would run a grid of 0 CTAs as 1)."""
+    return prob.Nq == 0 or prob.Nk == 0 or 0 in prob.batch_shape
 
 
 def _forward_gpu(q, k, v, batch_shape, prob, schedule, key=None):
@@ -183,7 +188,7 @@ def flash_attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scal
     import cupy
 
     with q.device:
-        if prob.Nq == 0 or prob.Nk == 0:
+        if _empty(prob):
             return tuple(cupy.zeros(x.shape, prob.dtype) for x in (q, k, v))
         ready = tuple(kernel_ready(x) for x in (do, q, k, v, o))
         if any(r is not x for r, x in zip(ready, (do, q, k, v, o))):

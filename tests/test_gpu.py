@@ -244,6 +244,25 @@ def test_empty_queries_launch_nothing():
     assert dq.shape == q.shape and dk.shape == k.shape and float(abs(dk).max()) == 0
 
 
+def test_an_empty_batch_launches_nothing():
+    """A zero batch dim with queries and keys: empty outputs, zero gradients of the inputs' shapes (q
+    broadcast along the empty dim included), and the GPU is fine afterwards. (CuPy runs a grid of
+    0 CTAs as one; such a launch read and wrote out of bounds.)"""
+    import cupy
+
+    rng = numpy.random.default_rng(7)
+    for dtype in ("float16", "float32"):
+        q = cupy.asarray(rng.standard_normal((1, 4, 8)).astype(dtype))
+        k = cupy.asarray(rng.standard_normal((0, 3, 8)).astype(dtype))
+        for schedule in ("v1", "v2"):
+            o, m, l = cupyflash.flash_attention_forward(q, k, k, causal=True, schedule=schedule)
+            assert o.shape == (0, 4, 8) and m.shape == l.shape == (0, 4)
+            dq, dk, dv = cupyflash.flash_attention_backward(o, q, k, k, o, m, l, causal=True, schedule=schedule)
+            assert dq.shape == q.shape and dk.shape == dv.shape == k.shape and float(abs(dq).max()) == 0
+    cupy.cuda.Device().synchronize()
+    check_forward("float16", *random_inputs(rng, "float16", (2, 50, 64), (2, 40, 64)), True, None, "v2")
+
+
 def test_inputs_not_modified():
     import cupy
 

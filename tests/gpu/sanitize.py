@@ -1,0 +1,80 @@
+"""Every kernel specialisation on small ragged problems, forward and backward, for compute-sanitizer.
+
+Run under each tool (zero errors is the pass mark)::
+
+    PYTHONPATH=$PWD compute-sanitizer --tool memcheck  --error-exitcode 1 python3 tests/gpu/sanitize.py
+    PYTHONPATH=$PWD compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/gpu/sanitize.py --quick
+    PYTHONPATH=$PWD compute-sanitizer --tool initcheck --error-exitcode 1 python3 tests/gpu/sanitize.py
+    PYTHONPATH=$PWD compute-sanitizer --tool synccheck --error-exitcode 1 python3 tests/gpu/sanitize.py
+
+Cases: schedules v1, v2 and v2 on the portable kernels ("v2-mma", where the Hopper ones would
+run), the four dtypes, one head dim per bucket, Nq != Nk ragged against every tile size, causal and
+not, K/V broadcast over a group of query heads. ``--quick`` keeps two head dims. The script also
+checks each result against the float64 reference, so a kernel that runs clean but wrong fails too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import ml_dtypes
+import numpy
+
+import cupyflash
+from cupyflash import _launch, reference
+
+DTYPES = (numpy.float16, ml_dtypes.bfloat16, numpy.float32, numpy.float64)
+HEAD_DIMS = (24, 64, 80, 128, 160, 256)   # one per bucket: 32, 64, 96, 128, 192, 256
+QUICK_HEAD_DIMS = (64, 128)
+SCHEDULES = ("v1", "v2", "v2-mma")
+# q (B, Hkv, G, Nq, D) against k, v (B, Hkv, 1, Nk, D): broadcast over G query heads
+Q_SHAPE, KV_SHAPE = (1, 2, 2, 70), (1, 2, 1, 200)
+TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-4, "float64": 1e-9}
+
+
+def run_case(dtype, D, schedule, causal, rng) -> float:
+    """Forward and backward of one case; the worst relative error against the reference."""
+    import cupy
+
+    _launch.USE_WGMMA = schedule != "v2-mma"
+    q = rng.standard_normal((*Q_SHAPE, D)).astype(dtype)
+    k, v = (rng.standard_normal((*KV_SHAPE, D)).astype(dtype) for _ in range(2))
+    do = rng.standard_normal(q.shape).astype(dtype)
+    api = schedule.split("-")[0]
+    qg, kg, vg, dog = (cupy.asarray(x) for x in (q, k, v, do))
+    o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, causal=causal, schedule=api)
+    grads = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, causal=causal, schedule=api)
+    refs = reference.attention_forward(q, k, v, causal=causal)
+    ref_grads = reference.attention_backward(do, q, k, v, *refs, causal=causal)
+    worst = 0.0
+    for got, ref in zip((o, m, l, *grads), (*refs, *ref_grads)):
+        got, ref = got.get().astype(numpy.float64), numpy.asarray(ref, numpy.float64)
+        finite = numpy.isfinite(ref)
+        assert numpy.array_equal(numpy.isfinite(got), finite) and numpy.array_equal(got[~finite], ref[~finite])
+        scale = numpy.linalg.norm(ref[finite]) or 1.0
+        worst = max(worst, float(numpy.linalg.norm(got[finite] - ref[finite]) / scale))
+    return worst
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"head dims {QUICK_HEAD_DIMS} only")
+    args = parser.parse_args(argv)
+    rng = numpy.random.default_rng(0)
+    failures = 0
+    cases = list(itertools.product(DTYPES, QUICK_HEAD_DIMS if args.quick else HEAD_DIMS, SCHEDULES, (False, True)))
+    for dtype, D, schedule, causal in cases:
+        name = numpy.dtype(dtype).name
+        err = run_case(dtype, D, schedule, causal, rng)
+        ok = err <= TOLERANCE[name]
+        failures += not ok
+        if not ok:
+            print(f"FAIL {name} D={D} {schedule} causal={causal}: relative error {err:.2e}", flush=True)
+    print(f"{len(cases) - failures} of {len(cases)} cases within tolerance", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
