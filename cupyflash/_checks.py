@@ -137,6 +137,56 @@ def check_backward(do, q, k, v, o, m, l, causal, softmax_scale) -> Problem:
     return prob
 
 
+OUT_ALIGNMENT = 16   # bytes: the kernels store whole vectors into o, dq, dk, dv
+
+
+def _extent(x) -> tuple[int, int]:
+    """Bytes [lo, hi) of memory that ``x`` can touch (0, 0 when it holds nothing)."""
+    if x.size == 0:
+        return 0, 0
+    base = x.ctypes.data if isinstance(x, numpy.ndarray) else x.data.ptr
+    reach = [s * (n - 1) for s, n in zip(x.strides, x.shape)]
+    return base + sum(r for r in reach if r < 0), base + sum(r for r in reach if r > 0) + x.itemsize
+
+
+def check_disjoint(out, names, inputs: dict):
+    """ValueError when an ``out`` array shares memory with another or with an input."""
+    arrays = [(f"out[{i}] ({n})", x) for i, (n, x) in enumerate(zip(names, out))]
+    extents = [(label, _extent(x)) for label, x in arrays + list(inputs.items())]
+    for i, (label, (lo, hi)) in enumerate(extents[: len(arrays)]):
+        for other, (other_lo, other_hi) in extents[i + 1:]:
+            if lo < other_hi and other_lo < hi:
+                raise ValueError(f"{label} overlaps {other} in memory")
+
+
+def check_out(out, names, shapes, dtypes, prob: Problem, device, inputs: dict) -> tuple:
+    """Validate ``out=``: one C-contiguous array per output, of exactly its shape and dtype, of the
+    inputs' kind (and device, 16-byte aligned, on the GPU), writeable, sharing memory with nothing."""
+    if not isinstance(out, (tuple, list)) or len(out) != len(names):
+        raise TypeError(f"out must be a tuple of {len(names)} arrays ({', '.join(names)}), got {type(out).__name__}")
+    kind = numpy.ndarray if prob.xp is numpy else prob.xp.ndarray
+    for i, (x, name, shape, dtype) in enumerate(zip(out, names, shapes, dtypes)):
+        label = f"out[{i}] ({name})"
+        if not isinstance(x, kind):
+            raise TypeError(f"{label} must be a {kind.__module__}.ndarray like the inputs, got {type(x).__name__}")
+        if x.dtype != dtype:
+            raise TypeError(f"{label} must have dtype {dtype}, got {x.dtype}")
+        if x.shape != tuple(shape):
+            raise ValueError(f"{label} must have shape {tuple(shape)}, got {x.shape}")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{label} must be C-contiguous (strides {x.strides} for shape {x.shape})")
+        if prob.xp is numpy:
+            if not x.flags.writeable:
+                raise ValueError(f"{label} is read-only")
+        else:
+            if x.device.id != device:
+                raise ValueError(f"{label} is on device {x.device.id}, the inputs on device {device}")
+            if x.data.ptr % OUT_ALIGNMENT:
+                raise ValueError(f"{label} must start on a {OUT_ALIGNMENT}-byte boundary (address {x.data.ptr:#x})")
+    check_disjoint(out, names, inputs)
+    return tuple(out)
+
+
 def kernel_ready(x):
     """``x`` itself when the kernels can read it through strides, else a C-contiguous copy.
 
@@ -155,5 +205,5 @@ def kernel_ready(x):
     return cupy.ascontiguousarray(x)
 
 
-__all__ = ["Problem", "SCHEDULES", "array_module", "check_backward", "check_forward", "check_schedule", "dtype_name",
-           "kernel_ready"]
+__all__ = ["OUT_ALIGNMENT", "Problem", "SCHEDULES", "array_module", "check_backward", "check_disjoint", "check_forward",
+           "check_out", "check_schedule", "dtype_name", "kernel_ready"]

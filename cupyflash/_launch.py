@@ -221,14 +221,18 @@ class ForwardPlan:
     o_run_shape: tuple | None   # V1's running O_i (BH, Nq, d_pad); None with a single K/V tile (m stands in)
     scalars: tuple            # the kernel's arguments after its arrays
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, out=None):
+        """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given."""
         import cupy
 
         acc = self.acc
         with cupy.cuda.Device(self.device):
-            o = cupy.empty(self.o_shape, self.dtype)
-            m = cupy.empty(self.o_shape[:-1], acc)
-            l = cupy.empty(self.o_shape[:-1], acc)
+            if out is None:
+                o = cupy.empty(self.o_shape, self.dtype)
+                m = cupy.empty(self.o_shape[:-1], acc)
+                l = cupy.empty(self.o_shape[:-1], acc)
+            else:
+                o, m, l = out
             if self.v1:
                 o_run = m if self.o_run_shape is None else cupy.empty(self.o_run_shape, acc)
                 arrays = (q, k, v, o, o_run, m, l)
@@ -281,7 +285,7 @@ def backward_kernel(schedule: str, dtype, head_dim: int) -> str:
 @dataclass(frozen=True)
 class BackwardPlan:
     """A backward's launches with everything but the arrays settled; ``plan(do, q, k, v, o, m, l)`` returns
-    ``(dq, dk, dv)``.
+    ``(dq, dk, dv)`` (in ``out``, validated by ``_checks.check_out``, when given).
 
     Three steps: the preparation kernel (D_i and the statistics the main kernel reads), the main
     kernel (dQ into a float32/float64 workspace; dK, dV stored directly, or into workspaces when several
@@ -305,7 +309,7 @@ class BackwardPlan:
     main_smem_bytes: int
     main_scalars: tuple
 
-    def __call__(self, do, q, k, v, o, m, l):
+    def __call__(self, do, q, k, v, o, m, l, out=None):
         import cupy
 
         acc, empty = self.acc, cupy.empty
@@ -315,16 +319,14 @@ class BackwardPlan:
             d_sum = empty(self.rows, acc)
             stats = tuple(empty(self.rows, acc) for _ in range(1 if self.lse_stats else 2))
             m_b, inv_l, lse2 = (d_sum, d_sum, *stats) if self.lse_stats else (*stats, d_sum)   # d_sum: not written
-            q_shape, k_shape, v_shape = self.grad_shapes
-            dq_acc = empty(q_shape, acc)
-            if self.kv_atomic:   # dK, dV summed in workspaces, then converted
-                dk_acc, dv_acc = empty(k_shape, acc), empty(v_shape, acc)
-                dk_out, dv_out = q, q   # not written
-            else:
-                dk_out, dv_out = empty(k_shape, self.dtype), empty(v_shape, self.dtype)
-                dk_acc, dv_acc = dq_acc, dq_acc   # not written
-            sums = (dq_acc, dk_acc, dv_acc) if self.kv_atomic else (dq_acc,)
-            grads = tuple(x if acc == self.dtype else empty(x.shape, self.dtype) for x in sums)
+            grads = tuple(empty(s, self.dtype) for s in self.grad_shapes) if out is None else out
+            # dQ, and dK, dV where several batch entries share a K/V head, are sums: in the gradients
+            # themselves when they are of the accumulator dtype, else in workspaces converted at the end
+            summed = grads if self.kv_atomic else grads[:1]
+            sums = tuple(g if g.dtype == acc else empty(g.shape, acc) for g in summed)
+            dq_acc = sums[0]
+            dk_acc, dv_acc = sums[1:] if self.kv_atomic else (dq_acc, dq_acc)   # not written
+            dk_out, dv_out = (q, q) if self.kv_atomic else grads[1:]             # not written / stored directly
 
             self.prep((self.prep_grid,), (PREP_THREADS,), (o, do, m, l, m_b, inv_l, lse2, d_sum, *self.prep_scalars))
             for x in sums:
@@ -332,11 +334,11 @@ class BackwardPlan:
             self.main((self.main_grid,), (self.main_threads,),
                       (q, k, v, do, *stats, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc, *self.main_scalars),
                       shared_mem=self.main_smem_bytes)
-            for x_acc, out in zip(sums, grads):
-                if out is not x_acc and x_acc.size:
+            for x_acc, g in zip(sums, summed):
+                if x_acc is not g and x_acc.size:
                     blocks = min(max(1, -(-x_acc.size // (4 * CONVERT_THREADS))), 65535)   # four elements per thread
-                    self.convert((blocks,), (CONVERT_THREADS,), (x_acc, out, numpy.int64(x_acc.size)))
-        return grads if self.kv_atomic else (grads[0], dk_out, dv_out)
+                    self.convert((blocks,), (CONVERT_THREADS,), (x_acc, g, numpy.int64(x_acc.size)))
+        return tuple(grads)
 
 
 def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, layout: BatchLayout):

@@ -5,11 +5,15 @@ from __future__ import annotations
 import numpy
 
 from . import _launch, reference
-from ._checks import check_backward, check_forward, check_schedule, kernel_ready
+from ._checks import check_backward, check_disjoint, check_forward, check_out, check_schedule, kernel_ready
 from ._tiles import accumulator_dtype
 
 
-def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, schedule="auto"):
+FORWARD_OUTPUTS = ("o", "m", "l")
+BACKWARD_OUTPUTS = ("dq", "dk", "dv")
+
+
+def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, schedule="auto", out=None):
     """Exact attention with its softmax statistics, FlashAttention V1 forward.
 
     Parameters
@@ -32,6 +36,11 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, schedu
         steps), 'v2' the FlashAttention-2 schedule (Q-outer, O/m/l in
         registers), 'auto' V2 for 16-bit inputs (4-5x V1's speed on an H200)
         and V1 for float32/float64. The NumPy path ignores it.
+    out : tuple of three ndarrays, optional
+        ``(o, m, l)`` to write into: of exactly the shapes and dtypes below,
+        C-contiguous, writeable, of the inputs' kind and device (on the GPU
+        also 16-byte aligned), sharing memory with no input and with each
+        other. They are returned.
 
     Returns
     -------
@@ -51,7 +60,9 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, schedu
         Unsupported or mixed dtypes, non-array inputs, NumPy mixed with CuPy.
     ValueError
         Rank < 2, mismatched ``D`` or ``Nk``, batch dims that do not broadcast,
-        ``D`` outside [1, 256], inputs on different devices.
+        ``D`` outside [1, 256], inputs on different devices; an ``out`` array
+        of the wrong shape, layout, device or alignment, or overlapping (a
+        wrong count, kind or dtype of ``out`` is a TypeError).
 
     Notes
     -----
@@ -70,27 +81,55 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, schedu
     cupyflash.reference.attention_forward : the naive float64 reference.
     cupyflash.reference.blocked_forward : the NumPy Algorithm 1 (CPU path).
     """
-    key = _launch.call_key((q, k, v), (causal, softmax_scale, schedule))
+    key = _call_key((q, k, v), out, (causal, softmax_scale, schedule))
     plan = _launch.PLANS.get(key)
     if plan is not None:
-        return plan(q, k, v)
+        if out is not None:
+            check_disjoint(out, FORWARD_OUTPUTS, {"q": q, "k": k, "v": v})
+        return plan(q, k, v, out)
     prob = check_forward(q, k, v, causal, softmax_scale)
     check_schedule(schedule)
+    acc = accumulator_dtype(prob.dtype)
+    if out is not None:
+        stats = (*prob.batch_shape, prob.Nq)
+        out = check_out(out, FORWARD_OUTPUTS, ((*stats, prob.D), stats, stats), (prob.dtype, acc, acc), prob,
+                        _device_id(q, prob), {"q": q, "k": k, "v": v})
     if prob.xp is numpy:
-        return reference.blocked_forward(q, k, v, causal=prob.causal, softmax_scale=prob.scale)
+        return _into(out, reference.blocked_forward(q, k, v, causal=prob.causal, softmax_scale=prob.scale))
     import cupy
 
     with q.device:
         if _empty(prob):
-            acc = accumulator_dtype(prob.dtype)
-            return (cupy.zeros((*prob.batch_shape, prob.Nq, prob.D), prob.dtype),
-                    cupy.full((*prob.batch_shape, prob.Nq), -numpy.inf, acc),
-                    cupy.zeros((*prob.batch_shape, prob.Nq), acc))
+            return _into(out, (cupy.zeros((*prob.batch_shape, prob.Nq, prob.D), prob.dtype),
+                               cupy.full((*prob.batch_shape, prob.Nq), -numpy.inf, acc),
+                               cupy.zeros((*prob.batch_shape, prob.Nq), acc)))
         ready = tuple(kernel_ready(x) for x in (q, k, v))
         if any(r is not x for r, x in zip(ready, (q, k, v))):
             key = None   # a call with these arrays copies them again
         return _forward_gpu(*ready, prob.batch_shape, prob, _launch.forward_schedule(schedule, prob.D, prob.dtype),
-                            key)
+                            key, out)
+
+
+def _call_key(arrays, out, flags):
+    """``_launch.call_key`` of a call, its ``out`` arrays included; None where no plan can be kept."""
+    if out is None:
+        return _launch.call_key(arrays, flags)
+    if type(out) is not tuple or len(out) != 3:
+        return None
+    return _launch.call_key((*arrays, *out), flags)
+
+
+def _device_id(x, prob):
+    return None if prob.xp is numpy else x.device.id
+
+
+def _into(out, results):
+    """``results``, or ``out`` with ``results`` copied into it."""
+    if out is None:
+        return tuple(results)
+    for target, result in zip(out, results):
+        target[...] = result
+    return out
 
 
 def _empty(prob) -> bool:
@@ -98,8 +137,8 @@ def _empty(prob) -> bool:
     return prob.Nq == 0 or prob.Nk == 0 or 0 in prob.batch_shape
 
 
-def _forward_gpu(q, k, v, batch_shape, prob, schedule, key=None):
-    """Plan and run; a single launch's plan is kept under ``key`` (``_launch.call_key``) for like calls."""
+def _forward_gpu(q, k, v, batch_shape, prob, schedule, key=None, out=None):
+    """Plan and run; a single launch's plan is kept under ``key`` (``_call_key``) for like calls."""
     nb = len(batch_shape)
     strides = [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch_shape) for x in (q, k, v)]
     layout = _launch.collapse_batch(batch_shape, strides)
@@ -107,13 +146,13 @@ def _forward_gpu(q, k, v, batch_shape, prob, schedule, key=None):
         plan = _launch.forward_plan(q, k, v, schedule=schedule, causal=prob.causal, scale=prob.scale,
                                     batch_shape=batch_shape, layout=layout)
         _launch.keep_plan(key, plan)
-        return plan(q, k, v)
+        return plan(q, k, v, out)
     # more than three batch dims that cannot be merged: peel the leading one
     import cupy
 
     parts = [_forward_gpu(*(_take_leading(x, i, nb) for x in (q, k, v)), batch_shape[1:], prob, schedule)
              for i in range(batch_shape[0])]
-    return tuple(cupy.stack([p[n] for p in parts]) for n in range(3))
+    return _into(out, (cupy.stack([p[n] for p in parts]) for n in range(3)))
 
 
 def _take_leading(x, index, nb):
@@ -123,7 +162,8 @@ def _take_leading(x, index, nb):
     return x[0] if x.shape[0] == 1 else x[index]
 
 
-def flash_attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, schedule="auto"):
+def flash_attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, schedule="auto",
+                             out=None):
     """Gradients of exact attention from the forward's outputs (FlashAttention's recomputation backward).
 
     Parameters
@@ -147,6 +187,9 @@ def flash_attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scal
         sm_90 GPUs, and the V1 kernel everywhere else. Both walk the same loop
         order (K/V tiles outer, dQ accumulated with atomics), already
         FlashAttention-2's, and return the same gradients up to rounding.
+    out : tuple of three ndarrays, optional
+        ``(dq, dk, dv)`` to write into, under the forward's rules for ``out``;
+        returned.
 
     Returns
     -------
@@ -177,27 +220,34 @@ def flash_attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scal
     cupyflash.reference.attention_backward : the naive float64 reference.
     cupyflash.reference.blocked_backward : the NumPy version (CPU path).
     """
-    key = _launch.call_key((do, q, k, v, o, m, l), (causal, softmax_scale, schedule))
+    inputs = {"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}
+    key = _call_key(tuple(inputs.values()), out, (causal, softmax_scale, schedule))
     plan = _launch.PLANS.get(key)
     if plan is not None:
-        return plan(do, q, k, v, o, m, l)
+        if out is not None:
+            check_disjoint(out, BACKWARD_OUTPUTS, inputs)
+        return plan(do, q, k, v, o, m, l, out)
     prob = check_backward(do, q, k, v, o, m, l, causal, softmax_scale)
     check_schedule(schedule)
+    if out is not None:
+        out = check_out(out, BACKWARD_OUTPUTS, (q.shape, k.shape, v.shape), (prob.dtype,) * 3, prob,
+                        _device_id(q, prob), inputs)
     if prob.xp is numpy:
-        return reference.blocked_backward(do, q, k, v, o, m, l, causal=prob.causal, softmax_scale=prob.scale)
+        return _into(out, reference.blocked_backward(do, q, k, v, o, m, l, causal=prob.causal,
+                                                     softmax_scale=prob.scale))
     import cupy
 
     with q.device:
         if _empty(prob):
-            return tuple(cupy.zeros(x.shape, prob.dtype) for x in (q, k, v))
+            return _into(out, (cupy.zeros(x.shape, prob.dtype) for x in (q, k, v)))
         ready = tuple(kernel_ready(x) for x in (do, q, k, v, o))
         if any(r is not x for r, x in zip(ready, (do, q, k, v, o))):
             key = None   # a call with these arrays copies them again
-        return _backward_gpu(*ready, m, l, prob.batch_shape, prob, schedule, key)
+        return _backward_gpu(*ready, m, l, prob.batch_shape, prob, schedule, key, out)
 
 
-def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, key=None):
-    """Plan and run; a single plan is kept under ``key`` (``_launch.call_key``) for like calls."""
+def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, key=None, out=None):
+    """Plan and run; a single plan is kept under ``key`` (``_call_key``) for like calls."""
     nb = len(batch_shape)
     own = [_launch.contiguous_strides(x.shape)[:-2] for x in (q, k, v)]
     strides = [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch_shape)
@@ -208,7 +258,7 @@ def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, key=None):
         plan = _launch.backward_plan(do, q, k, v, o, schedule=schedule, causal=prob.causal, scale=prob.scale,
                                      layout=layout)
         _launch.keep_plan(key, plan)
-        return plan(do, q, k, v, o, m, l)
+        return plan(do, q, k, v, o, m, l, out)
     # peel the leading batch dim; a gradient is summed where its input broadcast along it
     import cupy
 
@@ -224,7 +274,7 @@ def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, key=None):
             grads.append(sum(g[1:], g[0])[None])
         else:
             grads.append(cupy.stack(g))
-    return tuple(grads)
+    return _into(out, grads)
 
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto"):

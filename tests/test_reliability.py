@@ -135,6 +135,44 @@ def test_many_threads_at_once_first_use_included(monkeypatch):
 
 
 # ---------------------------------------------------------------------------
+# out= buffers
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("kv_heads", [3, 1])   # 1: GQA, whose dK, dV are summed in workspaces
+def test_out_buffers_on_the_gpu(dtype, kv_heads, monkeypatch):
+    """Results land in the given buffers (forward bits equal to a call without them; gradients to
+    rounding, dQ being summed with atomics), also through a kept plan, whose calls still refuse an
+    out buffer that overlaps an input."""
+    import cupy
+
+    from cupyflash import _launch
+
+    monkeypatch.setattr(_launch, "PLANS", {})
+    rng = numpy.random.default_rng(10)
+    q, k, v = gpu(*problem(rng, dtype, (2, 3, 150, 64), (2, kv_heads, 170, 64)))
+    expected = cupyflash.flash_attention_forward(q, k, v, causal=True)
+    do = cupy.asarray(rng.standard_normal(expected[0].shape).astype(dtype))
+    grads = cupyflash.flash_attention_backward(do, q, k, v, *expected, causal=True)
+    for _ in range(2):   # the second call through the kept plans
+        out = tuple(cupy.full(x.shape, cupy.nan, x.dtype) for x in expected)
+        got = cupyflash.flash_attention_forward(q, k, v, causal=True, out=out)
+        assert all(g is b for g, b in zip(got, out))
+        for g, e in zip(got, expected):
+            assert g.tobytes() == e.tobytes()
+        out = tuple(cupy.full(x.shape, cupy.nan, x.dtype) for x in (q, k, v))
+        got = cupyflash.flash_attention_backward(do, q, k, v, *expected, causal=True, out=out)
+        assert all(g is b for g, b in zip(got, out))
+        for g, e in zip(got, grads):
+            assert_close("grad", g.get(), e.get(), dtype)
+    with pytest.raises(ValueError, match="overlaps q"):
+        cupyflash.flash_attention_forward(q, k, v, causal=True, out=(q, *expected[1:]))
+    shifted = cupy.empty(expected[0].size + 1, expected[0].dtype)[1:].reshape(expected[0].shape)
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        cupyflash.flash_attention_forward(q, k, v, causal=True, out=(shifted, *expected[1:]))
+
+
+# ---------------------------------------------------------------------------
 # Determinism, memory and scale
 
 

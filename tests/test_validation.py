@@ -731,6 +731,87 @@ def test_any_backward_call_succeeds_as_documented_or_raises_the_documented_error
     assert_gradients(gradients, arguments["q"], arguments["k"], arguments["v"])
 
 
+# ---------------------------------------------------------------------------
+# out= buffers: the results land in them, and bad ones are refused before anything runs
+# ---------------------------------------------------------------------------
+
+def nan_buffers(shapes_dtypes):
+    return tuple(np.full(shape, np.nan, dtype) for shape, dtype in shapes_dtypes)
+
+
+def forward_buffers(dtype):
+    stats = statistics_dtype(dtype)
+    return nan_buffers(((OUT_SHAPE, dtype), (STATS_SHAPE, stats), (STATS_SHAPE, stats)))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("q_shape", "kv_shape"), [(Q_SHAPE, KV_SHAPE), ((2, 3, 5, 8), (2, 1, 7, 8)),
+                                                   ((2, 3, 0, 8), (2, 3, 7, 8)), ((2, 3, 5, 8), (2, 3, 0, 8))],
+                         ids=["MHA", "GQA", "Nq=0", "Nk=0"])
+def test_out_buffers_receive_the_results_and_are_returned(dtype, causal, q_shape, kv_shape):
+    q, k, v = random_array(q_shape, dtype), random_array(kv_shape, dtype), random_array(kv_shape, dtype)
+    expected = flash_attention_forward(q, k, v, causal=causal)
+    stats = statistics_dtype(dtype)
+    out = nan_buffers(((expected[0].shape, dtype), (expected[1].shape, stats), (expected[2].shape, stats)))
+    got = flash_attention_forward(q, k, v, causal=causal, out=out)
+    assert all(g is b for g, b in zip(got, out))
+    for g, e in zip(got, expected):
+        np.testing.assert_array_equal(g, e)
+    do = random_array(expected[0].shape, dtype)
+    grads = flash_attention_backward(do, q, k, v, *expected, causal=causal)
+    out = nan_buffers((x.shape, dtype) for x in (q, k, v))
+    got = flash_attention_backward(do, q, k, v, *expected, causal=causal, out=out)
+    assert all(g is b for g, b in zip(got, out))
+    for g, e in zip(got, grads):
+        np.testing.assert_array_equal(g, e)
+
+
+def _bad_forward_out(fault, q):
+    o, m, l = forward_buffers(FLOAT32)
+    if fault == "not a tuple":
+        return o, TypeError, ["out"]
+    if fault == "two arrays":
+        return (o, m), TypeError, ["out"]
+    if fault == "a list inside":
+        return (o, m.tolist(), l), TypeError, ["out", "m"]
+    if fault == "dtype":
+        return (o, m.astype(np.float64), l), TypeError, ["out", "m"]
+    if fault == "shape":
+        return (o[:, :, :-1], m, l), ValueError, ["out", "o"]
+    if fault == "layout":
+        return (np.ones(OUT_SHAPE[::-1], FLOAT32).T, m, l), ValueError, ["out", "o"]
+    if fault == "read-only":
+        o.flags.writeable = False
+        return (o, m, l), ValueError, ["out", "o"]
+    if fault == "input":
+        return (q, m, l), ValueError, ["out", "o", "q"]
+    return (o, m, m), ValueError, ["out", "m", "l"]   # two outputs in one buffer
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("fault", ["not a tuple", "two arrays", "a list inside", "dtype", "shape", "layout",
+                                   "read-only", "input", "shared"])
+def test_bad_forward_out_raises_before_anything_runs(fault):
+    q, k, v = random_array(Q_SHAPE), random_array(KV_SHAPE), random_array(KV_SHAPE)
+    out, error, names = _bad_forward_out(fault, q)
+    with pytest.raises(error, match=message_naming(names)):
+        flash_attention_forward(q, k, v, out=out)
+
+
+@pytest.mark.usefixtures("computation_forbidden")
+@pytest.mark.parametrize("fault", ["dtype", "shape", "an input", "shared"])
+def test_bad_backward_out_raises_before_anything_runs(fault):
+    do, q, k, v, o, m, l = valid_backward_arguments()
+    dq, dk, dv = nan_buffers((x.shape, FLOAT32) for x in (q, k, v))
+    out, error, names = {"dtype": ((dq, dk.astype(np.float16), dv), TypeError, ["out", "dk"]),
+                         "shape": ((dq, dk, dv[..., :-1]), ValueError, ["out", "dv"]),
+                         "an input": ((do, dk, dv), ValueError, ["out", "dq", "do"]),
+                         "shared": ((dq, dk, dk), ValueError, ["out", "dk", "dv"])}[fault]
+    with pytest.raises(error, match=message_naming(names)):
+        flash_attention_backward(do, q, k, v, o, m, l, out=out)
+
+
 @pytest.mark.parametrize("schedule, error", [("v3", ValueError), ("V2", ValueError), (2, TypeError), (None, TypeError)])
 def test_bad_schedule_raises(schedule, error):
     q = np.zeros((4, 8), np.float32)
