@@ -187,18 +187,17 @@ def check_out(out, names, shapes, dtypes, prob: Problem, device, inputs: dict) -
     return tuple(out)
 
 
-def kernel_ready(x):
-    """``x`` itself when the kernels can read it through strides, else a C-contiguous copy.
-
-    Readable: last axis contiguous, every stride a non-negative multiple of the item size.
-    Zero strides (broadcast views) are kept.
-    """
+def readable_in_place(x) -> bool:
+    """The kernels can read ``x`` through its strides: last axis contiguous, every stride a
+    non-negative multiple of the item size (zero strides, broadcast views, included)."""
     itemsize = x.itemsize
-    ok = x.size == 0 or (
-        (x.shape[-1] == 1 or x.strides[-1] == itemsize)
-        and all(s >= 0 and s % itemsize == 0 for s in x.strides)
-    )
-    if ok:
+    return x.size == 0 or ((x.shape[-1] == 1 or x.strides[-1] == itemsize)
+                           and all(s >= 0 and s % itemsize == 0 for s in x.strides))
+
+
+def kernel_ready(x):
+    """``x`` itself when ``readable_in_place``, else a C-contiguous copy."""
+    if readable_in_place(x):
         return x
     import cupy
 
@@ -206,4 +205,4 @@ def kernel_ready(x):
 
 
 __all__ = ["OUT_ALIGNMENT", "Problem", "SCHEDULES", "array_module", "check_backward", "check_disjoint", "check_forward",
-           "check_out", "check_schedule", "dtype_name", "kernel_ready"]
+           "check_out", "check_schedule", "dtype_name", "kernel_ready", "readable_in_place"]

@@ -204,6 +204,38 @@ def choose_splits(heads: int, T_r: int, slots: int) -> int:
     return min(range(1, T_r + 1), key=lambda n: (-(-heads * n // slots)) * (-(-T_r // n)))
 
 
+def capturing() -> bool:
+    """CuPy's current stream is being captured into a CUDA graph."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    return stream.ptr != 0 and stream.is_capturing()   # the legacy stream is never captured
+
+
+def workspace_allocator():
+    """``cupy.empty`` for a call's workspaces, or, while the current stream is being captured into a
+    CUDA graph, an allocator of stream-ordered memory (cudaMallocAsync, freed with the workspace):
+    inside a capture both become nodes of the graph, so its replays own their workspaces. The pool's
+    blocks would pass to the next caller once the call returns, while the graph still used them."""
+    import cupy
+
+    if not capturing():
+        return cupy.empty
+    stream = cupy.cuda.get_current_stream()
+
+    def empty(shape, dtype):
+        dtype = numpy.dtype(dtype)
+        mem = cupy.cuda.memory.MemoryAsync(math.prod(shape) * dtype.itemsize, stream.ptr)
+        return cupy.ndarray(shape, dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+    return empty
+
+
+def _copy_into(target, x):
+    target[...] = x
+    return target
+
+
 @dataclass(frozen=True)
 class ForwardPlan:
     """A forward launch with everything but its arrays settled; ``plan(q, k, v)`` returns ``(o, m, l)``."""
@@ -233,13 +265,16 @@ class ForwardPlan:
                 l = cupy.empty(self.o_shape[:-1], acc)
             else:
                 o, m, l = out
+            workspace = workspace_allocator()
             if self.v1:
-                o_run = m if self.o_run_shape is None else cupy.empty(self.o_run_shape, acc)
+                o_run = m if self.o_run_shape is None else workspace(self.o_run_shape, acc)
                 arrays = (q, k, v, o, o_run, m, l)
             else:
                 arrays = (q, k, v, o, m, l)
             if self.tile_counter:
-                arrays += (cupy.zeros(1, numpy.uint32),)
+                counter = workspace((1,), numpy.uint32)
+                counter.fill(0)
+                arrays += (counter,)
             self.kernel((self.grid,), (self.threads,), arrays + self.scalars, shared_mem=self.smem_bytes)
         return o, m, l
 
@@ -312,18 +347,19 @@ class BackwardPlan:
     def __call__(self, do, q, k, v, o, m, l, out=None):
         import cupy
 
-        acc, empty = self.acc, cupy.empty
+        acc = self.acc
         with cupy.cuda.Device(self.device):
             # every buffer first: a call that does not fit raises OutOfMemoryError before any launch
-            m, l = cupy.ascontiguousarray(m), cupy.ascontiguousarray(l)
-            d_sum = empty(self.rows, acc)
-            stats = tuple(empty(self.rows, acc) for _ in range(1 if self.lse_stats else 2))
+            workspace = workspace_allocator()
+            m, l = (x if x.flags.c_contiguous else _copy_into(workspace(x.shape, x.dtype), x) for x in (m, l))
+            d_sum = workspace(self.rows, acc)
+            stats = tuple(workspace(self.rows, acc) for _ in range(1 if self.lse_stats else 2))
             m_b, inv_l, lse2 = (d_sum, d_sum, *stats) if self.lse_stats else (*stats, d_sum)   # d_sum: not written
-            grads = tuple(empty(s, self.dtype) for s in self.grad_shapes) if out is None else out
+            grads = tuple(cupy.empty(s, self.dtype) for s in self.grad_shapes) if out is None else out
             # dQ, and dK, dV where several batch entries share a K/V head, are sums: in the gradients
             # themselves when they are of the accumulator dtype, else in workspaces converted at the end
             summed = grads if self.kv_atomic else grads[:1]
-            sums = tuple(g if g.dtype == acc else empty(g.shape, acc) for g in summed)
+            sums = tuple(g if g.dtype == acc else workspace(g.shape, acc) for g in summed)
             dq_acc = sums[0]
             dk_acc, dv_acc = sums[1:] if self.kv_atomic else (dq_acc, dq_acc)   # not written
             dk_out, dv_out = (q, q) if self.kv_atomic else grads[1:]             # not written / stored directly

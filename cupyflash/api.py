@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy
 
 from . import _launch, reference
-from ._checks import check_backward, check_disjoint, check_forward, check_out, check_schedule, kernel_ready
+from ._checks import (check_backward, check_disjoint, check_forward, check_out, check_schedule, kernel_ready,
+                      readable_in_place)
 from ._tiles import accumulator_dtype
 
 
@@ -99,13 +100,17 @@ def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, schedu
     import cupy
 
     with q.device:
-        if _empty(prob):
-            return _into(out, (cupy.zeros((*prob.batch_shape, prob.Nq, prob.D), prob.dtype),
-                               cupy.full((*prob.batch_shape, prob.Nq), -numpy.inf, acc),
-                               cupy.zeros((*prob.batch_shape, prob.Nq), acc)))
-        ready = tuple(kernel_ready(x) for x in (q, k, v))
-        if any(r is not x for r, x in zip(ready, (q, k, v))):
+        if _empty(prob):   # every row sees no key: o = 0, m = -inf, l = 0
+            stats = (*prob.batch_shape, prob.Nq)
+            if out is None:
+                out = (cupy.empty((*stats, prob.D), prob.dtype), cupy.empty(stats, acc), cupy.empty(stats, acc))
+            for x, value in zip(out, (0, -numpy.inf, 0)):
+                x.fill(value)
+            return out
+        if not all(readable_in_place(x) for x in (q, k, v)):
+            _refuse_while_capturing("an input whose last axis is not contiguous (or with a negative stride) is copied")
             key = None   # a call with these arrays copies them again
+        ready = tuple(kernel_ready(x) for x in (q, k, v))
         return _forward_gpu(*ready, prob.batch_shape, prob, _launch.forward_schedule(schedule, prob.D, prob.dtype),
                             key, out)
 
@@ -117,6 +122,13 @@ def _call_key(arrays, out, flags):
     if type(out) is not tuple or len(out) != 3:
         return None
     return _launch.call_key((*arrays, *out), flags)
+
+
+def _refuse_while_capturing(what):
+    """ValueError inside a CUDA-graph capture for a call that needs temporaries from CuPy's pool."""
+    if _launch.capturing():
+        raise ValueError(f"{what} into temporary arrays, which a CUDA graph capture cannot keep: "
+                         "pass C-contiguous inputs with at most three unmergeable batch dims")
 
 
 def _device_id(x, prob):
@@ -149,6 +161,8 @@ def _forward_gpu(q, k, v, batch_shape, prob, schedule, key=None, out=None):
         return plan(q, k, v, out)
     # more than three batch dims that cannot be merged: peel the leading one
     import cupy
+
+    _refuse_while_capturing("more than three batch dims that cannot be merged are computed piece by piece")
 
     parts = [_forward_gpu(*(_take_leading(x, i, nb) for x in (q, k, v)), batch_shape[1:], prob, schedule)
              for i in range(batch_shape[0])]
@@ -239,10 +253,15 @@ def flash_attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scal
 
     with q.device:
         if _empty(prob):
-            return _into(out, (cupy.zeros(x.shape, prob.dtype) for x in (q, k, v)))
-        ready = tuple(kernel_ready(x) for x in (do, q, k, v, o))
-        if any(r is not x for r, x in zip(ready, (do, q, k, v, o))):
+            if out is None:
+                out = tuple(cupy.empty(x.shape, prob.dtype) for x in (q, k, v))
+            for x in out:
+                x.fill(0)
+            return out
+        if not all(readable_in_place(x) for x in (do, q, k, v, o)):
+            _refuse_while_capturing("an input whose last axis is not contiguous (or with a negative stride) is copied")
             key = None   # a call with these arrays copies them again
+        ready = tuple(kernel_ready(x) for x in (do, q, k, v, o))
         return _backward_gpu(*ready, m, l, prob.batch_shape, prob, schedule, key, out)
 
 
@@ -261,6 +280,8 @@ def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, key=None, o
         return plan(do, q, k, v, o, m, l, out)
     # peel the leading batch dim; a gradient is summed where its input broadcast along it
     import cupy
+
+    _refuse_while_capturing("more than three batch dims that cannot be merged are computed piece by piece")
 
     parts = [_backward_gpu(do[i], *(_take_leading(x, i, nb) for x in (q, k, v)), o[i], m[i], l[i],
                            batch_shape[1:], prob, schedule)

@@ -172,6 +172,70 @@ def test_out_buffers_on_the_gpu(dtype, kv_heads, monkeypatch):
         cupyflash.flash_attention_forward(q, k, v, causal=True, out=(shifted, *expected[1:]))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_forward_and_backward_captured_in_a_cuda_graph(dtype):
+    """With out= buffers, a forward + backward sequence (GQA: dK, dV summed in workspaces) captured
+    on a non-blocking stream replays like eager calls, with new values in the captured inputs and
+    the memory pool churned between replays."""
+    import cupy
+
+    from cupyflash._tiles import accumulator_dtype
+
+    rng = numpy.random.default_rng(11)
+    q, k, v = gpu(*problem(rng, dtype, (2, 2, 2, 300, 64), (2, 2, 1, 260, 64)))
+    do = cupy.asarray(rng.standard_normal(q.shape).astype(dtype))
+    acc = accumulator_dtype(q.dtype)
+    fwd_out = (cupy.empty(q.shape, q.dtype), cupy.empty(q.shape[:-1], acc), cupy.empty(q.shape[:-1], acc))
+    bwd_out = tuple(cupy.empty(x.shape, x.dtype) for x in (q, k, v))
+
+    def step():
+        cupyflash.flash_attention_forward(q, k, v, causal=True, out=fwd_out)
+        cupyflash.flash_attention_backward(do, q, k, v, *fwd_out, causal=True, out=bwd_out)
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        step()   # compiles and plans outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            step()
+        finally:
+            graph = stream.end_capture()
+    for _ in range(2):
+        with stream:
+            for x in (q, k, v, do):
+                x[...] = cupy.asarray(rng.standard_normal(x.shape).astype(dtype))
+            churn = [cupy.full(n, cupy.nan, cupy.float32) for n in (1 << 22, 1 << 16, 333)]
+            graph.launch(stream)
+            del churn
+        stream.synchronize()
+        expected = cupyflash.flash_attention_forward(q, k, v, causal=True)
+        grads = cupyflash.flash_attention_backward(do, q, k, v, *expected, causal=True)
+        for got, ref in zip(fwd_out, expected):
+            assert got.tobytes() == ref.tobytes()
+        for got, ref in zip(bwd_out, grads):
+            assert_close("grad", got.get(), ref.get(), dtype)
+
+
+def test_a_capture_refuses_a_call_that_needs_temporaries():
+    """A strided last axis would be copied into a pool array the graph could not keep: ValueError,
+    raised before anything is enqueued."""
+    import cupy
+
+    rng = numpy.random.default_rng(12)
+    q, k, v = gpu(*problem(rng, numpy.float16, (2, 100, 64), (2, 90, 64)))
+    strided_q = cupy.repeat(q, 2, axis=-1)[..., ::2]
+    out = (cupy.empty(q.shape, q.dtype), cupy.empty(q.shape[:-1], cupy.float32), cupy.empty(q.shape[:-1], cupy.float32))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            with pytest.raises(ValueError, match="CUDA graph capture"):
+                cupyflash.flash_attention_forward(strided_q, k, v, out=out)
+        finally:
+            stream.end_capture()
+
+
 # ---------------------------------------------------------------------------
 # Determinism, memory and scale
 
