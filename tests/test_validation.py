@@ -605,6 +605,25 @@ def broadcastable_batch_dims(draw, batch):
     return tuple(batch[draw(st.integers(0, len(batch))):])
 
 
+VIEWS = ("contiguous", "contiguous", "batch axes swapped", "reversed", "column slice", "every other column")
+
+
+def strided_copy(x, view):
+    """``x``'s values in a view of another layout: batch axes swapped, rows reversed (a negative
+    stride), a slice of wider rows, or every other column of a twice-as-wide array."""
+    if view == "contiguous" or x.ndim < 2 or (view == "batch axes swapped" and x.ndim < 4):
+        return x
+    if view == "batch axes swapped":
+        return np.ascontiguousarray(x.swapaxes(0, 1)).swapaxes(0, 1)
+    if view == "reversed":
+        return x[..., ::-1, :].copy()[..., ::-1, :]
+    if view == "column slice":
+        wide = np.zeros((*x.shape[:-1], x.shape[-1] + 3), x.dtype)
+        wide[..., : x.shape[-1]] = x
+        return wide[..., : x.shape[-1]]
+    return np.repeat(x, 2, axis=-1)[..., ::2]
+
+
 FORWARD_FAULTS = ("unsupported dtype", "mixed dtypes", "non-array", "rank below 2", "head dim mismatch",
                   "key count mismatch", "free batch dims", "head dim out of range", "non-bool causal",
                   "non-number scale", "non-finite scale")
@@ -615,7 +634,7 @@ def forward_calls(draw):
     """Arguments ``(q, k, v, causal, softmax_scale)`` of a forward call: valid, or with up to two faults.
 
     A valid call has broadcastable batch dims (MHA, GQA/MQA, rank 2, zero-size),
-    Nq, Nk in [0, 4], D in [1, 256], one supported dtype, and a bool ``causal``
+    Nq, Nk in [0, 4], D in [1, 256], one supported dtype, any layout (``VIEWS``), and a bool ``causal``
     and a finite real (or no) scale; each fault of ``FORWARD_FAULTS`` breaks one
     of these. Whether a call is valid is judged by ``forward_contract_errors``,
     not by the fault's name (free batch dims may happen to broadcast).
@@ -650,7 +669,8 @@ def forward_calls(draw):
     dtypes = dict.fromkeys(arrays, dtype)
     if "mixed dtypes" in faults:
         dtypes[draw(st.sampled_from(arrays))] = draw(st.sampled_from(FLOAT_DTYPES + UNSUPPORTED_DTYPES))
-    values = {name: random_array(tuple(shapes[name]), dtypes[name]) for name in arrays}
+    values = {name: strided_copy(random_array(tuple(shapes[name]), dtypes[name]), draw(st.sampled_from(VIEWS)))
+              for name in arrays}
     if "non-array" in faults:
         name = draw(st.sampled_from(arrays))
         values[name] = values[name].tolist()
@@ -667,6 +687,10 @@ def forward_calls(draw):
     return values["q"], values["k"], values["v"], causal, softmax_scale
 
 
+# strided and contiguous inputs may take different BLAS paths: a rounding apart in the output dtype
+VIEW_RTOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5, "float64": 1e-12}
+
+
 @settings(max_examples=100, deadline=None)
 @given(call=forward_calls())
 def test_any_forward_call_succeeds_as_documented_or_raises_value_or_type_error(call):
@@ -680,6 +704,12 @@ def test_any_forward_call_succeeds_as_documented_or_raises_value_or_type_error(c
     batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     assert_forward_outputs(outputs, batch, q.shape[-2], q.shape[-1], q.dtype)
     assert_gradients(gradients, q, k, v)
+    # strided views compute what their contiguous copies do
+    same = flash_attention_forward(*(np.ascontiguousarray(x) for x in (q, k, v)), causal=causal,
+                                   softmax_scale=softmax_scale)
+    for got, want in zip(outputs, same):
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=VIEW_RTOL[q.dtype.name],
+                                   atol=VIEW_RTOL[q.dtype.name])
 
 
 @st.composite
