@@ -1,8 +1,17 @@
-"""``python -m cupyflash [demo | bench ...]``.
+"""``python -m cupyflash [demo | info | precompile | bench ...]``.
 
 ``demo`` (the default): attention on random data, checked against the float64
 reference. On a machine with a CUDA GPU the fused kernels run; without one the
 same blocked algorithm runs in NumPy, and the demo says so.
+
+``info``: versions (cupyflash, NumPy, ml_dtypes, CuPy, CUDA runtime, driver,
+NVRTC), each GPU and which kernels run on it, where the kernel sources and
+CuPy's kernel cache are, and how many specialisations this GPU can use. Without
+CuPy or a GPU it says so and exits 0.
+
+``precompile``: compile specialisations for this GPU into CuPy's kernel cache
+now (``cupyflash.precompile``), e.g. when a container image is built on a GPU
+machine; ``--kernels``, ``--dtypes``, ``--head-dims`` choose which.
 
 ``bench``: the side-by-side benchmark, ``benchmarks/bench.py`` of the source
 checkout, with its own options (``python -m cupyflash bench --help``).
@@ -11,11 +20,13 @@ checkout, with its own options (``python -m cupyflash bench --help``).
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 import time
 from pathlib import Path
 
+import ml_dtypes
 import numpy
 
 import cupyflash
@@ -76,6 +87,77 @@ def demo(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool) -> in
     return 0 if ok else 1
 
 
+INSTALL_CUPY = "pip install 'cupyflash[cuda12]' (CUDA 12) or 'cupyflash[cuda13]' (CUDA 13)"
+
+
+def _cuda_version(number: int) -> str:
+    return f"{number // 1000}.{number % 1000 // 10}"
+
+
+def info() -> int:
+    from cupyflash import _compile, _tiles
+
+    print(f"cupyflash {cupyflash.__version__} at {Path(cupyflash.__file__).resolve().parent}")
+    print(f"numpy {numpy.__version__}, ml_dtypes {ml_dtypes.__version__}")
+    print(f"kernel sources: {_compile.kernel_dir()}")
+    try:
+        import cupy
+    except ImportError:
+        print(f"CuPy: not installed, so only the NumPy path runs; for the GPU kernels: {INSTALL_CUPY}")
+        return 0
+    from cupy_backends.cuda.libs import nvrtc
+
+    print(f"CuPy {cupy.__version__}; NVRTC {'.'.join(map(str, nvrtc.getVersion()))}")
+    if int(cupy.__version__.split(".")[0]) < 14:
+        print("  CuPy < 14 holds no bfloat16 arrays: bfloat16 on the GPU needs CuPy >= 14 (the cuda12/cuda13 extras)")
+    cache = os.environ.get("CUPY_CACHE_DIR", str(Path.home() / ".cupy" / "kernel_cache"))
+    files = len(list(Path(cache).glob("*"))) if Path(cache).is_dir() else 0
+    print(f"CuPy kernel cache: {cache} ({files} files, all programs' kernels; CUPY_CACHE_DIR moves it)")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+        runtime = _cuda_version(cupy.cuda.runtime.runtimeGetVersion())
+        driver = _cuda_version(cupy.cuda.runtime.driverGetVersion())
+    except cupy.cuda.runtime.CUDARuntimeError as error:
+        print(f"no CUDA GPU found ({error}): the NumPy path runs")
+        return 0
+    if count == 0:
+        print("no CUDA GPU found: the NumPy path runs")
+        return 0
+    print(f"CUDA runtime {runtime}, driver {driver}")
+    for device_id in range(count):
+        with cupy.cuda.Device(device_id) as device:
+            props = cupy.cuda.runtime.getDeviceProperties(device_id)
+            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+            capability = device.compute_capability
+            smem = device.attributes["MaxSharedMemoryPerBlockOptin"]
+            hopper = "Hopper warpgroup-MMA kernels for float16/bfloat16" if capability == "90" else "portable kernels"
+            configs = _tiles.all_tile_configs(smem, f"sm_{capability}")
+            print(f"GPU {device_id}: {name}, compute capability {capability[:-1]}.{capability[-1]}, "
+                  f"{device.attributes['MultiProcessorCount']} SMs, {smem // 1024} KB shared memory per block; "
+                  f"{hopper}; {len(configs)} specialisations, compiled on first use "
+                  f"(or by `python -m cupyflash precompile`)")
+    return 0
+
+
+def precompile(argv) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cupyflash precompile",
+                                     description="compile specialisations for this GPU into CuPy's kernel cache")
+    parser.add_argument("--kernels", nargs="+", help="e.g. fwd_v2_sm90 bwd_sm90 (default: all that run here)")
+    parser.add_argument("--dtypes", nargs="+", help="float16 bfloat16 float32 float64 (default: all)")
+    parser.add_argument("--head-dims", nargs="+", type=int, help="head dims to serve (default: every bucket)")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    try:
+        done = cupyflash.precompile(args.kernels, args.dtypes, args.head_dims)
+    except RuntimeError as error:
+        print(error, file=sys.stderr)
+        return 2
+    for cfg in done:
+        print(f"{cfg.kernel} {cfg.dtype} D<={cfg.d_pad} tiles {cfg.block_r}x{cfg.block_c}")
+    print(f"{len(done)} specialisations compiled or found in the cache in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
 
 
@@ -95,8 +177,12 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
         return bench(argv[1:])
+    if argv[:1] == ["precompile"]:
+        return precompile(argv[1:])
+    if argv[:1] == ["info"]:
+        return info()
     parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__.splitlines()[0])
-    parser.add_argument("command", nargs="?", default="demo", choices=["demo", "bench"])
+    parser.add_argument("command", nargs="?", default="demo", choices=["demo", "info", "precompile", "bench"])
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seqlen", type=int, default=None, help="default 1024 on a GPU, 256 on the CPU")

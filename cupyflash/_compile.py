@@ -83,6 +83,66 @@ def get_kernels(cfg: TileConfig):
     return kernels
 
 
+def precompile(kernels=None, dtypes=None, head_dims=None) -> list[TileConfig]:
+    """Compile specialisations for the current GPU now, into CuPy's kernel cache on disk.
+
+    A later process (or this one) then loads them instead of compiling on first
+    use. CuPy keys its cache by the GPU architecture, so this needs the GPU the
+    kernels will run on (or one of the same compute capability).
+
+    Parameters
+    ----------
+    kernels : sequence of str, optional
+        Names from ``cupyflash._tiles.KERNELS`` (``'fwd_v1'``, ``'fwd_v2'``,
+        ``'fwd_v2_sm90'``, ``'bwd_v1'``, ``'bwd_sm90'``); default all that run here.
+    dtypes : sequence of dtype-like, optional
+        Default all four (each kernel takes only its own).
+    head_dims : sequence of int, optional
+        Head dims whose buckets to compile; default every bucket.
+
+    Returns
+    -------
+    list of TileConfig
+        The specialisations now compiled.
+
+    Raises
+    ------
+    RuntimeError
+        Without CuPy or without a CUDA GPU, naming what to install or run on.
+    """
+    from ._tiles import all_tile_configs, choose_tiles, dtype_name
+
+    try:
+        import cupy
+    except ImportError:
+        raise RuntimeError("precompile needs CuPy: pip install 'cupyflash[cuda12]' (CUDA 12) "
+                           "or 'cupyflash[cuda13]' (CUDA 13)") from None
+    try:
+        device = cupy.cuda.Device()
+        capability = device.compute_capability
+        smem = device.attributes["MaxSharedMemoryPerBlockOptin"]
+    except cupy.cuda.runtime.CUDARuntimeError as error:
+        raise RuntimeError(f"precompile needs a CUDA GPU, whose architecture keys CuPy's cache: {error}") from None
+    names = None if dtypes is None else {dtype_name(d) for d in dtypes}
+
+    def serves(cfg):   # the specialisation a call of one of head_dims would run
+        if head_dims is None:
+            return True
+        for d in head_dims:
+            try:
+                if choose_tiles(cfg.kernel, d, cfg.dtype, smem) == cfg:
+                    return True
+            except ValueError:   # that kernel does not take this head dim here
+                continue
+        return False
+
+    chosen = [cfg for cfg in all_tile_configs(smem, f"sm_{capability}")
+              if (kernels is None or cfg.kernel in kernels) and (names is None or cfg.dtype in names) and serves(cfg)]
+    for cfg in chosen:
+        get_kernels(cfg)
+    return chosen
+
+
 def compile_for_arch(cfg: TileConfig, arch: str, *, verbose: bool = False) -> tuple[bytes, str]:
     """Compile ``cfg`` to a cubin for ``arch`` (e.g. ``'sm_90'``) without a GPU.
 

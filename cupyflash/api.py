@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional, Union
+
 import numpy
 
 from . import _launch, reference
@@ -10,11 +12,20 @@ from ._checks import (check_backward, check_disjoint, check_forward, check_out, 
 from ._tiles import accumulator_dtype
 
 
+if TYPE_CHECKING:
+    import cupy
+
+# a NumPy array (the CPU path) or a CuPy array (the GPU kernels)
+Array = Union[numpy.ndarray, "cupy.ndarray"]
+Outputs = tuple[Array, Array, Array]
+
 FORWARD_OUTPUTS = ("o", "m", "l")
 BACKWARD_OUTPUTS = ("dq", "dk", "dv")
 
 
-def flash_attention_forward(q, k, v, *, causal=False, softmax_scale=None, schedule="auto", out=None):
+def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False,
+                            softmax_scale: Optional[float] = None, schedule: str = "auto",
+                            out: Optional[Outputs] = None) -> Outputs:
     """Exact attention with its softmax statistics, FlashAttention V1 forward.
 
     Parameters
@@ -176,8 +187,9 @@ def _take_leading(x, index, nb):
     return x[0] if x.shape[0] == 1 else x[index]
 
 
-def flash_attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, schedule="auto",
-                             out=None):
+def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, m: Array, l: Array, *,
+                             causal: bool = False, softmax_scale: Optional[float] = None, schedule: str = "auto",
+                             out: Optional[Outputs] = None) -> Outputs:
     """Gradients of exact attention from the forward's outputs (FlashAttention's recomputation backward).
 
     Parameters
@@ -298,7 +310,8 @@ def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, key=None, o
     return _into(out, grads)
 
 
-def flash_attention(q, k, v, *, causal=False, softmax_scale=None, schedule="auto"):
+def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softmax_scale: Optional[float] = None,
+                    schedule: str = "auto") -> Array:
     """Exact attention ``softmax(softmax_scale · q kᵀ) v``; the ``o`` of :func:`flash_attention_forward`.
 
     Parameters

@@ -1,4 +1,4 @@
-"""The command line: the demo (the README's main command) and the benchmark verb."""
+"""The command line: the demo (the README's main command), info, precompile and the benchmark verb."""
 
 import subprocess
 import sys
@@ -26,3 +26,21 @@ def test_bench_verb_reaches_the_benchmark():
     done = run_cli("bench", "--help")
     assert done.returncode == 0, done.stderr
     assert "--seqlens" in done.stdout
+
+
+def test_info_names_versions_and_the_gpu_or_its_absence():
+    done = run_cli("info")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cupyflash 0.1.0" in done.stdout and "kernel sources:" in done.stdout
+    assert ("GPU 0:" in done.stdout) if HAVE_GPU else ("no CUDA GPU found" in done.stdout or "CuPy: not installed" in done.stdout)
+
+
+def test_precompile_compiles_chosen_specialisations_or_says_what_it_needs():
+    done = run_cli("precompile", "--kernels", "fwd_v1", "--dtypes", "float32", "--head-dims", "24", "64")
+    if HAVE_GPU:   # two buckets, 32 and 64
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "fwd_v1 float32 D<=32" in done.stdout and "fwd_v1 float32 D<=64" in done.stdout
+        assert "2 specialisations" in done.stdout
+    else:
+        assert done.returncode == 2
+        assert "needs a CUDA GPU" in done.stderr or "needs CuPy" in done.stderr

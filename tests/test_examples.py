@@ -1,0 +1,31 @@
+"""The interop examples run where their peer framework (with CUDA) and a GPU are present; else skip."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import HAVE_GPU
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def peer_with_cuda(name: str) -> bool:
+    if not HAVE_GPU or importlib.util.find_spec(name) is None:
+        return False
+    check = {"torch": "import torch; assert torch.cuda.is_available()",
+             "jax": "import jax; assert any(d.platform == 'gpu' for d in jax.devices())"}[name]
+    return subprocess.run([sys.executable, "-c", check], capture_output=True, timeout=300).returncode == 0
+
+
+@pytest.mark.parametrize("script, peer", [("torch_autograd.py", "torch"), ("jax_interop.py", "jax")])
+def test_example_runs_and_checks_itself(script, peer):
+    if not peer_with_cuda(peer):
+        pytest.skip(f"needs {peer} with CUDA and a GPU")
+    done = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(EXAMPLES.parent)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().endswith("OK")

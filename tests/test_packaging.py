@@ -1,0 +1,56 @@
+"""The wheel: built from the checkout, installed into a fresh virtual environment without CuPy,
+imported from another directory. Needs pip to reach a package index (numpy, ml_dtypes, setuptools)."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(REPO)],
+                   check=True, timeout=600)
+    (built,) = out.glob("cupyflash-*.whl")
+    return built
+
+
+def test_the_wheel_carries_the_kernel_sources_and_the_type_marker(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = {p.name for p in (REPO / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh")}
+    assert {f"cupyflash/kernels_cu/{name}" for name in sources} <= names
+    assert "cupyflash/py.typed" in names
+
+
+def test_a_fresh_environment_without_cupy_imports_it_anywhere(wheel, tmp_path):
+    env = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True, timeout=300)
+    python = env / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], check=True, timeout=600)
+    script = """
+import numpy, cupyflash
+from cupyflash import _compile
+assert 'site-packages' in str(_compile.kernel_dir()), _compile.kernel_dir()
+assert _compile.kernel_source('fwd_v2_sm90').startswith('//')
+q = numpy.random.default_rng(0).standard_normal((2, 5, 8)).astype(numpy.float32)
+o, m, l = cupyflash.flash_attention_forward(q, q, q, causal=True)
+assert o.shape == (2, 5, 8)
+try:
+    cupyflash.precompile()
+except RuntimeError as error:
+    assert "cupyflash[cuda12]" in str(error), error
+else:
+    raise AssertionError("precompile without CuPy did not raise")
+print(cupyflash.__version__)
+"""
+    done = subprocess.run([str(python), "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "0.1.0"
+    info = subprocess.run([str(python), "-m", "cupyflash", "info"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert info.returncode == 0 and "CuPy: not installed" in info.stdout, info.stdout + info.stderr
