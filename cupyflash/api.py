@@ -26,7 +26,7 @@ BACKWARD_OUTPUTS = ("dq", "dk", "dv")
 def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False,
                             softmax_scale: Optional[float] = None, schedule: str = "auto",
                             out: Optional[Outputs] = None) -> Outputs:
-    """Exact attention with its softmax statistics, FlashAttention V1 forward.
+    """Exact attention with its softmax statistics (FlashAttention's fused forward).
 
     Parameters
     ----------
@@ -78,6 +78,10 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
 
     Notes
     -----
+    Inside a CUDA-graph capture (CuPy's current stream capturing), with ``out``
+    given, the call's workspaces are stream-ordered allocations the graph
+    owns; inputs that would need a contiguous copy raise ValueError there.
+
     CuPy inputs run a fused kernel: ``kernels_cu/flash_fwd_v1.cu``, Algorithm 1
     of FlashAttention (outer loop over K/V tiles, inner loop over Q tiles,
     online softmax, O/m/l carried in HBM between outer steps), or
@@ -85,8 +89,9 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     GPUs V2 of float16/bfloat16 (with ``softmax_scale > 0``) runs
     ``kernels_cu/flash_fwd_v2_sm90.cu``, the same schedule on Hopper's
     warpgroup MMA with warp specialisation. All accumulate in float32 (float64
-    for float64) and use tensor cores for 16-bit inputs. Extra memory is O(N). NumPy inputs run the blocked Algorithm 1 on
-    the CPU. Inputs are never modified.
+    for float64) and use tensor cores for 16-bit inputs. Extra memory is O(N).
+    NumPy inputs run the blocked Algorithm 1 on the CPU. Inputs are never
+    modified.
 
     See Also
     --------

@@ -38,8 +38,8 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, m, l = ctx.saved_tensors
         with cupy.cuda.Stream.from_external(torch.cuda.current_stream(q.device)):
-            grads = cupyflash.flash_attention_backward(as_cupy(do.contiguous()), *(as_cupy(x) for x in (q, k, v, o, m, l)),
-                                                       causal=ctx.causal, softmax_scale=ctx.softmax_scale)
+            arrays = (as_cupy(x) for x in (do.contiguous(), q, k, v, o, m, l))
+            grads = cupyflash.flash_attention_backward(*arrays, causal=ctx.causal, softmax_scale=ctx.softmax_scale)
         return (*(torch.from_dlpack(g) for g in grads), None, None)
 
 
