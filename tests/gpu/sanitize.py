@@ -1,6 +1,6 @@
 """Every kernel specialisation on small ragged problems, forward and backward, for compute-sanitizer.
 
-Run under each tool (zero errors is the pass mark)::
+Run under each tool (zero errors is the pass mark), or all four with ``tests/gpu/sanitize_all.sh``::
 
     PYTHONPATH=$PWD compute-sanitizer --tool memcheck  --error-exitcode 1 python3 tests/gpu/sanitize.py
     PYTHONPATH=$PWD compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/gpu/sanitize.py --quick
