@@ -204,11 +204,11 @@ def choose_splits(heads: int, T_r: int, slots: int) -> int:
     return min(range(1, T_r + 1), key=lambda n: (-(-heads * n // slots)) * (-(-T_r // n)))
 
 
-def capturing() -> bool:
-    """CuPy's current stream is being captured into a CUDA graph."""
+def capturing(stream=None) -> bool:
+    """``stream`` (default: CuPy's current one) is being captured into a CUDA graph."""
     import cupy
 
-    stream = cupy.cuda.get_current_stream()
+    stream = cupy.cuda.get_current_stream() if stream is None else stream
     return stream.ptr != 0 and stream.is_capturing()   # the legacy stream is never captured
 
 
@@ -219,9 +219,9 @@ def workspace_allocator():
     blocks would pass to the next caller once the call returns, while the graph still used them."""
     import cupy
 
-    if not capturing():
-        return cupy.empty
     stream = cupy.cuda.get_current_stream()
+    if not capturing(stream):
+        return cupy.empty
 
     def empty(shape, dtype):
         dtype = numpy.dtype(dtype)

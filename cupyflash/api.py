@@ -107,8 +107,8 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     prob = check_forward(q, k, v, causal, softmax_scale)
     check_schedule(schedule)
     acc = accumulator_dtype(prob.dtype)
+    stats = (*prob.batch_shape, prob.Nq)
     if out is not None:
-        stats = (*prob.batch_shape, prob.Nq)
         out = check_out(out, FORWARD_OUTPUTS, ((*stats, prob.D), stats, stats), (prob.dtype, acc, acc), prob,
                         _device_id(q, prob), {"q": q, "k": k, "v": v})
     if prob.xp is numpy:
@@ -117,16 +117,12 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
 
     with q.device:
         if _empty(prob):   # every row sees no key: o = 0, m = -inf, l = 0
-            stats = (*prob.batch_shape, prob.Nq)
             if out is None:
                 out = (cupy.empty((*stats, prob.D), prob.dtype), cupy.empty(stats, acc), cupy.empty(stats, acc))
             for x, value in zip(out, (0, -numpy.inf, 0)):
                 x.fill(value)
             return out
-        if not all(readable_in_place(x) for x in (q, k, v)):
-            _refuse_while_capturing("an input whose last axis is not contiguous (or with a negative stride) is copied")
-            key = None   # a call with these arrays copies them again
-        ready = tuple(kernel_ready(x) for x in (q, k, v))
+        ready, key = _kernel_ready((q, k, v), key)
         return _forward_gpu(*ready, prob.batch_shape, prob, _launch.forward_schedule(schedule, prob.D, prob.dtype),
                             key, out)
 
@@ -138,6 +134,15 @@ def _call_key(arrays, out, flags):
     if type(out) is not tuple or len(out) != 3:
         return None
     return _launch.call_key((*arrays, *out), flags)
+
+
+def _kernel_ready(arrays, key):
+    """The arrays as the kernels read them (``kernel_ready``), and ``key``, or None where one had to be
+    copied: a like call copies it again, so its plan is not kept."""
+    if all(readable_in_place(x) for x in arrays):
+        return arrays, key
+    _refuse_while_capturing("an input whose last axis is not contiguous (or with a negative stride) is copied")
+    return tuple(kernel_ready(x) for x in arrays), None
 
 
 def _refuse_while_capturing(what):
@@ -275,10 +280,7 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
             for x in out:
                 x.fill(0)
             return out
-        if not all(readable_in_place(x) for x in (do, q, k, v, o)):
-            _refuse_while_capturing("an input whose last axis is not contiguous (or with a negative stride) is copied")
-            key = None   # a call with these arrays copies them again
-        ready = tuple(kernel_ready(x) for x in (do, q, k, v, o))
+        ready, key = _kernel_ready((do, q, k, v, o), key)
         return _backward_gpu(*ready, m, l, prob.batch_shape, prob, schedule, key, out)
 
 

@@ -10,6 +10,7 @@ BFLOAT16 = numpy.dtype(ml_dtypes.bfloat16)
 FLOAT32 = numpy.dtype(numpy.float32)
 FLOAT64 = numpy.dtype(numpy.float64)
 FLOAT_DTYPES = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
+DTYPE_BY_NAME = {dt.name: dt for dt in FLOAT_DTYPES}
 
 
 def _gpu_available() -> bool:
@@ -25,6 +26,18 @@ HAVE_GPU = _gpu_available()
 requires_gpu = pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU")
 
 POISON_BYTES = 256 << 20
+
+
+def random_inputs(rng, dtype, q_shape, kv_shape, spread=1.0):
+    """q, k, v (NumPy) of standard-normal values times ``spread``; ``dtype`` a dtype or its name."""
+    cast = DTYPE_BY_NAME.get(dtype, dtype)
+    return [(spread * rng.standard_normal(s)).astype(cast) for s in (q_shape, kv_shape, kv_shape)]
+
+
+def to_gpu(*arrays):
+    import cupy
+
+    return [cupy.asarray(a) for a in arrays]
 
 
 def poison_pool():

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import cupyflash
 from cupyflash import reference
 from helpers import (FWD_CEILING, L_CEILING, M_CEILING, assert_gradient, assert_twice_naive, assert_under,
-                     gradient_magnitudes, poison_pool, requires_gpu)
+                     gradient_magnitudes, poison_pool, random_inputs, requires_gpu, to_gpu)
 
 pytestmark = requires_gpu
 
@@ -77,17 +77,6 @@ def attention_problems(draw):
     causal = draw(st.booleans())
     scale = draw(st.one_of(st.none(), st.floats(0.01, 2.0)))
     return dtype, (*q_batch, Nq, D), (*kv_batch, Nk, D), causal, scale
-
-
-def random_inputs(rng, dtype, q_shape, kv_shape, spread=1.0):
-    cast = DTYPES[dtype]
-    return [(spread * rng.standard_normal(s)).astype(cast) for s in (q_shape, kv_shape, kv_shape)]
-
-
-def to_gpu(*arrays):
-    import cupy
-
-    return [cupy.asarray(a) for a in arrays]
 
 
 def run_forward(q, k, v, causal, scale, schedule):

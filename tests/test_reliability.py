@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import cupyflash
 from cupyflash import reference
-from helpers import requires_gpu
+from helpers import random_inputs, requires_gpu, to_gpu
 from test_validation import forward_calls, forward_contract_errors
 
 pytestmark = requires_gpu
@@ -24,12 +24,6 @@ pytestmark = requires_gpu
 TOL = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 2e-5, "float64": 1e-12}
 
 
-def gpu(*arrays):
-    import cupy
-
-    return [cupy.asarray(a) for a in arrays]
-
-
 def assert_close(name, got, ref, dtype_name):
     got = numpy.asarray(got, numpy.float64)
     ref = numpy.asarray(ref, numpy.float64)
@@ -37,10 +31,6 @@ def assert_close(name, got, ref, dtype_name):
     same_inf = numpy.isinf(ref) & (got == ref)
     err = numpy.where(same_inf, 0.0, numpy.abs(got - ref) / (1 + numpy.abs(ref)))
     assert not numpy.isnan(err).any() and err.max(initial=0) <= TOL[dtype_name], f"{name}: {err.max(initial=0):.2e}"
-
-
-def problem(rng, dtype, q_shape, kv_shape):
-    return [rng.standard_normal(s).astype(dtype) for s in (q_shape, kv_shape, kv_shape)]
 
 
 def check_forward_against_reference(q, k, v, outputs, causal=False):
@@ -60,8 +50,8 @@ def test_calls_launch_on_the_current_stream_and_never_synchronise():
     import cupyx
 
     rng = numpy.random.default_rng(1)
-    q, k, v = problem(rng, numpy.float16, (2, 3, 200, 64), (2, 3, 170, 64))
-    qg, kg, vg = gpu(q, k, v)
+    q, k, v = random_inputs(rng, numpy.float16, (2, 3, 200, 64), (2, 3, 170, 64))
+    qg, kg, vg = to_gpu(q, k, v)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream, cupyx.allow_synchronize(False):
         o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, causal=True)
@@ -79,7 +69,7 @@ def test_concurrent_streams_compute_what_one_stream_does():
     import cupy
 
     rng = numpy.random.default_rng(2)
-    problems = [gpu(*problem(rng, dt, (2, 4, n, 64), (2, 4, n + 30, 64)))
+    problems = [to_gpu(*random_inputs(rng, dt, (2, 4, n, 64), (2, 4, n + 30, 64)))
                 for dt, n in ((numpy.float16, 300), (numpy.float16, 130), (numpy.float32, 90), (numpy.float64, 40))]
 
     def run(q, k, v):
@@ -111,7 +101,7 @@ def test_many_threads_at_once_first_use_included(monkeypatch):
     monkeypatch.setattr(_compile, "_modules", {})
     monkeypatch.setattr(_launch, "PLANS", {})
     rng = numpy.random.default_rng(3)
-    jobs = [(problem(rng, dt, (2, n, d), (2, n + 7, d)), schedule)
+    jobs = [(random_inputs(rng, dt, (2, n, d), (2, n + 7, d)), schedule)
             for dt in (numpy.float16, numpy.float32) for d in (40, 128) for n in (33, 150)
             for schedule in ("v1", "v2")]
     barrier = threading.Barrier(len(jobs), timeout=120)
@@ -119,7 +109,7 @@ def test_many_threads_at_once_first_use_included(monkeypatch):
 
     def work(arrays, schedule):
         try:
-            q, k, v = gpu(*arrays)
+            q, k, v = to_gpu(*arrays)
             barrier.wait()
             outputs = cupyflash.flash_attention_forward(q, k, v, causal=True, schedule=schedule)
             check_forward_against_reference(*arrays, outputs, causal=True)
@@ -150,7 +140,7 @@ def test_out_buffers_on_the_gpu(dtype, kv_heads, monkeypatch):
 
     monkeypatch.setattr(_launch, "PLANS", {})
     rng = numpy.random.default_rng(10)
-    q, k, v = gpu(*problem(rng, dtype, (2, 3, 150, 64), (2, kv_heads, 170, 64)))
+    q, k, v = to_gpu(*random_inputs(rng, dtype, (2, 3, 150, 64), (2, kv_heads, 170, 64)))
     expected = cupyflash.flash_attention_forward(q, k, v, causal=True)
     do = cupy.asarray(rng.standard_normal(expected[0].shape).astype(dtype))
     grads = cupyflash.flash_attention_backward(do, q, k, v, *expected, causal=True)
@@ -182,7 +172,7 @@ def test_forward_and_backward_captured_in_a_cuda_graph(dtype):
     from cupyflash._tiles import accumulator_dtype
 
     rng = numpy.random.default_rng(11)
-    q, k, v = gpu(*problem(rng, dtype, (2, 2, 2, 300, 64), (2, 2, 1, 260, 64)))
+    q, k, v = to_gpu(*random_inputs(rng, dtype, (2, 2, 2, 300, 64), (2, 2, 1, 260, 64)))
     do = cupy.asarray(rng.standard_normal(q.shape).astype(dtype))
     acc = accumulator_dtype(q.dtype)
     fwd_out = (cupy.empty(q.shape, q.dtype), cupy.empty(q.shape[:-1], acc), cupy.empty(q.shape[:-1], acc))
@@ -223,7 +213,7 @@ def test_a_capture_refuses_a_call_that_needs_temporaries():
     import cupy
 
     rng = numpy.random.default_rng(12)
-    q, k, v = gpu(*problem(rng, numpy.float16, (2, 100, 64), (2, 90, 64)))
+    q, k, v = to_gpu(*random_inputs(rng, numpy.float16, (2, 100, 64), (2, 90, 64)))
     strided_q = cupy.repeat(q, 2, axis=-1)[..., ::2]
     out = (cupy.empty(q.shape, q.dtype), cupy.empty(q.shape[:-1], cupy.float32), cupy.empty(q.shape[:-1], cupy.float32))
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -243,11 +233,8 @@ def test_a_capture_refuses_a_call_that_needs_temporaries():
 @pytest.mark.parametrize("schedule", ["v1", "v2"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_forward_is_bitwise_reproducible(schedule, dtype):
-    import ml_dtypes
-
-    cast = {"bfloat16": ml_dtypes.bfloat16}.get(dtype, dtype)
     rng = numpy.random.default_rng(4)
-    q, k, v = gpu(*problem(rng, cast, (3, 4, 700, 64), (3, 1, 900, 64)))
+    q, k, v = to_gpu(*random_inputs(rng, dtype, (3, 4, 700, 64), (3, 1, 900, 64)))
     runs = [cupyflash.flash_attention_forward(q, k, v, causal=True, schedule=schedule) for _ in range(3)]
     for later in runs[1:]:
         for a, b in zip(runs[0], later):
@@ -270,19 +257,19 @@ def test_a_call_too_big_for_the_gpu_raises_out_of_memory_and_the_next_call_works
     with pytest.raises(cupy.cuda.memory.OutOfMemoryError):
         cupyflash.flash_attention_backward(o1, q, q, q, o1, m1, m1 + 1)
     rng = numpy.random.default_rng(5)
-    arrays = problem(rng, numpy.float16, (2, 100, 64), (2, 90, 64))
-    check_forward_against_reference(*arrays, cupyflash.flash_attention_forward(*gpu(*arrays)))
+    arrays = random_inputs(rng, numpy.float16, (2, 100, 64), (2, 90, 64))
+    check_forward_against_reference(*arrays, cupyflash.flash_attention_forward(*to_gpu(*arrays)))
 
 
 @pytest.mark.parametrize("schedule", ["v1", "v2"])
 def test_more_heads_than_a_grid_dimension_holds(schedule):
     """100000 heads of 8 queries: more CTAs than gridDim.y or .z could hold (65535)."""
     rng = numpy.random.default_rng(6)
-    q, k, v = problem(rng, numpy.float16, (100_000, 8, 32), (100_000, 12, 32))
-    outputs = cupyflash.flash_attention_forward(*gpu(q, k, v), causal=True, schedule=schedule)
+    q, k, v = random_inputs(rng, numpy.float16, (100_000, 8, 32), (100_000, 12, 32))
+    outputs = cupyflash.flash_attention_forward(*to_gpu(q, k, v), causal=True, schedule=schedule)
     check_forward_against_reference(q, k, v, outputs, causal=True)
     do = rng.standard_normal(q.shape).astype(numpy.float16)
-    grads = cupyflash.flash_attention_backward(*gpu(do, q, k, v), *outputs, causal=True, schedule=schedule)
+    grads = cupyflash.flash_attention_backward(*to_gpu(do, q, k, v), *outputs, causal=True, schedule=schedule)
     refs = reference.attention_backward(do, q, k, v, *reference.attention_forward(q, k, v, causal=True), causal=True)
     for name, g, ref in zip(("dq", "dk", "dv"), grads, refs):
         assert_close(name, g.get(), ref, "float16")
@@ -359,9 +346,9 @@ def test_arrays_on_another_device_run_there_and_mixed_devices_are_refused():
     if cupy.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs two GPUs")
     rng = numpy.random.default_rng(9)
-    arrays = problem(rng, numpy.float16, (2, 64, 64), (2, 80, 64))
+    arrays = random_inputs(rng, numpy.float16, (2, 64, 64), (2, 80, 64))
     with cupy.cuda.Device(1):
-        q, k, v = gpu(*arrays)
+        q, k, v = to_gpu(*arrays)
     with cupy.cuda.Device(0):
         o, m, l = cupyflash.flash_attention_forward(q, k, v)
         assert o.device.id == 1
