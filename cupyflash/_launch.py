@@ -169,10 +169,10 @@ def _hopper(dtype) -> bool:
 def forward_kernel(schedule: str, dtype, scale: float = 1.0) -> str:
     """The kernel of a forward ``schedule`` ('v1' or 'v2') for ``dtype`` on the current device.
 
-    The Hopper kernel takes the row max of raw scores, so it needs ``scale > 0``; a zero or
-    negative scale runs the portable V2 kernel.
+    The Hopper kernel takes the row max of raw scores, so it needs ``scale > 0`` as the kernel reads
+    it, in float32: a zero, negative or underflowing scale runs the portable V2 kernel.
     """
-    if schedule == "v2" and scale > 0 and _hopper(dtype):
+    if schedule == "v2" and numpy.float32(scale) > 0 and _hopper(dtype):
         return "fwd_v2_sm90"
     return f"fwd_{schedule}"
 
@@ -225,7 +225,7 @@ def workspace_allocator():
 
     def empty(shape, dtype):
         dtype = numpy.dtype(dtype)
-        mem = cupy.cuda.memory.MemoryAsync(math.prod(shape) * dtype.itemsize, stream.ptr)
+        mem = cupy.cuda.memory.MemoryAsync(math.prod(shape) * dtype.itemsize, stream)
         return cupy.ndarray(shape, dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
     return empty

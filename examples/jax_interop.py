@@ -4,7 +4,7 @@
 
 JAX stays outside cupyflash. JAX dispatches asynchronously on streams of its own, so the arrays are
 made ready (``block_until_ready``) before CuPy reads them; cupyflash's outputs come back as JAX
-arrays through ``jax.dlpack.from_dlpack``. The check compares with attention written in jax.numpy.
+arrays through ``jax.dlpack.from_dlpack``. The check compares with attention written in jax.numpy, at full float32 matmul precision.
 """
 
 from __future__ import annotations
@@ -15,13 +15,15 @@ import jax.numpy as jnp
 
 import cupyflash
 
+HIGHEST = jax.lax.Precision.HIGHEST   # JAX's default float32 matmul on a GPU rounds inputs to TF32
+
 
 def attention_jnp(q, k, v, causal):
-    s = jnp.einsum("...qd,...kd->...qk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    s = jnp.einsum("...qd,...kd->...qk", q, k, precision=HIGHEST) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
     if causal:
         n_q, n_k = s.shape[-2:]
         s = jnp.where(jnp.arange(n_k)[None, :] <= jnp.arange(n_q)[:, None] + (n_k - n_q), s, -jnp.inf)
-    return jnp.einsum("...qk,...kd->...qd", jax.nn.softmax(s, axis=-1), v)
+    return jnp.einsum("...qk,...kd->...qd", jax.nn.softmax(s, axis=-1), v, precision=HIGHEST)
 
 
 def main() -> int:

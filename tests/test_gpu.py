@@ -159,9 +159,10 @@ def test_large_logits(dtype, causal, schedule):
 
 @SCHEDULES
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("scale", [-0.7, 0.0])
+@pytest.mark.parametrize("scale", [-0.7, 0.0, 1e-300])
 def test_nonpositive_scale(dtype, scale, schedule):
-    """A zero or negative softmax_scale (the Hopper kernel hands these to the portable one)."""
+    """A zero or negative softmax_scale, or one that is zero in the kernels' float32 (the Hopper kernel
+    hands these to the portable one)."""
     rng = numpy.random.default_rng(8)
     q, k, v = random_inputs(rng, dtype, (2, 3, 100, 64), (2, 3, 130, 64))
     check_forward(dtype, q, k, v, True, scale, schedule)

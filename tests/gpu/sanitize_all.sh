@@ -11,7 +11,7 @@ for tool in memcheck racecheck initcheck synccheck; do
     log="$(mktemp)"
     "$SANITIZER" --tool "$tool" --error-exitcode 1 python3 tests/gpu/sanitize.py "$@" > "$log" 2>&1
     rc=$?
-    echo "$tool: rc=$rc; $(grep -E 'cases within tolerance' "$log" | tail -1); $(grep -E 'ERROR SUMMARY' "$log" | tail -1)"
+    echo "$tool: rc=$rc; $(grep -E 'cases within tolerance' "$log" | tail -1); $(grep -E '(ERROR|RACECHECK) SUMMARY' "$log" | tail -1)"
     [ "$rc" -eq 0 ] || { status=1; grep -E '^=========' "$log" | head -20; }
     rm -f "$log"
 done
