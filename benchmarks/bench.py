@@ -14,6 +14,7 @@ Systems, timed in one process on the same inputs:
   cupyflash-v2  the same with schedule="v2" (ratio columns compare this one); on sm_90 its
                 16-bit forward and backward are the warpgroup-MMA kernels
   cupyflash-v2-mma  schedule="v2" on the portable mma.sync kernels (an A/B on sm_90)
+  cupyflash-v2-det  schedule="v2", backward with deterministic=True (the cost of ordered sums)
   naive         cuBLAS S = q kᵀ in the input dtype, softmax in float32,
                 P cast back, P v (cupy.matmul; bf16 through
                 cublasGemmStridedBatchedEx, as cupy.matmul lacks it);
@@ -92,7 +93,7 @@ NOTE_CHARS = 200                            # longest error message kept in a re
 
 FLASH = "cupyflash-v2"          # the fast path: ratio columns compare it with every other system
 FLOOR_SYSTEM = "cupyflash-v1"   # issue #2's floor is a V1 promise
-SCHEDULES = {"cupyflash-v1": "v1", "cupyflash-v2": "v2", "cupyflash-v2-mma": "v2"}
+SCHEDULES = {"cupyflash-v1": "v1", "cupyflash-v2": "v2", "cupyflash-v2-mma": "v2", "cupyflash-v2-det": "v2"}
 LONG_SYSTEM = "cupyflash-v1"    # the long run shows V1's O(N) workspace
 
 
@@ -149,14 +150,15 @@ class Unavailable(Exception):
 # Preparation (a first forward, a DLPack view, a mask) happens here, untimed.
 
 
-def cupyflash_runs(schedule: str, x: Inputs, *, wgmma: bool = True) -> dict:
+def cupyflash_runs(schedule: str, x: Inputs, *, wgmma: bool = True, deterministic: bool = False) -> dict:
     def forward():
         _launch.USE_WGMMA = wgmma
         return cupyflash.flash_attention_forward(x.q, x.k, x.v, causal=x.causal, schedule=schedule)
 
     def backward_from(o, m, l):
         _launch.USE_WGMMA = wgmma
-        return cupyflash.flash_attention_backward(x.do, x.q, x.k, x.v, o, m, l, causal=x.causal, schedule=schedule)
+        return cupyflash.flash_attention_backward(x.do, x.q, x.k, x.v, o, m, l, causal=x.causal, schedule=schedule,
+                                                  deterministic=deterministic)
 
     saved = forward()       # o, m, l for the timed backward
     return {"fwd": forward, "bwd": lambda: backward_from(*saved), "fwd+bwd": lambda: backward_from(*forward())}
@@ -279,8 +281,8 @@ class System:
 
 
 SYSTEMS = (
-    *(System(name, MODES, partial(cupyflash_runs, schedule, wgmma=not name.endswith("-mma")), cupy_clock,
-             needs_torch=False)
+    *(System(name, MODES, partial(cupyflash_runs, schedule, wgmma=not name.endswith("-mma"),
+                                  deterministic=name.endswith("-det")), cupy_clock, needs_torch=False)
       for name, schedule in SCHEDULES.items()),
     System("naive", ("fwd",), naive_runs, cupy_clock, needs_torch=False),
     System("torch-flash", MODES, partial(torch_runs, "FLASH_ATTENTION"), torch_clock, needs_torch=True),

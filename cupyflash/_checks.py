@@ -59,6 +59,12 @@ class Problem:
 SCHEDULES = ("auto", "v1", "v2")
 
 
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, numpy.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
 def check_schedule(schedule) -> str:
     if not isinstance(schedule, str):
         raise TypeError(f"schedule must be one of {SCHEDULES}, got {type(schedule).__name__}")
@@ -90,8 +96,7 @@ def check_forward(q, k, v, causal, softmax_scale) -> Problem:
         batch_shape = numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     except ValueError:
         raise ValueError(f"batch dims of q {q.shape}, k {k.shape}, v {v.shape} do not broadcast") from None
-    if not isinstance(causal, (bool, numpy.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool("causal", causal)
     if softmax_scale is None:
         scale = 1.0 / math.sqrt(D)
     else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy
@@ -24,6 +24,7 @@ MAX_BATCH_DIMS = 3  # collapsed batch dims a kernel indexes (flash_common.cuh: s
 VECTOR_BYTES = 16   # width of the vectorised tile loads
 PREP_LANES, PREP_THREADS = 8, 256   # flash_bwd_prep_v1: threads per row, per block
 CONVERT_THREADS = 256
+NULL = numpy.uint64(0)   # a null pointer argument
 
 
 @dataclass(frozen=True)
@@ -337,6 +338,7 @@ class BackwardPlan:
     grad_shapes: tuple        # shapes of q, k, v
     lse_stats: bool           # the main kernel reads lse_i log2 e (bwd_sm90), else m_i and 1 / l_i
     kv_atomic: bool           # dK, dV summed over batch entries in workspaces
+    turn_shapes: tuple        # deterministic: counters of the ordered adds into dQ (and dK, dV), else ()
     prep_grid: int
     prep_scalars: tuple
     main_grid: int
@@ -356,6 +358,7 @@ class BackwardPlan:
             stats = tuple(workspace(self.rows, acc) for _ in range(1 if self.lse_stats else 2))
             m_b, inv_l, lse2 = (d_sum, d_sum, *stats) if self.lse_stats else (*stats, d_sum)   # d_sum: not written
             grads = tuple(cupy.empty(s, self.dtype) for s in self.grad_shapes) if out is None else out
+            turns = tuple(workspace(s, numpy.uint32) for s in self.turn_shapes)
             # dQ, and dK, dV where several batch entries share a K/V head, are sums: in the gradients
             # themselves when they are of the accumulator dtype, else in workspaces converted at the end
             summed = grads if self.kv_atomic else grads[:1]
@@ -365,10 +368,11 @@ class BackwardPlan:
             dk_out, dv_out = (q, q) if self.kv_atomic else grads[1:]             # not written / stored directly
 
             self.prep((self.prep_grid,), (PREP_THREADS,), (o, do, m, l, m_b, inv_l, lse2, d_sum, *self.prep_scalars))
-            for x in sums:
+            for x in (*sums, *turns):
                 x.fill(0)
+            turns += (NULL,) * (3 - len(turns))   # dQ, dK, dV; null: unordered
             self.main((self.main_grid,), (self.main_threads,),
-                      (q, k, v, do, *stats, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc, *self.main_scalars),
+                      (q, k, v, do, *stats, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc, *turns, *self.main_scalars),
                       shared_mem=self.main_smem_bytes)
             for x_acc, g in zip(sums, summed):
                 if x_acc is not g and x_acc.size:
@@ -377,7 +381,8 @@ class BackwardPlan:
         return tuple(grads)
 
 
-def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, layout: BatchLayout):
+def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, deterministic: bool,
+                  layout: BatchLayout):
     """The backward of ``schedule`` for validated inputs as a ``BackwardPlan``.
 
     ``layout.strides`` holds, in order, q, k, v, o, do and the contiguous
@@ -389,7 +394,7 @@ def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, 
     BH = layout.count
     acc = accumulator_dtype(q.dtype)
     kernels = get_kernels(device_tiles("bwd_v1", D, q.dtype))
-    main_cfg = device_tiles(backward_kernel(schedule, q.dtype, D), D, q.dtype)
+    main_cfg = replace(device_tiles(backward_kernel(schedule, q.dtype, D), D, q.dtype), ordered=deterministic)
     s_q, s_k, s_v, s_o, s_do, s_dq, s_dk, s_dv = layout.strides
     n1, n2 = numpy.int64(layout.sizes[1]), numpy.int64(layout.sizes[2])
     lse_stats = main_cfg.kernel == "bwd_sm90"
@@ -400,6 +405,12 @@ def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, 
     kv_atomic = math.prod(k.shape[:-2]) < BH or math.prod(v.shape[:-2]) < BH
     T_c = -(-Nk // main_cfg.block_c)
     n_chunks = -(-D // main_cfg.d_chunk)
+    # deterministic: a counter per sum that several CTAs add into (flash_common.cuh, "Ordered sums")
+    turn_shapes = ()
+    if deterministic:
+        turn_shapes = ((BH, -(-Nq // main_cfg.block_r), n_chunks),)
+        if kv_atomic:
+            turn_shapes += tuple((math.prod(x.shape[:-2]), T_c, n_chunks) for x in (k, v))
     # the K/V tiles of a head share Q, dO, the statistics and the dQ workspace
     group = head_group(BH, Nq * (D * (2 * q.itemsize + acc.itemsize) + 2 * acc.itemsize) + 2 * Nk * D * q.itemsize)
     main_scalars = (*_strides4(q, s_q), *_strides4(k, s_k), *_strides4(v, s_v), *_strides4(do, s_do),
@@ -409,7 +420,7 @@ def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, 
     return BackwardPlan(
         prep=kernels["flash_bwd_prep_v1"], main=get_kernels(main_cfg)[f"flash_{main_cfg.kernel}"],
         convert=kernels["flash_convert"], device=q.data.device_id, dtype=q.dtype, acc=acc, rows=(BH, Nq),
-        grad_shapes=(q.shape, k.shape, v.shape), lse_stats=lse_stats, kv_atomic=kv_atomic,
+        grad_shapes=(q.shape, k.shape, v.shape), lse_stats=lse_stats, kv_atomic=kv_atomic, turn_shapes=turn_shapes,
         prep_grid=-(-rows * PREP_LANES // PREP_THREADS), prep_scalars=prep_scalars,
         main_grid=BH * T_c * n_chunks, main_threads=main_cfg.threads, main_smem_bytes=main_cfg.smem_bytes,
         main_scalars=main_scalars)

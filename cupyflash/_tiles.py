@@ -36,7 +36,7 @@ How tiles are chosen (``choose_tiles``):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy
 
@@ -120,6 +120,10 @@ class TileConfig:
         Warps per CTA.
     d_chunk : int
         Head-dim columns of one output chunk (``DC``).
+    ordered : bool
+        A backward whose sums over CTAs are added in grid order
+        (``deterministic=True``); its own specialisation, so that the
+        default backward carries none of it.
     """
 
     kernel: str
@@ -129,6 +133,7 @@ class TileConfig:
     block_c: int
     warps: int
     d_chunk: int
+    ordered: bool = False
 
     @property
     def itemsize(self) -> int:
@@ -208,6 +213,7 @@ class TileConfig:
             f"-DFLASH_SMEM_BYTES={self.smem_bytes}",
             f"-DFLASH_Q_STAGES={self.q_stages}",
             f"-DFLASH_CTAS_PER_SM={self.ctas_per_sm}",
+            f"-DFLASH_ORDERED={int(self.ordered)}",
         )
 
 
@@ -296,7 +302,8 @@ def all_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
     with D > 192 below 167 KB) is left out: that call runs V1. Architecture-specific
     kernels (``ARCH_KERNELS``) are listed for their architecture's family only
     (``fwd_v2_sm90`` for sm_90), for the dtypes they take; buckets that share a
-    padded head dim give one configuration.
+    padded head dim give one configuration; each backward kernel comes ordered
+    (``deterministic=True``) and not.
     """
     configs = []
     for kernel in KERNELS:
@@ -311,6 +318,7 @@ def all_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
                     if kernel != "fwd_v2" and not own:   # V1 always fits; the others may not
                         raise
                     continue
-                if cfg not in configs:
-                    configs.append(cfg)
+                for variant in (cfg, replace(cfg, ordered=True)) if kernel.startswith("bwd") else (cfg,):
+                    if variant not in configs:
+                        configs.append(variant)
     return configs

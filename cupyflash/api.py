@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Optional, Union
 import numpy
 
 from . import _launch, reference
-from ._checks import (check_backward, check_disjoint, check_forward, check_out, check_schedule, kernel_ready,
-                      readable_in_place)
+from ._checks import (check_backward, check_bool, check_disjoint, check_forward, check_out, check_schedule,
+                      kernel_ready, readable_in_place)
 from ._tiles import accumulator_dtype
 
 
@@ -199,7 +199,7 @@ def _take_leading(x, index, nb):
 
 def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, m: Array, l: Array, *,
                              causal: bool = False, softmax_scale: Optional[float] = None, schedule: str = "auto",
-                             out: Optional[Outputs] = None) -> Outputs:
+                             deterministic: bool = False, out: Optional[Outputs] = None) -> Outputs:
     """Gradients of exact attention from the forward's outputs (FlashAttention's recomputation backward).
 
     Parameters
@@ -223,6 +223,12 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
         sm_90 GPUs, and the V1 kernel everywhere else. Both walk the same loop
         order (K/V tiles outer, dQ accumulated with atomics), already
         FlashAttention-2's, and return the same gradients up to rounding.
+    deterministic : bool, optional
+        Bitwise-identical gradients run to run. The CTAs that add into one
+        sum (``dQ_i`` over the K/V tiles; ``dK_j``, ``dV_j`` over the query
+        heads that share a K/V head) then take turns in a fixed order instead
+        of racing with float atomics, at a measured cost in speed
+        (``benchmarks/RESULTS.md``). The NumPy path is always deterministic.
     out : tuple of three ndarrays, optional
         ``(dq, dk, dv)`` to write into, under the forward's rules for ``out``;
         returned.
@@ -257,7 +263,7 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     cupyflash.reference.blocked_backward : the NumPy version (CPU path).
     """
     inputs = {"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}
-    key = _call_key(tuple(inputs.values()), out, (causal, softmax_scale, schedule))
+    key = _call_key(tuple(inputs.values()), out, (causal, softmax_scale, schedule, deterministic))
     plan = _launch.PLANS.get(key)
     if plan is not None:
         if out is not None:
@@ -265,6 +271,7 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
         return plan(do, q, k, v, o, m, l, out)
     prob = check_backward(do, q, k, v, o, m, l, causal, softmax_scale)
     check_schedule(schedule)
+    deterministic = check_bool("deterministic", deterministic)
     if out is not None:
         out = check_out(out, BACKWARD_OUTPUTS, (q.shape, k.shape, v.shape), (prob.dtype,) * 3, prob,
                         _device_id(q, prob), inputs)
@@ -281,10 +288,10 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
                 x.fill(0)
             return out
         ready, key = _kernel_ready((do, q, k, v, o), key)
-        return _backward_gpu(*ready, m, l, prob.batch_shape, prob, schedule, key, out)
+        return _backward_gpu(*ready, m, l, prob.batch_shape, prob, schedule, deterministic, key, out)
 
 
-def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, key=None, out=None):
+def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, deterministic, key=None, out=None):
     """Plan and run; a single plan is kept under ``key`` (``_call_key``) for like calls."""
     nb = len(batch_shape)
     own = [_launch.contiguous_strides(x.shape)[:-2] for x in (q, k, v)]
@@ -294,7 +301,7 @@ def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, key=None, o
     layout = _launch.collapse_batch(batch_shape, strides)
     if layout is not None:
         plan = _launch.backward_plan(do, q, k, v, o, schedule=schedule, causal=prob.causal, scale=prob.scale,
-                                     layout=layout)
+                                     deterministic=deterministic, layout=layout)
         _launch.keep_plan(key, plan)
         return plan(do, q, k, v, o, m, l, out)
     # peel the leading batch dim; a gradient is summed where its input broadcast along it
@@ -303,7 +310,7 @@ def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, key=None, o
     _refuse_while_capturing("more than three batch dims that cannot be merged are computed piece by piece")
 
     parts = [_backward_gpu(do[i], *(_take_leading(x, i, nb) for x in (q, k, v)), o[i], m[i], l[i],
-                           batch_shape[1:], prob, schedule)
+                           batch_shape[1:], prob, schedule, deterministic)
              for i in range(batch_shape[0])]
     grads = []
     for n, x in enumerate((q, k, v)):

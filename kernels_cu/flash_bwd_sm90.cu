@@ -21,7 +21,8 @@
 //                                          over all B_C keys: the consumers take turns with its
 //                                          (64, 64) blocks, stage them in float32 and the copy
 //                                          engine adds whole rows into the float32 workspace
-//                                          (cp.reduce.async.bulk), half the traffic of atomics.
+//                                          (cp.reduce.async.bulk), half the traffic of atomics;
+//                                          in grid order when deterministic (flash_common.cuh).
 //
 // Shared memory (128-byte swizzle, flash_common.cuh), after 1024-byte alignment:
 //   s_K, s_V  (B_C, DP)               K_j, V_j
@@ -32,7 +33,8 @@
 //   bars      (1 + 2 STAGES) u64      K/V full; Q full, Q empty per stage
 //
 // Per step the consumers meet twice (named barriers over both): once both halves of dS^T are
-// written (and the previous bulk add has read s_dQ), once s_dQ is.
+// written (and the previous bulk add has read s_dQ), once s_dQ is; ordered (deterministic) adds
+// meet a third time, once the bulk adds have landed.
 
 #include "flash_common.cuh"
 
@@ -43,6 +45,7 @@ constexpr int NTHREADS = FLASH_WARPS * WARP_SIZE;
 constexpr int WG_THREADS = 4 * WARP_SIZE;
 constexpr int CONSUMERS = NTHREADS / WG_THREADS - 1;
 constexpr int STAGES = 2;
+constexpr bool ORDERED = FLASH_ORDERED;
 constexpr int TILE_KV = B_C * DP, TILE_Q = B_R * DP, TILE_DS = B_C * B_R;   // elements
 constexpr int DQ_PITCH = DP + 4;                   // floats: rows 16 bytes apart in banks
 constexpr int N_BARRIERS = 1 + 2 * STAGES;
@@ -86,6 +89,9 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                elem_t* __restrict__ dv,           // v's own shape, contiguous (direct store)
                acc_t* __restrict__ dk_acc,        // k's own shape, zeroed (when kv_atomic)
                acc_t* __restrict__ dv_acc,        // v's own shape, zeroed (when kv_atomic)
+               unsigned* __restrict__ dq_turns,   // (BH, T_r) zeroed (ORDERED)
+               unsigned* __restrict__ dk_turns,   // (K/V heads of k, T_c) zeroed (kv_atomic, ordered)
+               unsigned* __restrict__ dv_turns,   // (K/V heads of v, T_c) zeroed (kv_atomic, ordered)
                i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
                i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
                i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
@@ -287,6 +293,9 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
             wgmma_pin_a(Pf);
             wgmma_pin_a(dSf);
             fence_proxy_async();
+            // tile j adds the j-th term of dQ_i: every K/V tile before it reaches Q tile i too
+            unsigned* dq_turn = ORDERED ? dq_turns + (bh * T_r + i_first + n) : nullptr;
+            if (ORDERED && ctid == 0) wait_turn(dq_turn, j);
             named_barrier_sync(2, CONSUMERS * WG_THREADS);   // s_dQ holds dQ_i
 
             // dQ_i into the workspace: a bulk add per row (rows of 16-byte multiples), else float atomics
@@ -297,12 +306,31 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                 for (int e = ctid; e < rows * D; e += CONSUMERS * WG_THREADS)
                     atomicAdd(dq_acc + (i64)(q0 + e / D) * D + e % D, s_dQ[(e / D) * DQ_PITCH + e % D]);
             }   // s_dQ is rewritten only after the next step's first barrier
+            if (ORDERED) {
+                if (D % 4 == 0 && ctid < rows) {
+                    bulk_wait();
+                    fence_proxy_async_global();
+                }
+                named_barrier_sync(3, CONSUMERS * WG_THREADS);   // every add of dQ_i has landed
+                if (ctid == 0) end_turn(dq_turn);
+            }
             mbar_arrive(&q_empty[s]);                     // Q_i, dO_i, statistics and dS^T are free
         }
 
         if (ctid < B_R) bulk_wait();                       // every bulk add of this thread has landed
 
-        // dK_j, dV_j from registers to HBM
+        // dK_j, dV_j from registers to HBM; sums over the batch entries that share a K/V head in rank order
+        unsigned *dk_turn = nullptr, *dv_turn = nullptr;
+        if (ORDERED && kv_atomic) {
+            const i64 head_elems = (i64)Nk * D;
+            dk_turn = dk_turns + batch_offset(bi, dk_s0, dk_s1, dk_s2) / head_elems * T_c + j;
+            dv_turn = dv_turns + batch_offset(bi, dv_s0, dv_s1, dv_s2) / head_elems * T_c + j;
+            if (ctid == 0) {
+                wait_turn(dk_turn, broadcast_rank(bi, n1, n2, dk_s0, dk_s1, dk_s2));
+                wait_turn(dv_turn, broadcast_rank(bi, n1, n2, dv_s0, dv_s1, dv_s2));
+            }
+            named_barrier_sync(3, CONSUMERS * WG_THREADS);
+        }
 #pragma unroll
         for (int nn = 0; nn < DP / 8; ++nn)
 #pragma unroll
@@ -321,5 +349,12 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                     store_row_pair(dv + batch_offset(bi, dv_s0, dv_s1, dv_s2) + (i64)row * D, col, D, v0, v1);
                 }
             }
+        if (ORDERED && kv_atomic) {
+            named_barrier_sync(3, CONSUMERS * WG_THREADS);
+            if (ctid == 0) {
+                end_turn(dk_turn);
+                end_turn(dv_turn);
+            }
+        }
     }
 }

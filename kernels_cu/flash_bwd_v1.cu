@@ -13,7 +13,8 @@
 //                           dP_ij^T = V_j dO_i^T
 //                           dS_ij^T = P_ij^T o (dP_ij^T - D_i)
 //                           dK_j   += scale dS_ij^T Q_i
-//                           dQ_i   += scale dS_ij K_j   (float atomics into a workspace)
+//                           dQ_i   += scale dS_ij K_j   (float atomics into a workspace;
+//                                                        in grid order when deterministic)
 //                       Keys sit on the accumulator rows (each warp owns 16 keys),
 //                       so P^T and dS^T come out of the products in the layout
 //                       their next product reads. A head-dim chunk (DC columns of
@@ -34,6 +35,7 @@ constexpr int B_C = FLASH_BC;
 constexpr int DC = FLASH_DC;
 constexpr int NWARPS = FLASH_WARPS;
 constexpr int NTHREADS = NWARPS * WARP_SIZE;
+constexpr bool ORDERED = FLASH_ORDERED;
 constexpr int QKV_PITCH = DP + PAD;
 constexpr int DS_PITCH = B_R + PAD;
 constexpr int SMEM_BYTES = ((2 * B_C + 2 * B_R) * QKV_PITCH + B_C * DS_PITCH) * (int)sizeof(elem_t)
@@ -113,6 +115,9 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
              elem_t* __restrict__ dv,           // v's own shape, contiguous (direct store)
              acc_t* __restrict__ dk_acc,        // k's own shape, zeroed (when kv_atomic)
              acc_t* __restrict__ dv_acc,        // v's own shape, zeroed (when kv_atomic)
+             unsigned* __restrict__ dq_turns,   // (BH, T_r, n_chunks) zeroed (ORDERED)
+             unsigned* __restrict__ dk_turns,   // (K/V heads of k, T_c, n_chunks) zeroed (kv_atomic, ordered)
+             unsigned* __restrict__ dv_turns,   // (K/V heads of v, T_c, n_chunks) zeroed (kv_atomic, ordered)
              i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
              i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
              i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
@@ -219,6 +224,9 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
 
         // dK_j += dS_ij^T Q_i   (scaled at the end)                        (16, DC)
         warp_mma<DC / 8, B_R, false, true>(dK, s_dSw, DS_PITCH, s_Q + c0, QKV_PITCH);
+        // tile j adds the j-th term of dQ_i: every K/V tile before it reaches Q tile i too
+        unsigned* dq_turn = ORDERED ? dq_turns + ((bh * T_r + i) * n_chunks + c0 / DC) : nullptr;
+        if (ORDERED && tid == 0) wait_turn(dq_turn, j);
         __syncthreads();   // every warp's rows of dS^T are in SRAM
 
         // dQ_i += scale dS_ij K_j                                          (B_R, DC) over the warps
@@ -236,9 +244,24 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                     if (row < Nq && col < D) atomicAdd(dq_acc + (i64)row * D + col, scale * dQ[n][e]);
                 }
         }
+        if (ORDERED) {
+            __syncthreads();
+            if (tid == 0) end_turn(dq_turn);
+        }
     }
 
-    // dK_j, dV_j from registers to HBM
+    // dK_j, dV_j from registers to HBM; sums over the batch entries that share a K/V head in rank order
+    unsigned *dk_turn = nullptr, *dv_turn = nullptr;
+    if (ORDERED && kv_atomic) {
+        const i64 tile = (i64)j * n_chunks + c0 / DC, head_elems = (i64)Nk * D;
+        dk_turn = dk_turns + batch_offset(bi, dk_s0, dk_s1, dk_s2) / head_elems * T_c * n_chunks + tile;
+        dv_turn = dv_turns + batch_offset(bi, dv_s0, dv_s1, dv_s2) / head_elems * T_c * n_chunks + tile;
+        if (tid == 0) {
+            wait_turn(dk_turn, broadcast_rank(bi, n1, n2, dk_s0, dk_s1, dk_s2));
+            wait_turn(dv_turn, broadcast_rank(bi, n1, n2, dv_s0, dv_s1, dv_s2));
+        }
+        __syncthreads();
+    }
 #pragma unroll
     for (int n = 0; n < DC / 8; ++n)
 #pragma unroll
@@ -257,6 +280,13 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                 store_row_pair(dv + batch_offset(bi, dv_s0, dv_s1, dv_s2) + (i64)row * D, col, D, v0, v1);
             }
         }
+    if (ORDERED && kv_atomic) {
+        __syncthreads();
+        if (tid == 0) {
+            end_turn(dk_turn);
+            end_turn(dv_turn);
+        }
+    }
 }
 
 // flash_convert: four elements per thread and step (float4 in, four elem_t out)

@@ -24,6 +24,9 @@
 #ifndef FLASH_WGMMA
 #define FLASH_WGMMA 0   // 1: the sm_90a warpgroup-MMA kernels (16-bit dtypes only)
 #endif
+#ifndef FLASH_ORDERED
+#define FLASH_ORDERED 0   // 1: the backward's sums in grid order (deterministic=True; "Ordered sums" below)
+#endif
 
 #define LOG2E 1.4426950408889634
 #define WARP_SIZE 32
@@ -137,6 +140,37 @@ __device__ __forceinline__ GridTile grid_tile_at(unsigned index, unsigned heads,
 // This CTA's tile, one CTA per tile
 __device__ __forceinline__ GridTile grid_tile(int tiles, int group) {
     return grid_tile_at(blockIdx.x, gridDim.x / tiles, tiles, group);
+}
+
+// Ordered sums (the backward's deterministic=True). The CTAs that add into one sum (dQ_i over the
+// K/V tiles j; dK_j, dV_j over the batch entries that share a K/V head) take turns in grid order: a
+// counter per sum holds how many have added, a CTA waits until it reads its rank, adds, and counts
+// itself. Float addition then runs in one order every run. A CTA waits only on CTAs before it in the
+// grid, which the hardware starts no later, so the waits cannot close a cycle.
+
+// one thread; the barrier after it orders the rest of the CTA behind the other CTAs' adds
+__device__ __forceinline__ void wait_turn(const unsigned* counter, unsigned rank) {
+    unsigned seen;
+    for (;;) {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+        if (seen == rank) return;
+        __nanosleep(64);
+    }
+}
+
+// one thread, after a barrier behind all of the CTA's adds
+__device__ __forceinline__ void end_turn(unsigned* counter) {
+    __threadfence();
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(counter) : "memory");
+}
+
+// The rank of batch entry `bi` among those that share a broadcast input's entry: its index over the
+// dims along which the input broadcasts (batch strides s0, s1, s2 zero there)
+__device__ __forceinline__ unsigned broadcast_rank(BatchIndex bi, i64 n1, i64 n2, i64 s0, i64 s1, i64 s2) {
+    i64 r = s0 == 0 ? bi.b0 : 0;
+    if (s1 == 0) r = r * n1 + bi.b1;
+    if (s2 == 0) r = r * n2 + bi.b2;
+    return (unsigned)r;
 }
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -425,6 +459,8 @@ __device__ __forceinline__ unsigned long long sw128_desc(const elem_t* p, unsign
 }
 
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// the copy engine's completed writes to global memory, ordered before this thread's next generic ones
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 

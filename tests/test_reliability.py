@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import cupyflash
 from cupyflash import reference
-from helpers import random_inputs, requires_gpu, to_gpu
+from helpers import DTYPE_BY_NAME, random_inputs, requires_gpu, to_gpu
 from test_validation import forward_calls, forward_contract_errors
 
 pytestmark = requires_gpu
@@ -239,6 +239,37 @@ def test_forward_is_bitwise_reproducible(schedule, dtype):
     for later in runs[1:]:
         for a, b in zip(runs[0], later):
             assert a.tobytes() == b.tobytes()
+
+
+# the gradients of two summation orders: a rounding of the output dtype apart (accumulator's for 32/64-bit)
+ORDER_RTOL = {"float16": 2.0**-9, "bfloat16": 2.0**-6, "float32": 1e-5, "float64": 1e-13}
+
+
+@pytest.mark.parametrize("schedule", ["v1", "v2"])
+@pytest.mark.parametrize("dtype, D", [("float16", 64), ("bfloat16", 128), ("float16", 62), ("float16", 200),
+                                      ("float32", 64), ("float64", 40)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_backward_is_bitwise_reproducible(schedule, dtype, D, causal):
+    """deterministic=True: dQ summed over 8 K/V tiles (Hopper tiles at 16-bit D <= 128 under v2; D = 62
+    takes the Hopper kernel's atomics, D = 200 the V1 kernel's head-dim chunks) and dK, dV over the query
+    heads of a group (k broadcast along the heads, v along the batch) in one order: every run gives the
+    same bits, within rounding of the unordered backward."""
+    import cupy
+
+    rng = numpy.random.default_rng(12)
+    q, k, v = (cupy.asarray(rng.standard_normal(s).astype(DTYPE_BY_NAME[dtype]))
+               for s in ((2, 3, 333, D), (2, 1, 1000, D), (1, 3, 1000, D)))
+    o, m, l = cupyflash.flash_attention_forward(q, k, v, causal=causal, schedule=schedule)
+    do = cupy.asarray(rng.standard_normal(q.shape).astype(DTYPE_BY_NAME[dtype]))
+    runs = [cupyflash.flash_attention_backward(do, q, k, v, o, m, l, causal=causal, schedule=schedule,
+                                               deterministic=True) for _ in range(4)]
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later):
+            assert a.tobytes() == b.tobytes()
+    unordered = cupyflash.flash_attention_backward(do, q, k, v, o, m, l, causal=causal, schedule=schedule)
+    for a, b in zip(runs[0], unordered):
+        a, b = a.get().astype(numpy.float64), b.get().astype(numpy.float64)
+        assert numpy.abs(a - b).max() <= ORDER_RTOL[dtype] * numpy.abs(b).max()
 
 
 def test_a_call_too_big_for_the_gpu_raises_out_of_memory_and_the_next_call_works():

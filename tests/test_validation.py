@@ -852,3 +852,21 @@ def test_bad_schedule_raises(schedule, error):
         cupyflash.flash_attention_backward(o, q, q, q, o, m, l, schedule=schedule)
     with pytest.raises(error, match="schedule"):
         cupyflash.flash_attention(q, q, q, schedule=schedule)
+
+
+@pytest.mark.parametrize("deterministic", [0, 1, None, "yes", 1.0])
+def test_non_bool_deterministic_raises_type_error(deterministic):
+    q = np.zeros((4, 8), np.float32)
+    o, m, l = cupyflash.flash_attention_forward(q, q, q)
+    with pytest.raises(TypeError, match="deterministic"):
+        cupyflash.flash_attention_backward(o, q, q, q, o, m, l, deterministic=deterministic)
+
+
+def test_deterministic_backward_on_the_numpy_path_is_the_same_backward():
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((2, 30, 16), (1, 40, 16), (1, 40, 16)))
+    o, m, l = cupyflash.flash_attention_forward(q, k, v, causal=True)
+    plain = cupyflash.flash_attention_backward(o, q, k, v, o, m, l, causal=True)
+    ordered = cupyflash.flash_attention_backward(o, q, k, v, o, m, l, causal=True, deterministic=np.bool_(True))
+    for a, b in zip(plain, ordered):
+        assert a.tobytes() == b.tobytes()

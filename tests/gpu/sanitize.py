@@ -9,8 +9,9 @@ Run under each tool (zero errors is the pass mark), or all four with ``tests/gpu
 
 Cases: schedules v1, v2 and v2 on the portable kernels ("v2-mma", where the Hopper ones would
 run), the four dtypes, one head dim per bucket, Nq != Nk ragged against every tile size, causal and
-not, K/V broadcast over a group of query heads. ``--quick`` keeps two head dims. The script also
-checks each result against the float64 reference, so a kernel that runs clean but wrong fails too.
+not, K/V broadcast over a group of query heads, the backward unordered and deterministic.
+``--quick`` keeps two head dims. The script also checks each result against the float64
+reference, so a kernel that runs clean but wrong fails too.
 """
 
 from __future__ import annotations
@@ -46,10 +47,12 @@ def run_case(dtype, D, schedule, causal, rng) -> float:
     qg, kg, vg, dog = (cupy.asarray(x) for x in (q, k, v, do))
     o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, causal=causal, schedule=api)
     grads = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, causal=causal, schedule=api)
+    ordered = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, causal=causal, schedule=api,
+                                                 deterministic=True)
     refs = reference.attention_forward(q, k, v, causal=causal)
     ref_grads = reference.attention_backward(do, q, k, v, *refs, causal=causal)
     worst = 0.0
-    for got, ref in zip((o, m, l, *grads), (*refs, *ref_grads)):
+    for got, ref in zip((o, m, l, *grads, *ordered), (*refs, *ref_grads, *ref_grads)):
         got, ref = got.get().astype(numpy.float64), numpy.asarray(ref, numpy.float64)
         finite = numpy.isfinite(ref)
         assert numpy.array_equal(numpy.isfinite(got), finite) and numpy.array_equal(got[~finite], ref[~finite])
