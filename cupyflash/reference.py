@@ -31,6 +31,11 @@ With ``S = softmax_scale * q k^T`` (default scale ``1 / sqrt(D)``):
 ``causal=True`` is bottom-right aligned: query ``i`` sees key ``j`` iff
 ``j <= i + (Nk - Nq)``. A row that sees no key has ``o = 0``, ``m = -inf``,
 ``l = 0`` and contributes no gradient.
+
+Non-finite inputs (the naive references): a pair (query ``i``, key ``j``)
+that is masked has no term at all, so an inf or NaN reaches exactly the
+outputs and gradients whose sums hold a visible term with it (0 · inf is not
+formed). A NaN score makes its row's ``m``, ``l`` and ``o`` NaN.
 """
 
 import math
@@ -98,8 +103,29 @@ def _exp_shift(m):
 
 
 def _reciprocal_or_zero(l):
-    """1 / l, and 0 where l == 0 (a row that sees no key: its output stays 0)."""
-    return np.divide(1, l, out=np.zeros_like(l), where=l > 0)
+    """1 / l, 0 where l = 0 (a row that saw no key); NaN stays NaN."""
+    return np.divide(1, l, out=np.zeros_like(l), where=l != 0)
+
+
+def _visible_matmul(A, B, visible):
+    """``A @ B`` (``(..., I, K) @ (..., K, J)``) over the visible pairs (i, k) only.
+
+    ``visible`` is ``(I, K)``, or None when every pair is. The term of an
+    invisible pair is absent, not ``0 · B[k, j]``, which is NaN where
+    ``B[k, j]`` is inf or NaN; so B's non-finite values reach exactly the
+    outputs whose sums see them.
+    """
+    if visible is None:
+        return A @ B
+    batch = np.broadcast_shapes(A.shape[:-2], B.shape[:-2])
+    A = np.broadcast_to(np.where(visible, A, 0), (*batch, *A.shape[-2:]))
+    B = np.broadcast_to(B, (*batch, *B.shape[-2:]))
+    finite = np.isfinite(B)
+    out = A @ np.where(finite, B, 0)
+    for *b, k, j in np.argwhere(~finite):   # the visible terms of B's non-finite values, one by one
+        at = tuple(b)
+        out[(*at, slice(None), j)] += np.where(visible[:, k], A[(*at, slice(None), k)] * B[(*at, k, j)], 0)
+    return out
 
 
 def _as_operand(x, dtype):
@@ -127,6 +153,11 @@ def _transpose(x):
 # Naive float64 reference
 # ---------------------------------------------------------------------------
 
+def _visible(n_q, n_k, causal):
+    """(Nq, Nk): which key each query sees; None when every query sees every key."""
+    return _causal_visible(np.arange(n_q), np.arange(n_k), n_q, n_k) if causal else None
+
+
 def _naive_scores(q, k, scale, causal):
     """S = scale q k^T with invisible keys set to -inf, in the dtype of q and k."""
     n_q, n_k = q.shape[-2], k.shape[-2]
@@ -136,6 +167,7 @@ def _naive_scores(q, k, scale, causal):
     return S
 
 
+@np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None):
     """Naive attention forward in float64: the ground truth.
 
@@ -182,10 +214,11 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None):
     P_unnormalised = np.exp(S - _exp_shift(m)[..., None])
     l = P_unnormalised.sum(axis=-1)                 # (*batch, Nq)
     P = P_unnormalised * _reciprocal_or_zero(l)[..., None]
-    o = P @ v                                       # (*batch, Nq, D)
+    o = _visible_matmul(P, v, _visible(n_q, k.shape[-2], causal))   # (*batch, Nq, D)
     return o, m, l
 
 
+@np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
 def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None):
     """Naive attention backward in float64: the ground truth.
 
@@ -235,14 +268,18 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
     q = np.broadcast_to(q, (*batch, n_q, q.shape[-1]))
     scale = _resolve_scale(softmax_scale, q.shape[-1])
 
+    vis = _visible(n_q, k.shape[-2], causal)                                 # (Nq, Nk) or None
+    vis_t = None if vis is None else vis.T
     S = _naive_scores(q, k, scale, causal)                                   # (*batch, Nq, Nk)
     P = np.exp(S - _exp_shift(m)[..., None]) * _reciprocal_or_zero(l)[..., None]
-    dV = _transpose(P) @ do                                                  # (*batch, Nk, D)
+    dV = _visible_matmul(_transpose(P), do, vis_t)                           # (*batch, Nk, D)
     dP = do @ _transpose(v)                                                  # (*batch, Nq, Nk)
     D = np.sum(do * o, axis=-1)                                              # (*batch, Nq)
     dS = P * (dP - D[..., None])                                             # (*batch, Nq, Nk)
-    dQ = scale * (dS @ k)                                                    # (*batch, Nq, D)
-    dK = scale * (_transpose(dS) @ q)                                        # (*batch, Nk, D)
+    if vis is not None:
+        dS = np.where(vis, dS, 0)      # a masked pair's dP may hold v's NaN; its P is 0 and so its term
+    dQ = scale * _visible_matmul(dS, k, vis)                                 # (*batch, Nq, D)
+    dK = scale * _visible_matmul(_transpose(dS), q, vis_t)                   # (*batch, Nk, D)
     return tuple(_unbroadcast(g, shape) for g, shape in zip((dQ, dK, dV), shapes))
 
 

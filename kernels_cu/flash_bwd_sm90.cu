@@ -298,13 +298,16 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
             if (ORDERED && ctid == 0) wait_turn(dq_turn, j);
             named_barrier_sync(2, CONSUMERS * WG_THREADS);   // s_dQ holds dQ_i
 
-            // dQ_i into the workspace: a bulk add per row (rows of 16-byte multiples), else float atomics
+            // dQ_i into the workspace: a bulk add per row (rows of 16-byte multiples), else float atomics;
+            // a row that saw no key (lse = +inf) adds nothing, not even 0 · NaN of a masked key
             const int rows = min(B_R, Nq - q0);
             if (D % 4 == 0) {
-                if (ctid < rows) bulk_reduce_add_f32(dq_acc + (i64)(q0 + ctid) * D, s_dQ + ctid * DQ_PITCH, D * 4);
+                if (ctid < rows && st[ctid] != POS_INF)
+                    bulk_reduce_add_f32(dq_acc + (i64)(q0 + ctid) * D, s_dQ + ctid * DQ_PITCH, D * 4);
             } else {
                 for (int e = ctid; e < rows * D; e += CONSUMERS * WG_THREADS)
-                    atomicAdd(dq_acc + (i64)(q0 + e / D) * D + e % D, s_dQ[(e / D) * DQ_PITCH + e % D]);
+                    if (st[e / D] != POS_INF)
+                        atomicAdd(dq_acc + (i64)(q0 + e / D) * D + e % D, s_dQ[(e / D) * DQ_PITCH + e % D]);
             }   // s_dQ is rewritten only after the next step's first barrier
             if (ORDERED) {
                 if (D % 4 == 0 && ctid < rows) {

@@ -91,7 +91,7 @@ flash_bwd_prep_v1(const elem_t* __restrict__ o,    // (batch..., Nq, D) strided
 #pragma unroll
     for (int s = PREP_LANES / 2; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, s);
     if (valid && part == 0) {
-        const bool seen = l[row] > (acc_t)0;
+        const bool seen = l[row] != (acc_t)0;   // l = 0: no key; a NaN row's gradients are NaN
         Dsum[row] = acc;
         if (lse_flag) {
             lse2[row] = seen ? m[row] * (acc_t)LOG2E + log2(l[row]) : POS_INF;
@@ -241,7 +241,9 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int row = q0 + wm * 16 + g + (e / 2) * 8, col = col0 + n * 8 + 2 * t + e % 2;
-                    if (row < Nq && col < D) atomicAdd(dq_acc + (i64)row * D + col, scale * dQ[n][e]);
+                    // a row that saw no key (m = +inf) adds nothing, not even 0 · NaN of a masked key
+                    if (row < Nq && col < D && s_m[row - q0] != POS_INF)
+                        atomicAdd(dq_acc + (i64)row * D + col, scale * dQ[n][e]);
                 }
         }
         if (ORDERED) {

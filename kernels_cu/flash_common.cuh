@@ -612,10 +612,20 @@ __device__ __forceinline__ void store_frag_smem(elem_t* __restrict__ s, int ld, 
     }
 }
 
+// The larger of a and b, NaN if either is (fmax drops a NaN): a NaN score makes its row's m NaN,
+// as it makes l and O.
+__device__ __forceinline__ float nan_max(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+__device__ __forceinline__ double nan_max(double a, double b) { return a > b || a != a ? a : b; }
+
 // Reductions over one accumulator row: the four lanes of a quad share a row.
 __device__ __forceinline__ acc_t quad_max(acc_t x) {
-    x = max(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return max(x, __shfl_xor_sync(0xffffffffu, x, 2));
+    x = nan_max(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return nan_max(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
 __device__ __forceinline__ acc_t quad_sum(acc_t x) {
@@ -671,8 +681,8 @@ __device__ __forceinline__ void online_softmax(acc_t (&S)[NT][4], const acc_t (&
     for (int h = 0; h < 2; ++h) {
         acc_t mx = NEG_INF;
 #pragma unroll
-        for (int n = 0; n < NT; ++n) mx = max(mx, max(S[n][2 * h], S[n][2 * h + 1]));
-        m_new[h] = max(m_i[h], quad_max(mx));
+        for (int n = 0; n < NT; ++n) mx = nan_max(mx, nan_max(S[n][2 * h], S[n][2 * h + 1]));
+        m_new[h] = nan_max(m_i[h], quad_max(mx));
         // a row with no visible key so far: exponentiate against 0, not -inf (-inf - -inf = NaN)
         m_use[h] = m_new[h] == NEG_INF ? (acc_t)0 : m_new[h];
         alpha[h] = exp2_acc((m_i[h] - m_use[h]) * c);
@@ -721,5 +731,32 @@ __device__ __forceinline__ void store_row_pair(elem_t* row, int col, int d, acc_
     } else {
         if (col < d) row[col] = from_acc(a);
         if (col + 1 < d) row[col + 1] = from_acc(b);
+    }
+}
+
+// The epilogue of a warp's (16, 8*NT) O_i accumulator, first row r0, rows g and g+8 of each lane:
+// O_i = diag(l_i)^-1 O_i into o (Nq, D), m_i m_scale (m_i of the online softmax in units of
+// m_scale; -inf stays -inf) and l_i into m_out, l_out (Nq). A row that saw no key (l_i = 0) gets
+// O_i = 0, whatever 0 · NaN met in P~ V where a masked key's value was not finite; NaN stays NaN.
+template <int NT>
+__device__ __forceinline__ void store_output_rows(elem_t* o, acc_t* m_out, acc_t* l_out, const acc_t (&O)[NT][4],
+                                                  const acc_t (&m_i)[2], const acc_t (&l_i)[2], acc_t m_scale,
+                                                  int r0, int Nq, int D) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = r0 + g + 8 * h;
+        if (row >= Nq) continue;
+        const bool none = l_i[h] == (acc_t)0;
+        const acc_t inv_l = none ? (acc_t)0 : (acc_t)1 / l_i[h];
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+            store_row_pair(o + (i64)row * D, n * 8 + 2 * t, D, none ? (acc_t)0 : O[n][2 * h] * inv_l,
+                           none ? (acc_t)0 : O[n][2 * h + 1] * inv_l);
+        if (t == 0) {
+            m_out[row] = m_i[h] == NEG_INF ? NEG_INF : m_i[h] * m_scale;
+            l_out[row] = l_i[h];
+        }
     }
 }

@@ -153,7 +153,7 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             acc_t inv_l[2], keep[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                inv_l[h] = l_new[h] > (acc_t)0 ? (acc_t)1 / l_new[h] : (acc_t)0;
+                inv_l[h] = l_new[h] == (acc_t)0 ? (acc_t)0 : (acc_t)1 / l_new[h];   // 0: no key so far
                 keep[h] = alpha[h] * l_i[h] * inv_l[h];
             }
 #pragma unroll
@@ -169,7 +169,8 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                         const int row = r0 + g + 8 * h, col = c0 + n * 8 + 2 * t;
                         if (row >= Nq) continue;
                         acc_t o0 = PV[n][2 * h] * inv_l[h], o1 = PV[n][2 * h + 1] * inv_l[h];
-                        if (j > 0) {
+                        if (l_new[h] == (acc_t)0) o0 = o1 = (acc_t)0;   // P~ V may hold 0 · NaN of a masked key
+                        else if (j > 0) {
                             o0 += keep[h] * O_prev[n][2 * h];
                             o1 += keep[h] * O_prev[n][2 * h + 1];
                         }

@@ -70,7 +70,6 @@ flash_fwd_v2(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
 
     const bool causal = causal_flag != 0, vec = vec_flag != 0;
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
-    const int g = lane / 4, t = lane % 4;
     const int T_r = (Nq + B_R - 1) / B_R, T_c = (Nk + B_C - 1) / B_C;
     const GridTile at = grid_tile_at(blockIdx.x, heads, T_r, head_group);
     const i64 bh = at.bh;
@@ -165,17 +164,5 @@ flash_fwd_v2(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
     }
 
     // O_i = diag(l_i)^-1 O_i; write O_i, m_i, l_i to HBM
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = r0 + g + 8 * h;
-        if (row >= Nq) continue;
-        const acc_t inv_l = l_i[h] > (acc_t)0 ? (acc_t)1 / l_i[h] : (acc_t)0;
-#pragma unroll
-        for (int n = 0; n < DP / 8; ++n)
-            store_row_pair(o + (i64)row * D, n * 8 + 2 * t, D, O[n][2 * h] * inv_l, O[n][2 * h + 1] * inv_l);
-        if (t == 0) {
-            m_out[row] = m_i[h];
-            l_out[row] = l_i[h];
-        }
-    }
+    store_output_rows(o, m_out, l_out, O, m_i, l_i, (acc_t)1, r0, Nq, D);
 }

@@ -212,8 +212,7 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
         // consumers: warpgroup c = wg - 1 owns rows 64c .. 64c+63 of each Q_i
         setmaxnreg_inc<CONSUMER_REGS>();
         const int c = wg - 1;
-        const int warp = tid / WARP_SIZE - 4, lane = tid % WARP_SIZE;   // warp among the consumers
-        const int g = lane / 4, t = lane % 4;
+        const int warp = tid / WARP_SIZE - 4;   // warp among the consumers
         const acc_t log2_scale = scale * (acc_t)LOG2E;
 
         // the tile's copies happened in the generic proxy; the tensor cores read through the async one
@@ -352,20 +351,8 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             for (int j = my_stop > 0 ? my_stop + 1 : 0; j <= j_stop; ++j) idle_step(j);
 
             // O_i = diag(l_i)^-1 O_i; write O_i, m_i (in natural units), l_i to HBM
-            elem_t* o_h = o + w.bh * Nq * D;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = r0 + g + 8 * h;
-                if (row >= Nq) continue;
-                const acc_t inv_l = l_i[h] > (acc_t)0 ? (acc_t)1 / l_i[h] : (acc_t)0;
-#pragma unroll
-                for (int nn = 0; nn < DP / 8; ++nn)
-                    store_row_pair(o_h + (i64)row * D, nn * 8 + 2 * t, D, O[nn][2 * h] * inv_l, O[nn][2 * h + 1] * inv_l);
-                if (t == 0) {
-                    m_out[w.bh * Nq + row] = m_i[h] == NEG_INF ? NEG_INF : m_i[h] * scale;
-                    l_out[w.bh * Nq + row] = l_i[h];
-                }
-            }
+            store_output_rows(o + w.bh * Nq * D, m_out + w.bh * Nq, l_out + w.bh * Nq, O, m_i, l_i, scale, r0, Nq,
+                              D);
             kv += j_stop;
         }
         if (CONSUMERS > 1 && c == 0) my_turn();   // the hand-off of the last issue

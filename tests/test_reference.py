@@ -489,3 +489,45 @@ def test_empty_queries_give_empty_outputs(dtype, causal):
     for name, (dq, dk, dv) in backwards.items():
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape), name
         assert not np.any(dk.astype(FLOAT64)) and not np.any(dv.astype(FLOAT64)), name
+
+
+def _poisoned(causal):
+    """q (2, 9, 4), k, v (2, 7, 4) with a NaN in v at key 5 and an inf in k at key 6 (batch 1), and the
+    visibility of key j to query i (bottom-right causal: i sees j iff j <= i - 2)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 9, 4), (2, 7, 4), (2, 7, 4)))
+    v[0, 5, 1] = np.nan
+    k[1, 6, 2] = np.inf
+    rows, cols = np.arange(9)[:, None], np.arange(7)[None, :]
+    sees = cols <= rows - 2 if causal else np.ones((9, 7), bool)
+    return q, k, v, sees
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_non_finite_values_reach_exactly_the_rows_that_see_them(causal):
+    q, k, v, sees = _poisoned(causal)
+    o, m, l = attention_forward(q, k, v, causal=causal)
+    # v[0, 5, 1]: column 1 of the batch-0 rows that see key 5; m and l never see v
+    assert np.array_equal(np.isnan(o[0]), sees[:, 5, None] & (np.arange(4) == 1))
+    assert not np.isnan(m[0]).any() and not np.isnan(l[0]).any()
+    # k[1, 6, 2] = inf: score +-inf in the batch-1 rows that see key 6 (NaN rows where +inf)
+    plus = sees[:, 6] & (q[1, :, 2] > 0)
+    assert np.array_equal(np.isnan(l[1]), plus) and np.array_equal(np.isnan(o[1]).all(-1), plus)
+    assert np.array_equal(np.isposinf(m[1]), plus) and np.isfinite(o[1][~plus]).all()
+    # rows that see no key (causal: 0 and 1) stay empty
+    if causal:
+        assert (o[:, :2] == 0).all() and (m[:, :2] == -np.inf).all() and (l[:, :2] == 0).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_non_finite_gradients_reach_exactly_the_pairs_that_see_them(causal):
+    q, k, v, sees = _poisoned(causal)
+    q[1, 4, 0] = np.nan   # a NaN query row: its row's dq, and the dk, dv of the keys it sees
+    do = np.random.default_rng(1).standard_normal(q.shape)
+    dq, dk, dv = attention_backward(do, q, k, v, *attention_forward(q, k, v, causal=causal), causal=causal)
+    assert np.isnan(dq[1, 4]).all() and np.isnan(dk[1][sees[4]]).all() and np.isnan(dv[1][sees[4]]).all()
+    assert np.isfinite(dv[0]).all()                          # v's NaN is no term of dv
+    assert np.array_equal(~np.isfinite(dq[0]).all(-1), sees[:, 5])   # dP_i5 = do_i . v_5 for the rows seeing key 5
+    if causal:
+        assert (dq[:, :2] == 0).all()                        # rows that see no key
+        assert np.isfinite(dk[1][~sees[4] & ~sees[:, 6].any()]).all()

@@ -272,6 +272,65 @@ def test_deterministic_backward_is_bitwise_reproducible(schedule, dtype, D, caus
         assert numpy.abs(a - b).max() <= ORDER_RTOL[dtype] * numpy.abs(b).max()
 
 
+# where kernel and reference are both finite: within this much of the largest finite reference value
+NON_FINITE_RTOL = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-4, "float64": 1e-9}
+
+
+def poisoned_inputs(rng, dtype, case):
+    """q (2, 2, 300, 64), k, v (2, 2, 260, 64) with inf/NaN planted: causal rows 0-39 see no key."""
+    q, k, v = random_inputs(rng, dtype, (2, 2, 300, 64), (2, 2, 260, 64))
+    if case == "q":
+        q[0, 1, 100, 5] = numpy.nan
+        q[1, 0, 7, 0] = numpy.inf          # a row that sees no key when causal
+    elif case == "k":
+        k[1, 0, 200, 7] = numpy.inf        # +inf scores (NaN rows) where q_i7 > 0, ignored where < 0
+        k[0, 1, 3, 9] = numpy.nan
+    else:
+        v[0, 0, 150, 3] = numpy.nan
+        v[1, 1, 20, 9] = -numpy.inf
+    return q, k, v
+
+
+def assert_non_finite_like(name, got, ref, dtype, exact, empty_rows=None):
+    """got is non-finite wherever the reference is (exactly there if ``exact``), and close where both are finite."""
+    got, ref = got.get().astype(numpy.float64), numpy.asarray(ref, numpy.float64)
+    bad, ref_bad = ~numpy.isfinite(got), ~numpy.isfinite(ref)
+    assert (bad | ~ref_bad).all(), f"{name}: finite where the reference is not"
+    if exact:
+        assert numpy.array_equal(bad, ref_bad), f"{name}: {int((bad & ~ref_bad).sum())} extra non-finite"
+    both = ~bad & ~ref_bad
+    scale = max(numpy.abs(ref[both]).max(initial=0), 1e-30)
+    assert numpy.abs(got[both] - ref[both]).max(initial=0) <= NON_FINITE_RTOL[dtype] * scale, name
+
+
+@pytest.mark.parametrize("schedule", ["v1", "v2"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", ["q", "k", "v"])
+def test_non_finite_inputs_reach_the_outputs_the_reference_says(schedule, dtype, causal, case):
+    """The README's rules: forward o, m, l non-finite exactly where the reference's are, except that v's
+    values may spread inside a causal diagonal tile (0 · NaN of a masked pair on the tensor cores);
+    gradients non-finite wherever the reference's are (exactly there without a mask); rows that see
+    no key keep o = 0, m = -inf, l = 0 and dq = 0."""
+    import cupy
+
+    rng = numpy.random.default_rng(13)
+    q, k, v = poisoned_inputs(rng, dtype, case)
+    do = rng.standard_normal(q.shape).astype(q.dtype)
+    out = cupyflash.flash_attention_forward(*to_gpu(q, k, v), causal=causal, schedule=schedule)
+    refs = reference.attention_forward(q, k, v, causal=causal)
+    for name, got, ref in zip("oml", out, refs):
+        assert_non_finite_like(name, got, ref, dtype, exact=not causal or case != "v" or name != "o")
+    grads = cupyflash.flash_attention_backward(*to_gpu(do, q, k, v), *out, causal=causal, schedule=schedule)
+    ref_grads = reference.attention_backward(do, q, k, v, *refs, causal=causal)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_non_finite_like(name, got, ref, dtype, exact=not causal)
+    if causal:   # rows 0-39 see no key
+        o, m, l = (x[..., :40, :] if x.ndim == 4 else x[..., :40] for x in out)
+        assert not cupy.any(o) and bool((m == -numpy.inf).all()) and not cupy.any(l)
+        assert not cupy.any(grads[0][..., :40, :])
+
+
 def test_a_call_too_big_for_the_gpu_raises_out_of_memory_and_the_next_call_works():
     """Broadcast views (stride 0) make inputs that cost nothing but outputs of about 1 TB: the
     allocation fails before any launch, and the process goes on."""
