@@ -241,8 +241,9 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int row = q0 + wm * 16 + g + (e / 2) * 8, col = col0 + n * 8 + 2 * t + e % 2;
-                    // a row that saw no key (m = +inf) adds nothing, not even 0 · NaN of a masked key
-                    if (row < Nq && col < D && s_m[row - q0] != POS_INF)
+                    // a row that saw no key (1/l = 0; m = +inf may also be a seen row's) adds nothing,
+                    // not even 0 · NaN of a masked key
+                    if (row < Nq && col < D && s_inv_l[row - q0] != (acc_t)0)
                         atomicAdd(dq_acc + (i64)row * D + col, scale * dQ[n][e]);
                 }
         }
