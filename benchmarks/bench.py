@@ -54,7 +54,9 @@ from cupy_backends.cuda.api.runtime import CUDA_R_16BF
 from cupy_backends.cuda.libs import cublas
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+CHECKOUT = (REPO_ROOT / "cupyflash" / "__init__.py").is_file()   # else installed: cupyflash/benchmarks/bench.py
+if CHECKOUT:
+    sys.path.insert(0, str(REPO_ROOT))
 import cupyflash  # noqa: E402
 from cupyflash import _launch  # noqa: E402
 
@@ -618,8 +620,9 @@ def parse_args(argv=None):
                         help=f"run only the floor check, {FLOOR_SYSTEM} and naive forward at N={FLOOR_CONFIG.N}, "
                              f"D={FLOOR_CONFIG.D}, B={FLOOR_CONFIG.B}, H={FLOOR_CONFIG.H}, fp16 (with --long: both)")
     parser.add_argument("--no-long", action="store_true", help="leave the long-sequence check out of a sweep")
-    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks",
-                        help="where results.{json,md,png} go (default benchmarks/); any run overwrites them")
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" if CHECKOUT else Path("benchmarks"),
+                        help="where results.{json,md,png} go (default benchmarks/ of the checkout, or of the "
+                             "working directory when installed); any run overwrites them")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")

@@ -13,8 +13,8 @@ CuPy or a GPU it says so and exits 0.
 now (``cupyflash.precompile``), e.g. when a container image is built on a GPU
 machine; ``--kernels``, ``--dtypes``, ``--head-dims`` choose which.
 
-``bench``: the side-by-side benchmark, ``benchmarks/bench.py`` of the source
-checkout, with its own options (``python -m cupyflash bench --help``).
+``bench``: the side-by-side benchmark, ``benchmarks/bench.py`` (the wheel
+carries it), with its own options (``python -m cupyflash bench --help``).
 """
 
 from __future__ import annotations
@@ -158,16 +158,25 @@ def precompile(argv) -> int:
     return 0
 
 
-BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+# the benchmark as installed (the wheel maps benchmarks/ to cupyflash/benchmarks/), or in a checkout
+BENCH_SCRIPTS = (Path(__file__).resolve().parent / "benchmarks" / "bench.py",
+                 Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py")
 
 
 def bench(argv) -> int:
-    if not BENCH_SCRIPT.is_file():
-        print(f"the benchmark ships with the source checkout ({BENCH_SCRIPT} not found)", file=sys.stderr)
+    script = next((p for p in BENCH_SCRIPTS if p.is_file()), None)
+    if script is None:
+        print(f"the benchmark is not installed ({' or '.join(map(str, BENCH_SCRIPTS))} not found)", file=sys.stderr)
         return 2
-    sys.argv = [str(BENCH_SCRIPT), *argv]
     try:
-        runpy.run_path(str(BENCH_SCRIPT), run_name="__main__")
+        import cupy  # noqa: F401 - the benchmark runs on the GPU
+    except ImportError:
+        print("the benchmark needs CuPy and a GPU: pip install 'cupyflash[cuda12,bench]' (CUDA 12) "
+              "or 'cupyflash[cuda13,bench]' (CUDA 13)", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *argv]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
     except SystemExit as stop:
         return stop.code if isinstance(stop.code, int) else 0
     return 0

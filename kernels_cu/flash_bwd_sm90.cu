@@ -90,8 +90,8 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                acc_t* __restrict__ dk_acc,        // k's own shape, zeroed (when kv_atomic)
                acc_t* __restrict__ dv_acc,        // v's own shape, zeroed (when kv_atomic)
                unsigned* __restrict__ dq_turns,   // (BH, T_r) zeroed (ORDERED)
-               unsigned* __restrict__ dk_turns,   // (K/V heads of k, T_c) zeroed (kv_atomic, ordered)
-               unsigned* __restrict__ dv_turns,   // (K/V heads of v, T_c) zeroed (kv_atomic, ordered)
+               unsigned* __restrict__ dk_turns,   // (K/V heads of k, T_c) zeroed (kv_atomic, ORDERED)
+               unsigned* __restrict__ dv_turns,   // (K/V heads of v, T_c) zeroed (kv_atomic, ORDERED)
                i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
                i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
                i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,

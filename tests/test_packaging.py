@@ -25,11 +25,11 @@ def wheel(tmp_path_factory):
     return built
 
 
-def test_the_wheel_carries_the_kernel_sources_and_the_type_marker(wheel):
+def test_the_wheel_carries_the_kernel_sources_the_benchmark_and_the_type_marker(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     sources = {p.name for p in (REPO / "kernels_cu").iterdir() if p.suffix in (".cu", ".cuh")}
     assert {f"cupyflash/kernels_cu/{name}" for name in sources} <= names
-    assert "cupyflash/py.typed" in names
+    assert {"cupyflash/py.typed", "cupyflash/benchmarks/bench.py"} <= names
 
 
 def test_a_fresh_environment_without_cupy_imports_it_anywhere(wheel, tmp_path):
@@ -59,3 +59,6 @@ print(cupyflash.__version__)
     info = subprocess.run([str(python), "-m", "cupyflash", "info"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert info.returncode == 0 and "CuPy: not installed" in info.stdout, info.stdout + info.stderr
+    bench = subprocess.run([str(python), "-m", "cupyflash", "bench", "--help"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert bench.returncode == 2 and "cupyflash[cuda12,bench]" in bench.stderr, bench.stdout + bench.stderr
