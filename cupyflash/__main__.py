@@ -20,6 +20,7 @@ carries it), with its own options (``python -m cupyflash bench --help``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import runpy
 import sys
@@ -168,9 +169,7 @@ def bench(argv) -> int:
     if script is None:
         print(f"the benchmark is not installed ({' or '.join(map(str, BENCH_SCRIPTS))} not found)", file=sys.stderr)
         return 2
-    try:
-        import cupy  # noqa: F401 - the benchmark runs on the GPU
-    except ImportError:
+    if importlib.util.find_spec("cupy") is None:   # the benchmark runs on the GPU
         print("the benchmark needs CuPy and a GPU: pip install 'cupyflash[cuda12,bench]' (CUDA 12) "
               "or 'cupyflash[cuda13,bench]' (CUDA 13)", file=sys.stderr)
         return 2

@@ -109,9 +109,10 @@ def precompile(kernels=None, dtypes=None, head_dims=None) -> list[TileConfig]:
     Raises
     ------
     RuntimeError
-        Without CuPy or without a CUDA GPU, naming what to install or run on.
+        Without CuPy or without a CUDA GPU, naming what to install or run on;
+        for bfloat16 under a CuPy older than 14, which holds no bfloat16 arrays.
     """
-    from ._tiles import all_tile_configs, choose_tiles, dtype_name
+    from ._tiles import DTYPE_CODES, all_tile_configs, choose_tiles, dtype_name
 
     try:
         import cupy
@@ -125,6 +126,10 @@ def precompile(kernels=None, dtypes=None, head_dims=None) -> list[TileConfig]:
     except cupy.cuda.runtime.CUDARuntimeError as error:
         raise RuntimeError(f"precompile needs a CUDA GPU, whose architecture keys CuPy's cache: {error}") from None
     names = None if dtypes is None else {dtype_name(d) for d in dtypes}
+    if int(cupy.__version__.split(".")[0]) < 14:   # CuPy < 14 holds no bfloat16 arrays
+        if names is not None and "bfloat16" in names:
+            raise RuntimeError(f"bfloat16 on the GPU needs CuPy >= 14, found CuPy {cupy.__version__}")
+        names = (set(DTYPE_CODES) if names is None else names) - {"bfloat16"}
 
     def serves(cfg):   # the specialisation a call of one of head_dims would run
         if head_dims is None:

@@ -4,6 +4,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import cupyflash
 from helpers import HAVE_GPU
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,3 +50,14 @@ def test_precompile_compiles_chosen_specialisations_or_says_what_it_needs():
     else:
         assert done.returncode == 2
         assert "needs a CUDA GPU" in done.stderr or "needs CuPy" in done.stderr
+
+
+@pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU")
+def test_precompile_of_bfloat16_under_an_old_cupy_names_the_version_needed(monkeypatch):
+    import cupy
+
+    monkeypatch.setattr(cupy, "__version__", "13.6.0")
+    with pytest.raises(RuntimeError, match="CuPy >= 14"):
+        cupyflash.precompile(kernels=["fwd_v1"], dtypes=["bfloat16"], head_dims=[64])
+    chosen = cupyflash.precompile(kernels=["fwd_v1"], head_dims=[64])   # every dtype but bfloat16
+    assert {cfg.dtype for cfg in chosen} == {"float16", "float32", "float64"}
