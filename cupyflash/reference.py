@@ -287,6 +287,7 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
 # Blocked FlashAttention V1, mirroring the kernels
 # ---------------------------------------------------------------------------
 
+@np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
 def blocked_forward(q, k, v, *, causal=False, softmax_scale=None, block_r=64, block_c=128):
     """FlashAttention V1 forward (Algorithm 1), tile by tile in NumPy.
 
@@ -386,15 +387,18 @@ def blocked_forward(q, k, v, *, causal=False, softmax_scale=None, block_r=64, bl
             P_tilde = np.exp(S_ij - shift[..., None])       # P~_ij = exp(S_ij - m_i^new)
             alpha = np.exp(m_i - shift)                     # alpha = exp(m_i - m_i^new)
             l_new = alpha * l_i + P_tilde.sum(axis=-1)      # l_i^new = alpha l_i + rowsum(P~_ij)
-            inv_l_new = _reciprocal_or_zero(l_new)          # l_i^new == 0: no key seen yet, O_i stays 0
+            inv_l_new = _reciprocal_or_zero(l_new)
             PV = _as_operand(P_tilde, q.dtype) @ V_j        # P~_ij V_j, (*batch, B_r, D)
-            O[..., r0:r1, :] = (alpha * l_i * inv_l_new)[..., None] * O_i + inv_l_new[..., None] * PV
+            O_new = (alpha * l_i * inv_l_new)[..., None] * O_i + inv_l_new[..., None] * PV
+            # l_i^new == 0: no key seen yet, O_i stays 0 (PV may hold 0 · NaN of a masked key's value)
+            O[..., r0:r1, :] = np.where((l_new == 0)[..., None], 0, O_new)
             m[..., r0:r1] = m_new
             l[..., r0:r1] = l_new
 
     return O.astype(q.dtype), m, l
 
 
+@np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
 def blocked_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, block_r=64, block_c=64):
     """FlashAttention V1 backward, tile by tile in NumPy.
 
@@ -490,7 +494,8 @@ def blocked_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, 
             dV_j += _transpose(_as_operand(P_ij, q.dtype)) @ dO_i         # dV_j += P_ij^T dO_i
             dP_ij = dO_i @ _transpose(V_j)                  # dP_ij = dO_i V_j^T, (*batch, B_r, B_c)
             dS_ij = _as_operand(P_ij * (dP_ij - D_i[..., None]), q.dtype) # dS_ij = P_ij * (dP_ij - D_i)
-            dQ[..., r0:r1, :] += scale * (dS_ij @ K_j)      # dQ_i += scale dS_ij K_j
+            # dQ_i += scale dS_ij K_j; a row that saw no key adds nothing (not 0 · NaN of a masked key)
+            dQ[..., r0:r1, :] += np.where((l_i == 0)[..., None], 0, scale * (dS_ij @ K_j))
             dK_j += scale * (_transpose(dS_ij) @ Q_i)       # dK_j += scale dS_ij^T Q_i
 
         dK[..., c0:c1, :] = dK_j

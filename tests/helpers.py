@@ -137,3 +137,36 @@ def assert_gradient(name, got, ref, naive, magnitude, dtype_name):
 def assert_under(name, got, ref, ceiling):
     err = rel_err(got, ref)
     assert err <= ceiling, f"{name}: error {err:.3e} > {ceiling:.0e}"
+
+
+# Non-finite inputs (README, Semantics): planted values, and the check of an output against the reference.
+# Where both are finite: within this much of the largest finite reference value.
+NON_FINITE_RTOL = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-4, "float64": 1e-9}
+
+
+def poisoned_inputs(rng, dtype, case):
+    """q (2, 2, 300, 64), k, v (2, 2, 260, 64) with inf/NaN planted: causal rows 0-39 see no key."""
+    q, k, v = random_inputs(rng, dtype, (2, 2, 300, 64), (2, 2, 260, 64))
+    if case == "q":
+        q[0, 1, 100, 5] = numpy.nan
+        q[1, 0, 7, 0] = numpy.inf          # a row that sees no key when causal
+    elif case == "k":
+        k[1, 0, 200, 7] = numpy.inf        # +inf scores (NaN rows) where q_i7 > 0, ignored where < 0
+        k[0, 1, 3, 9] = numpy.nan
+    else:
+        v[0, 0, 150, 3] = numpy.nan
+        v[1, 1, 20, 9] = -numpy.inf
+    return q, k, v
+
+
+def assert_non_finite_like(name, got, ref, dtype, exact):
+    """got is non-finite wherever the reference is (exactly there if ``exact``), and close where both are finite."""
+    got = (got.get() if hasattr(got, "get") else got).astype(numpy.float64)
+    ref = numpy.asarray(ref, numpy.float64)
+    bad, ref_bad = ~numpy.isfinite(got), ~numpy.isfinite(ref)
+    assert (bad | ~ref_bad).all(), f"{name}: finite where the reference is not"
+    if exact:
+        assert numpy.array_equal(bad, ref_bad), f"{name}: {int((bad & ~ref_bad).sum())} extra non-finite"
+    both = ~bad & ~ref_bad
+    scale = max(numpy.abs(ref[both]).max(initial=0), 1e-30)
+    assert numpy.abs(got[both] - ref[both]).max(initial=0) <= NON_FINITE_RTOL[dtype] * scale, name

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import cupyflash
 from cupyflash import reference
-from helpers import DTYPE_BY_NAME, random_inputs, requires_gpu, to_gpu
+from helpers import DTYPE_BY_NAME, assert_non_finite_like, poisoned_inputs, random_inputs, requires_gpu, to_gpu
 from test_validation import forward_calls, forward_contract_errors
 
 pytestmark = requires_gpu
@@ -270,37 +270,6 @@ def test_deterministic_backward_is_bitwise_reproducible(schedule, dtype, D, caus
     for a, b in zip(runs[0], unordered):
         a, b = a.get().astype(numpy.float64), b.get().astype(numpy.float64)
         assert numpy.abs(a - b).max() <= ORDER_RTOL[dtype] * numpy.abs(b).max()
-
-
-# where kernel and reference are both finite: within this much of the largest finite reference value
-NON_FINITE_RTOL = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-4, "float64": 1e-9}
-
-
-def poisoned_inputs(rng, dtype, case):
-    """q (2, 2, 300, 64), k, v (2, 2, 260, 64) with inf/NaN planted: causal rows 0-39 see no key."""
-    q, k, v = random_inputs(rng, dtype, (2, 2, 300, 64), (2, 2, 260, 64))
-    if case == "q":
-        q[0, 1, 100, 5] = numpy.nan
-        q[1, 0, 7, 0] = numpy.inf          # a row that sees no key when causal
-    elif case == "k":
-        k[1, 0, 200, 7] = numpy.inf        # +inf scores (NaN rows) where q_i7 > 0, ignored where < 0
-        k[0, 1, 3, 9] = numpy.nan
-    else:
-        v[0, 0, 150, 3] = numpy.nan
-        v[1, 1, 20, 9] = -numpy.inf
-    return q, k, v
-
-
-def assert_non_finite_like(name, got, ref, dtype, exact, empty_rows=None):
-    """got is non-finite wherever the reference is (exactly there if ``exact``), and close where both are finite."""
-    got, ref = got.get().astype(numpy.float64), numpy.asarray(ref, numpy.float64)
-    bad, ref_bad = ~numpy.isfinite(got), ~numpy.isfinite(ref)
-    assert (bad | ~ref_bad).all(), f"{name}: finite where the reference is not"
-    if exact:
-        assert numpy.array_equal(bad, ref_bad), f"{name}: {int((bad & ~ref_bad).sum())} extra non-finite"
-    both = ~bad & ~ref_bad
-    scale = max(numpy.abs(ref[both]).max(initial=0), 1e-30)
-    assert numpy.abs(got[both] - ref[both]).max(initial=0) <= NON_FINITE_RTOL[dtype] * scale, name
 
 
 @pytest.mark.parametrize("schedule", ["v1", "v2"])
