@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy
 
 import cupyflash
-from cupyflash import reference
+from cupyflash import _compile, _tiles, reference
 
 
 def _gpu():
@@ -88,29 +88,25 @@ def demo(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool) -> in
     return 0 if ok else 1
 
 
-INSTALL_CUPY = "pip install 'cupyflash[cuda12]' (CUDA 12) or 'cupyflash[cuda13]' (CUDA 13)"
-
-
 def _cuda_version(number: int) -> str:
     return f"{number // 1000}.{number % 1000 // 10}"
 
 
 def info() -> int:
-    from cupyflash import _compile, _tiles
-
     print(f"cupyflash {cupyflash.__version__} at {Path(cupyflash.__file__).resolve().parent}")
     print(f"numpy {numpy.__version__}, ml_dtypes {ml_dtypes.__version__}")
     print(f"kernel sources: {_compile.kernel_dir()}")
     try:
         import cupy
     except ImportError:
-        print(f"CuPy: not installed, so only the NumPy path runs; for the GPU kernels: {INSTALL_CUPY}")
+        print(f"CuPy: not installed, so only the NumPy path runs; for the GPU kernels: {_compile.install_hint()}")
         return 0
     from cupy_backends.cuda.libs import nvrtc
 
     print(f"CuPy {cupy.__version__}; NVRTC {'.'.join(map(str, nvrtc.getVersion()))}")
-    if int(cupy.__version__.split(".")[0]) < 14:
-        print("  CuPy < 14 holds no bfloat16 arrays: bfloat16 on the GPU needs CuPy >= 14 (the cuda12/cuda13 extras)")
+    if not _compile.holds_bfloat16(cupy):
+        print(f"  this CuPy holds no bfloat16 arrays: bfloat16 on the GPU needs CuPy >= {_compile.BFLOAT16_CUPY} "
+              "(the cuda12/cuda13 extras)")
     cache = os.environ.get("CUPY_CACHE_DIR", str(Path.home() / ".cupy" / "kernel_cache"))
     files = len(list(Path(cache).glob("*"))) if Path(cache).is_dir() else 0
     print(f"CuPy kernel cache: {cache} ({files} files, all programs' kernels; CUPY_CACHE_DIR moves it)")
@@ -170,8 +166,7 @@ def bench(argv) -> int:
         print(f"the benchmark is not installed ({' or '.join(map(str, BENCH_SCRIPTS))} not found)", file=sys.stderr)
         return 2
     if importlib.util.find_spec("cupy") is None:   # the benchmark runs on the GPU
-        print("the benchmark needs CuPy and a GPU: pip install 'cupyflash[cuda12,bench]' (CUDA 12) "
-              "or 'cupyflash[cuda13,bench]' (CUDA 13)", file=sys.stderr)
+        print(f"the benchmark needs CuPy and a GPU: {_compile.install_hint(',bench')}", file=sys.stderr)
         return 2
     sys.argv = [str(script), *argv]
     try:

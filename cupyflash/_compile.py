@@ -84,6 +84,19 @@ def get_kernels(cfg: TileConfig):
     return kernels
 
 
+BFLOAT16_CUPY = 14   # the first CuPy major version that holds bfloat16 (ml_dtypes) arrays
+
+
+def install_hint(extras: str = "") -> str:
+    """How to install cupyflash with CuPy, plus ``extras`` (e.g. ``',bench'``)."""
+    return f"pip install 'cupyflash[cuda12{extras}]' (CUDA 12) or 'cupyflash[cuda13{extras}]' (CUDA 13)"
+
+
+def holds_bfloat16(cupy) -> bool:
+    """This CuPy can hold bfloat16 arrays."""
+    return int(cupy.__version__.split(".")[0]) >= BFLOAT16_CUPY
+
+
 def precompile(kernels=None, dtypes=None, head_dims=None) -> list[TileConfig]:
     """Compile specialisations for the current GPU now, into CuPy's kernel cache on disk.
 
@@ -117,8 +130,7 @@ def precompile(kernels=None, dtypes=None, head_dims=None) -> list[TileConfig]:
     try:
         import cupy
     except ImportError:
-        raise RuntimeError("precompile needs CuPy: pip install 'cupyflash[cuda12]' (CUDA 12) "
-                           "or 'cupyflash[cuda13]' (CUDA 13)") from None
+        raise RuntimeError(f"precompile needs CuPy: {install_hint()}") from None
     try:
         device = cupy.cuda.Device()
         capability = device.compute_capability
@@ -126,9 +138,9 @@ def precompile(kernels=None, dtypes=None, head_dims=None) -> list[TileConfig]:
     except cupy.cuda.runtime.CUDARuntimeError as error:
         raise RuntimeError(f"precompile needs a CUDA GPU, whose architecture keys CuPy's cache: {error}") from None
     names = None if dtypes is None else {dtype_name(d) for d in dtypes}
-    if int(cupy.__version__.split(".")[0]) < 14:   # CuPy < 14 holds no bfloat16 arrays
+    if not holds_bfloat16(cupy):
         if names is not None and "bfloat16" in names:
-            raise RuntimeError(f"bfloat16 on the GPU needs CuPy >= 14, found CuPy {cupy.__version__}")
+            raise RuntimeError(f"bfloat16 on the GPU needs CuPy >= {BFLOAT16_CUPY}, found CuPy {cupy.__version__}")
         names = (set(DTYPE_CODES) if names is None else names) - {"bfloat16"}
 
     def serves(cfg):   # the specialisation a call of one of head_dims would run

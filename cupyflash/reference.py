@@ -158,13 +158,10 @@ def _visible(n_q, n_k, causal):
     return _causal_visible(np.arange(n_q), np.arange(n_k), n_q, n_k) if causal else None
 
 
-def _naive_scores(q, k, scale, causal):
-    """S = scale q k^T with invisible keys set to -inf, in the dtype of q and k."""
-    n_q, n_k = q.shape[-2], k.shape[-2]
+def _naive_scores(q, k, scale, visible):
+    """S = scale q k^T with invisible keys set to -inf, in the dtype of q and k; ``visible`` as `_visible`."""
     S = scale * (q @ _transpose(k))  # (*batch, Nq, Nk)
-    if causal:
-        S = np.where(_causal_visible(np.arange(n_q), np.arange(n_k), n_q, n_k), S, NEG_INF)
-    return S
+    return S if visible is None else np.where(visible, S, NEG_INF)
 
 
 @np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
@@ -209,12 +206,13 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None):
     q = np.broadcast_to(q, (*batch, n_q, q.shape[-1]))
     scale = _resolve_scale(softmax_scale, q.shape[-1])
 
-    S = _naive_scores(q, k, scale, causal)          # (*batch, Nq, Nk)
+    vis = _visible(n_q, k.shape[-2], causal)        # (Nq, Nk) or None
+    S = _naive_scores(q, k, scale, vis)             # (*batch, Nq, Nk)
     m = S.max(axis=-1, initial=NEG_INF)             # (*batch, Nq)
     P_unnormalised = np.exp(S - _exp_shift(m)[..., None])
     l = P_unnormalised.sum(axis=-1)                 # (*batch, Nq)
     P = P_unnormalised * _reciprocal_or_zero(l)[..., None]
-    o = _visible_matmul(P, v, _visible(n_q, k.shape[-2], causal))   # (*batch, Nq, D)
+    o = _visible_matmul(P, v, vis)                  # (*batch, Nq, D)
     return o, m, l
 
 
@@ -270,14 +268,12 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
 
     vis = _visible(n_q, k.shape[-2], causal)                                 # (Nq, Nk) or None
     vis_t = None if vis is None else vis.T
-    S = _naive_scores(q, k, scale, causal)                                   # (*batch, Nq, Nk)
+    S = _naive_scores(q, k, scale, vis)                                      # (*batch, Nq, Nk)
     P = np.exp(S - _exp_shift(m)[..., None]) * _reciprocal_or_zero(l)[..., None]
     dV = _visible_matmul(_transpose(P), do, vis_t)                           # (*batch, Nk, D)
     dP = do @ _transpose(v)                                                  # (*batch, Nq, Nk)
     D = np.sum(do * o, axis=-1)                                              # (*batch, Nq)
     dS = P * (dP - D[..., None])                                             # (*batch, Nq, Nk)
-    if vis is not None:
-        dS = np.where(vis, dS, 0)      # a masked pair's dP may hold v's NaN; its P is 0 and so its term
     dQ = scale * _visible_matmul(dS, k, vis)                                 # (*batch, Nq, D)
     dK = scale * _visible_matmul(_transpose(dS), q, vis_t)                   # (*batch, Nk, D)
     return tuple(_unbroadcast(g, shape) for g, shape in zip((dQ, dK, dV), shapes))
@@ -522,7 +518,8 @@ def _same_precision_forward(q, k, v, causal, softmax_scale):
     q = np.broadcast_to(q, (*batch, n_q, q.shape[-1]))
     scale = acc.type(_resolve_scale(softmax_scale, q.shape[-1]))
 
-    S = _rounded(_naive_scores(q.astype(acc), k.astype(acc), scale, causal), dtype)  # (*batch, Nq, Nk)
+    vis = _visible(n_q, k.shape[-2], causal)
+    S = _rounded(_naive_scores(q.astype(acc), k.astype(acc), scale, vis), dtype)     # (*batch, Nq, Nk)
     S_acc = S.astype(acc)
     m = S_acc.max(axis=-1, initial=NEG_INF)                                          # (*batch, Nq)
     P_unnormalised = np.exp(S_acc - _exp_shift(m)[..., None])

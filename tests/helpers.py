@@ -159,10 +159,13 @@ def poisoned_inputs(rng, dtype, case):
     return q, k, v
 
 
+def _on_host(x):
+    return (x.get() if hasattr(x, "get") else x).astype(numpy.float64)
+
+
 def assert_non_finite_like(name, got, ref, dtype, exact):
     """got is non-finite wherever the reference is (exactly there if ``exact``), and close where both are finite."""
-    got = (got.get() if hasattr(got, "get") else got).astype(numpy.float64)
-    ref = numpy.asarray(ref, numpy.float64)
+    got, ref = _on_host(got), numpy.asarray(ref, numpy.float64)
     bad, ref_bad = ~numpy.isfinite(got), ~numpy.isfinite(ref)
     assert (bad | ~ref_bad).all(), f"{name}: finite where the reference is not"
     if exact:
@@ -170,3 +173,27 @@ def assert_non_finite_like(name, got, ref, dtype, exact):
     both = ~bad & ~ref_bad
     scale = max(numpy.abs(ref[both]).max(initial=0), 1e-30)
     assert numpy.abs(got[both] - ref[both]).max(initial=0) <= NON_FINITE_RTOL[dtype] * scale, name
+
+
+def assert_non_finite_rules(dtype, causal, case, to_device=lambda *arrays: arrays, **options):
+    """Forward and backward of ``poisoned_inputs`` (arrays through ``to_device``, calls with ``options``)
+    against the mask-exact reference: o, m, l non-finite exactly where its are, except o under a causal
+    mask with v poisoned (the spread inside a diagonal tile); gradients wherever its are, exactly there
+    without a mask; rows 0-39, which see no key when causal, empty (o = 0, m = -inf, l = 0, dq = 0)."""
+    from cupyflash import flash_attention_backward, flash_attention_forward, reference
+
+    rng = numpy.random.default_rng(13)
+    q, k, v = poisoned_inputs(rng, dtype, case)
+    do = rng.standard_normal(q.shape).astype(q.dtype)
+    out = flash_attention_forward(*to_device(q, k, v), causal=causal, **options)
+    refs = reference.attention_forward(q, k, v, causal=causal)
+    for name, got, ref in zip("oml", out, refs):
+        assert_non_finite_like(name, got, ref, dtype, exact=not causal or case != "v" or name != "o")
+    grads = flash_attention_backward(*to_device(do, q, k, v), *out, causal=causal, **options)
+    ref_grads = reference.attention_backward(do, q, k, v, *refs, causal=causal)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_non_finite_like(name, got, ref, dtype, exact=not causal)
+    if causal:
+        o, m, l, dq = (_on_host(x) for x in (*out, grads[0]))
+        assert not o[..., :40, :].any() and (m[..., :40] == -numpy.inf).all() and not l[..., :40].any()
+        assert not dq[..., :40, :].any()
