@@ -45,6 +45,7 @@ constexpr int NTHREADS = FLASH_WARPS * WARP_SIZE;
 constexpr int WG_THREADS = 4 * WARP_SIZE;
 constexpr int CONSUMERS = NTHREADS / WG_THREADS - 1;
 constexpr int STAGES = 2;
+constexpr int EXACT_BARRIER = 4;                   // named barriers of the consumers: 1, 2, 3 (ordered adds), this
 constexpr bool ORDERED = FLASH_ORDERED;
 constexpr int TILE_KV = B_C * DP, TILE_Q = B_R * DP, TILE_DS = B_C * B_R;   // elements
 constexpr int DQ_PITCH = DP + 4;                   // floats: rows 16 bytes apart in banks
@@ -190,6 +191,15 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
             const acc_t* st = s_stat + s * 2 * B_R;     // lse_i log2 e, D_i of the tile's rows
             mbar_wait(&q_full[s], (n / STAGES) & 1);
             fence_proxy_async();
+            // a Q tile with masked pairs, and Q_i, dO_i or K_j holding inf or NaN: the products over the
+            // visible pairs only (both consumers decide together: dQ_i takes both halves of dS^T)
+            const auto nonfinite = [&](const elem_t* tile, int elems) {
+                return rows_nonfinite(tile, elems / SW_COLS, SW_COLS, SW_COLS, ctid, CONSUMERS * WG_THREADS);
+            };
+            const bool exact = causal && kv0 + B_C - 1 > q0 + (Nk - Nq)
+                               && named_barrier_or(EXACT_BARRIER, CONSUMERS * WG_THREADS,
+                                                   nonfinite(s_Qs, TILE_Q) || nonfinite(s_dOs, TILE_Q)
+                                                   || nonfinite(s_K, TILE_KV));
 
             // S_ij^T = K_j Q_i^T and dP_ij^T = V_j dO_i^T                   (64, B_R) per warpgroup
             acc_t S[B_R / 8][4], dP[B_R / 8][4];
@@ -206,8 +216,8 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
             wgmma_commit();
 
             // P_ij^T = exp(scale S_ij^T - lse_i) = exp2(S_ij^T scale log2 e - lse_i log2 e), one FFMA into the
-            // exponent (16-bit inputs round P far coarser); invisible -> 0 (a row that saw no key has lse = inf);
-            // dS_ij^T = P_ij^T o (dP_ij^T - D_i)
+            // exponent (16-bit inputs round P far coarser); dS_ij^T = P_ij^T o (dP_ij^T - D_i); both 0 where
+            // invisible, whatever S^T, dP^T hold there (a row that saw no key has lse = inf)
             wgmma_wait<0>();
             wgmma_pin(S);
             wgmma_pin(dP);
@@ -225,10 +235,9 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int kr = key0 + g + (e / 2) * 8;   // key row
-                        p[half][e] = (boundary && !key_visible(q0 + qc + e % 2, kr, Nq, Nk, causal))
-                                         ? (acc_t)0
-                                         : exp2_acc(fmaf(S[nn][e], scale_log2, neg_lse[e % 2]));
-                        ds[half][e] = p[half][e] * (dP[nn][e] - Dq[e % 2]);
+                        const bool seen = !boundary || key_visible(q0 + qc + e % 2, kr, Nq, Nk, causal);
+                        p[half][e] = seen ? exp2_acc(fmaf(S[nn][e], scale_log2, neg_lse[e % 2])) : (acc_t)0;
+                        ds[half][e] = seen ? p[half][e] * (dP[nn][e] - Dq[e % 2]) : (acc_t)0;
                     }
                 }
                 // the A fragment of columns 16kk .. 16kk+15: rows g, g+8 of the left, then the right 8
@@ -243,14 +252,22 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
             }
 
             // dV_j += P_ij^T dO_i,  dK_j += dS_ij^T Q_i (scaled at the end)            (64, DP)
-            wgmma_fence();
+            if (exact) {
+                const auto key_seen = [&](int r, int qc) { return key_visible(q0 + qc, key0 + r, Nq, Nk, causal); };
+                const auto dO_at = [&](int qc, int col) { return to_acc(s_dOs[sw128_offset<B_R>(qc, col)]); };
+                const auto Q_at = [&](int qc, int col) { return to_acc(s_Qs[sw128_offset<B_R>(qc, col)]); };
+                visible_product<DP / 8, B_R>(dV, [&](int r, int qc) { return a_frag_at(Pf, r, qc); }, dO_at, key_seen);
+                visible_product<DP / 8, B_R>(dK, [&](int r, int qc) { return a_frag_at(dSf, r, qc); }, Q_at, key_seen);
+            } else {
+                wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < B_R / 16; ++kk)
-                Wgmma<DV_N>::rs(dV, Pf[kk], sw128_desc(s_dOs + sw128_offset<B_R>(kk * 16, 0), Q_BLOCK, ATOM));
+                for (int kk = 0; kk < B_R / 16; ++kk)
+                    Wgmma<DV_N>::rs(dV, Pf[kk], sw128_desc(s_dOs + sw128_offset<B_R>(kk * 16, 0), Q_BLOCK, ATOM));
 #pragma unroll
-            for (int kk = 0; kk < B_R / 16; ++kk)
-                Wgmma<DV_N>::rs(dK, dSf[kk], sw128_desc(s_Qs + sw128_offset<B_R>(kk * 16, 0), Q_BLOCK, ATOM));
-            wgmma_commit();
+                for (int kk = 0; kk < B_R / 16; ++kk)
+                    Wgmma<DV_N>::rs(dK, dSf[kk], sw128_desc(s_Qs + sw128_offset<B_R>(kk * 16, 0), Q_BLOCK, ATOM));
+                wgmma_commit();
+            }
 
             // dS_ij^T into shared memory (this step's parity): the A operand (M-major) of dQ_i += dS_ij K_j
             elem_t* s_dSn = s_dS + (n % 2) * TILE_DS;
@@ -270,20 +287,31 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                 const int rb = b / (DP / 64), cb = b % (DP / 64);   // query rows 64 rb.., columns 64 cb..
                 if ((b + n) % CONSUMERS != c) continue;
                 acc_t dQ[8][4];
-                wgmma_fence();
+                const int row0 = rb * 64 + 16 * (warp % 4);      // this warp's first query row of the block
+                if (exact) {
+                    zero_frag(dQ);
+                    visible_product<8, B_C>(
+                        dQ, [&](int r, int kc) { return to_acc(s_dSn[sw128_offset<B_C>(kc, row0 + r)]); },
+                        [&](int kc, int col) { return to_acc(s_K[sw128_offset<B_C>(kc, cb * 64 + col)]); },
+                        [&](int r, int kc) { return key_visible(q0 + row0 + r, kv0 + kc, Nq, Nk, causal); });
+                } else {
+                    wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < B_C / 16; ++kk)
-                    Wgmma<64>::ss<1, 1>(dQ, sw128_desc(s_dSn + sw128_offset<B_C>(kk * 16, rb * 64), TILE_DS * 2, ATOM),
-                                        sw128_desc(s_K + sw128_offset<B_C>(kk * 16, cb * 64), K_BLOCK, ATOM), kk > 0);
-                wgmma_commit();
-                wgmma_wait<0>();
-                wgmma_pin(dQ);
+                    for (int kk = 0; kk < B_C / 16; ++kk)
+                        Wgmma<64>::ss<1, 1>(dQ,
+                                            sw128_desc(s_dSn + sw128_offset<B_C>(kk * 16, rb * 64), TILE_DS * 2, ATOM),
+                                            sw128_desc(s_K + sw128_offset<B_C>(kk * 16, cb * 64), K_BLOCK, ATOM),
+                                            kk > 0);
+                    wgmma_commit();
+                    wgmma_wait<0>();
+                    wgmma_pin(dQ);
+                }
                 // rows of dQ_i are queries here: warp w of the group holds rows 16w + g (+8) of the block
 #pragma unroll
                 for (int nn = 0; nn < 8; ++nn)
 #pragma unroll
                     for (int h = 0; h < 2; ++h)
-                        *reinterpret_cast<float2*>(s_dQ + (rb * 64 + 16 * (warp % 4) + g + 8 * h) * DQ_PITCH + cb * 64
+                        *reinterpret_cast<float2*>(s_dQ + (row0 + g + 8 * h) * DQ_PITCH + cb * 64
                                                    + nn * 8 + 2 * t) =
                             make_float2(scale * dQ[nn][2 * h], scale * dQ[nn][2 * h + 1]);
             }
@@ -298,16 +326,13 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
             if (ORDERED && ctid == 0) wait_turn(dq_turn, j);
             named_barrier_sync(2, CONSUMERS * WG_THREADS);   // s_dQ holds dQ_i
 
-            // dQ_i into the workspace: a bulk add per row (rows of 16-byte multiples), else float atomics;
-            // a row that saw no key (lse = +inf) adds nothing, not even 0 · NaN of a masked key
+            // dQ_i into the workspace: a bulk add per row (rows of 16-byte multiples), else float atomics
             const int rows = min(B_R, Nq - q0);
             if (D % 4 == 0) {
-                if (ctid < rows && st[ctid] != POS_INF)
-                    bulk_reduce_add_f32(dq_acc + (i64)(q0 + ctid) * D, s_dQ + ctid * DQ_PITCH, D * 4);
+                if (ctid < rows) bulk_reduce_add_f32(dq_acc + (i64)(q0 + ctid) * D, s_dQ + ctid * DQ_PITCH, D * 4);
             } else {
                 for (int e = ctid; e < rows * D; e += CONSUMERS * WG_THREADS)
-                    if (st[e / D] != POS_INF)
-                        atomicAdd(dq_acc + (i64)(q0 + e / D) * D + e % D, s_dQ[(e / D) * DQ_PITCH + e % D]);
+                    atomicAdd(dq_acc + (i64)(q0 + e / D) * D + e % D, s_dQ[(e / D) * DQ_PITCH + e % D]);
             }   // s_dQ is rewritten only after the next step's first barrier
             if (ORDERED) {
                 if (D % 4 == 0 && ctid < rows) {

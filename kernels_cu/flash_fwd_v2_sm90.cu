@@ -55,6 +55,7 @@ constexpr int SMEM_BYTES = (Q_STAGES * TILE_Q + 2 * STAGES * TILE_KV) * (int)siz
                            + (Q_STAGES + 1) * 8        // s_index, s_claim (8 bytes apart)
                            + SW_ATOM_BYTES;             // + slack for the 1024-byte alignment
 constexpr int PRODUCER_BARRIER = 15;                   // named barrier of the producer warpgroup (consumers: 1 .. CONSUMERS)
+constexpr int EXACT_BARRIER = 1 + CONSUMERS;           // consumer c's own: EXACT_BARRIER + c
 // One consumer: two CTAs per SM keep each other's tensor cores busy; more: one CTA, ping-pong.
 // The host launches this many per SM (FLASH_CTAS_PER_SM).
 constexpr int CTAS_PER_SM = FLASH_CTAS_PER_SM;
@@ -293,6 +294,22 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                 if (j < j_stop) mbar_arrive(&k_empty[(kv + j) % STAGES]);
                 if (j >= 1) mbar_arrive(&v_empty[(kv + j - 1) % STAGES]);
             };
+            // V_j holds inf or NaN where these rows have masked pairs: P~_ij V_j over the visible pairs only,
+            // in scalar FMAs under the next S (a warpgroup's decision, once V_j is full)
+            auto exact_values = [&](int j) {
+                const elem_t* s_Vj = s_V + ((kv + j) % STAGES) * TILE_KV;
+                return causal && j * B_C + B_C - 1 > row_first + (Nk - Nq)
+                       && named_barrier_or(EXACT_BARRIER + c, WG_THREADS,
+                                           rows_nonfinite(s_Vj, TILE_KV / SW_COLS, SW_COLS, SW_COLS,
+                                                          tid % WG_THREADS, WG_THREADS));
+            };
+            auto visible_values = [&](int j) {
+                const elem_t* s_Vj = s_V + ((kv + j) % STAGES) * TILE_KV;
+                visible_product<DP / 8, B_C>(
+                    O, [&](int r, int kk) { return a_frag_at(P, r, kk); },
+                    [&](int kk, int col) { return to_acc(s_Vj[sw128_offset<B_C>(kk, col)]); },
+                    [&](int r, int kk) { return key_visible(r0 + r, j * B_C + kk, Nq, Nk, causal); });
+            };
             // Q_i is released once this warpgroup's last S_ij has completed; the producer loads the
             // CTA's next Q tile (in the other buffer, if there are two) under the rest of this one
             auto release_q = [&]() { mbar_arrive(&q_empty[qs]); };
@@ -316,12 +333,18 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                     const int s = (kv + j) % STAGES, sp = (kv + j - 1) % STAGES;
                     wait_full(k_full, kv + j);
                     wait_full(v_full, kv + j - 1);
+                    const bool exact = exact_values(j - 1);
                     my_turn();
                     wgmma_fence();
                     issue_scores(S, s_Qg, s_K + s * TILE_KV);
-                    issue_values(O, P, s_V + sp * TILE_KV);
+                    if (!exact) issue_values(O, P, s_V + sp * TILE_KV);
                     your_turn();
-                    wgmma_wait<1>();
+                    if (exact) {
+                        visible_values(j - 1);
+                        wgmma_wait<0>();
+                    } else {
+                        wgmma_wait<1>();
+                    }
                     wgmma_pin(S);
                     if (j == my_stop - 1) release_q();
                     mbar_arrive(&k_empty[s]);
@@ -337,11 +360,13 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                 const int j = my_stop, s = (kv + j) % STAGES, sp = (kv + j - 1) % STAGES;
                 if (j < j_stop) wait_full(k_full, kv + j);
                 wait_full(v_full, kv + j - 1);
+                const bool exact = exact_values(j - 1);
                 my_turn();
                 wgmma_fence();
-                issue_values(O, P, s_V + sp * TILE_KV);
+                if (!exact) issue_values(O, P, s_V + sp * TILE_KV);
                 your_turn();
                 if (j < j_stop) mbar_arrive(&k_empty[s]);
+                if (exact) visible_values(j - 1);
                 wgmma_wait<0>();
                 wgmma_pin(O);
                 mbar_arrive(&v_empty[sp]);
