@@ -251,13 +251,55 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                 dSf[kk][3] = pack2(ds[1][2], ds[1][3]);
             }
 
-            // dV_j += P_ij^T dO_i,  dK_j += dS_ij^T Q_i (scaled at the end)            (64, DP)
+            // dS_ij^T into shared memory (this step's parity): the A operand (M-major) of dQ_i += dS_ij K_j
+            elem_t* s_dSn = s_dS + (n % 2) * TILE_DS;
+            auto share_ds = [&]() {
+#pragma unroll
+                for (int kk = 0; kk < B_R / 16; ++kk)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r)   // A fragment register r: row g + 8 (r % 2), columns 16kk + 8 (r / 2) + 2t
+                        *reinterpret_cast<unsigned*>(s_dSn + sw128_offset<B_C>(16 * warp + g + 8 * (r % 2),
+                                                                               kk * 16 + 8 * (r / 2) + 2 * t)) = dSf[kk][r];
+                fence_proxy_async();
+                if (ctid < B_R) bulk_wait_read();              // the last bulk add is done with s_dQ
+                named_barrier_sync(1, CONSUMERS * WG_THREADS);   // all of dS^T is written, s_dQ is free
+            };
+            // dQ_i = scale dS_ij K_j over all B_C keys, one (64, 64) block per turn, into s_dQ;
+            // product(dQ, rb, cb, row0) forms block (rb, cb), this warp's rows from row0 of dQ_i
+            auto share_dq = [&](auto product) {
+#pragma unroll
+                for (int b = 0; b < (B_R / 64) * (DP / 64); ++b) {
+                    const int rb = b / (DP / 64), cb = b % (DP / 64);   // query rows 64 rb.., columns 64 cb..
+                    if ((b + n) % CONSUMERS != c) continue;
+                    const int row0 = rb * 64 + 16 * (warp % 4);
+                    acc_t dQ[8][4];
+                    product(dQ, rb, cb, row0);
+                    // rows of dQ_i are queries here: warp w of the group holds rows 16w + g (+8) of the block
+#pragma unroll
+                    for (int nn = 0; nn < 8; ++nn)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h)
+                            *reinterpret_cast<float2*>(s_dQ + (row0 + g + 8 * h) * DQ_PITCH + cb * 64 + nn * 8 + 2 * t) =
+                                make_float2(scale * dQ[nn][2 * h], scale * dQ[nn][2 * h + 1]);
+                }
+            };
+
+            // dV_j += P_ij^T dO_i,  dK_j += dS_ij^T Q_i (scaled at the end)            (64, DP);  dQ_i
+            // Each branch a whole wgmma pipeline stage, so that ptxas keeps the fast one asynchronous.
             if (exact) {
                 const auto key_seen = [&](int r, int qc) { return key_visible(q0 + qc, key0 + r, Nq, Nk, causal); };
                 const auto dO_at = [&](int qc, int col) { return to_acc(s_dOs[sw128_offset<B_R>(qc, col)]); };
                 const auto Q_at = [&](int qc, int col) { return to_acc(s_Qs[sw128_offset<B_R>(qc, col)]); };
                 visible_product<DP / 8, B_R>(dV, [&](int r, int qc) { return a_frag_at(Pf, r, qc); }, dO_at, key_seen);
                 visible_product<DP / 8, B_R>(dK, [&](int r, int qc) { return a_frag_at(dSf, r, qc); }, Q_at, key_seen);
+                share_ds();
+                share_dq([&](acc_t (&dQ)[8][4], int rb, int cb, int row0) {
+                    zero_frag(dQ);
+                    visible_product<8, B_C>(
+                        dQ, [&](int r, int kc) { return to_acc(s_dSn[sw128_offset<B_C>(kc, row0 + r)]); },
+                        [&](int kc, int col) { return to_acc(s_K[sw128_offset<B_C>(kc, cb * 64 + col)]); },
+                        [&](int r, int kc) { return key_visible(q0 + row0 + r, kv0 + kc, Nq, Nk, causal); });
+                });
             } else {
                 wgmma_fence();
 #pragma unroll
@@ -267,59 +309,23 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                 for (int kk = 0; kk < B_R / 16; ++kk)
                     Wgmma<DV_N>::rs(dK, dSf[kk], sw128_desc(s_Qs + sw128_offset<B_R>(kk * 16, 0), Q_BLOCK, ATOM));
                 wgmma_commit();
-            }
-
-            // dS_ij^T into shared memory (this step's parity): the A operand (M-major) of dQ_i += dS_ij K_j
-            elem_t* s_dSn = s_dS + (n % 2) * TILE_DS;
-#pragma unroll
-            for (int kk = 0; kk < B_R / 16; ++kk)
-#pragma unroll
-                for (int r = 0; r < 4; ++r)   // A fragment register r: row g + 8 (r % 2), columns 16kk + 8 (r / 2) + 2t
-                    *reinterpret_cast<unsigned*>(s_dSn + sw128_offset<B_C>(16 * warp + g + 8 * (r % 2),
-                                                                           kk * 16 + 8 * (r / 2) + 2 * t)) = dSf[kk][r];
-            fence_proxy_async();
-            if (ctid < B_R) bulk_wait_read();              // the last bulk add is done with s_dQ
-            named_barrier_sync(1, CONSUMERS * WG_THREADS);   // all of dS^T is written, s_dQ is free
-
-            // dQ_i = scale dS_ij K_j over all B_C keys, one (64, 64) block per turn, into s_dQ
-#pragma unroll
-            for (int b = 0; b < (B_R / 64) * (DP / 64); ++b) {
-                const int rb = b / (DP / 64), cb = b % (DP / 64);   // query rows 64 rb.., columns 64 cb..
-                if ((b + n) % CONSUMERS != c) continue;
-                acc_t dQ[8][4];
-                const int row0 = rb * 64 + 16 * (warp % 4);      // this warp's first query row of the block
-                if (exact) {
-                    zero_frag(dQ);
-                    visible_product<8, B_C>(
-                        dQ, [&](int r, int kc) { return to_acc(s_dSn[sw128_offset<B_C>(kc, row0 + r)]); },
-                        [&](int kc, int col) { return to_acc(s_K[sw128_offset<B_C>(kc, cb * 64 + col)]); },
-                        [&](int r, int kc) { return key_visible(q0 + row0 + r, kv0 + kc, Nq, Nk, causal); });
-                } else {
+                share_ds();
+                share_dq([&](acc_t (&dQ)[8][4], int rb, int cb, int) {
                     wgmma_fence();
 #pragma unroll
                     for (int kk = 0; kk < B_C / 16; ++kk)
-                        Wgmma<64>::ss<1, 1>(dQ,
-                                            sw128_desc(s_dSn + sw128_offset<B_C>(kk * 16, rb * 64), TILE_DS * 2, ATOM),
-                                            sw128_desc(s_K + sw128_offset<B_C>(kk * 16, cb * 64), K_BLOCK, ATOM),
-                                            kk > 0);
+                        Wgmma<64>::ss<1, 1>(dQ, sw128_desc(s_dSn + sw128_offset<B_C>(kk * 16, rb * 64), TILE_DS * 2, ATOM),
+                                            sw128_desc(s_K + sw128_offset<B_C>(kk * 16, cb * 64), K_BLOCK, ATOM), kk > 0);
                     wgmma_commit();
                     wgmma_wait<0>();
                     wgmma_pin(dQ);
-                }
-                // rows of dQ_i are queries here: warp w of the group holds rows 16w + g (+8) of the block
-#pragma unroll
-                for (int nn = 0; nn < 8; ++nn)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-                        *reinterpret_cast<float2*>(s_dQ + (row0 + g + 8 * h) * DQ_PITCH + cb * 64
-                                                   + nn * 8 + 2 * t) =
-                            make_float2(scale * dQ[nn][2 * h], scale * dQ[nn][2 * h + 1]);
+                });
+                wgmma_wait<0>();                               // dV_j, dK_j are done with P^T, dS^T too
+                wgmma_pin(dV);
+                wgmma_pin(dK);
+                wgmma_pin_a(Pf);
+                wgmma_pin_a(dSf);
             }
-            wgmma_wait<0>();                               // dV_j, dK_j are done with P^T, dS^T too
-            wgmma_pin(dV);
-            wgmma_pin(dK);
-            wgmma_pin_a(Pf);
-            wgmma_pin_a(dSf);
             fence_proxy_async();
             // tile j adds the j-th term of dQ_i: every K/V tile before it reaches Q tile i too
             unsigned* dq_turn = ORDERED ? dq_turns + (bh * T_r + i_first + n) : nullptr;

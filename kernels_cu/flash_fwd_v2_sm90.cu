@@ -294,8 +294,9 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                 if (j < j_stop) mbar_arrive(&k_empty[(kv + j) % STAGES]);
                 if (j >= 1) mbar_arrive(&v_empty[(kv + j - 1) % STAGES]);
             };
-            // V_j holds inf or NaN where these rows have masked pairs: P~_ij V_j over the visible pairs only,
-            // in scalar FMAs under the next S (a warpgroup's decision, once V_j is full)
+            // Whether P~_ij V_j runs over the visible pairs only (visible_values, scalar FMAs, no wgmma in
+            // flight): these rows have masked pairs in tile j and V_j holds inf or NaN. The warpgroup
+            // decides together, once V_j is full.
             auto exact_values = [&](int j) {
                 const elem_t* s_Vj = s_V + ((kv + j) % STAGES) * TILE_KV;
                 return causal && j * B_C + B_C - 1 > row_first + (Nk - Nq)
@@ -313,6 +314,12 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             // Q_i is released once this warpgroup's last S_ij has completed; the producer loads the
             // CTA's next Q tile (in the other buffer, if there are two) under the rest of this one
             auto release_q = [&]() { mbar_arrive(&q_empty[qs]); };
+            // S_ij has landed: release Q_i after the last one and K_j, then the softmax
+            auto scores_done = [&](int j) {
+                if (j == my_stop - 1) release_q();
+                mbar_arrive(&k_empty[(kv + j) % STAGES]);
+                softmax_step(j);
+            };
 
             if (my_stop > 0) {
                 // step 0: S_i0 alone
@@ -323,9 +330,7 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                 your_turn();
                 wgmma_wait<0>();
                 wgmma_pin(S);
-                if (my_stop == 1) release_q();
-                mbar_arrive(&k_empty[kv % STAGES]);
-                softmax_step(0);
+                scores_done(0);
                 rescale();
 
                 // step j: S_ij and P~_{i,j-1} V_{j-1} in flight together, the softmax of S_ij under the latter
@@ -333,25 +338,29 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                     const int s = (kv + j) % STAGES, sp = (kv + j - 1) % STAGES;
                     wait_full(k_full, kv + j);
                     wait_full(v_full, kv + j - 1);
-                    const bool exact = exact_values(j - 1);
-                    my_turn();
-                    wgmma_fence();
-                    issue_scores(S, s_Qg, s_K + s * TILE_KV);
-                    if (!exact) issue_values(O, P, s_V + sp * TILE_KV);
-                    your_turn();
-                    if (exact) {
-                        visible_values(j - 1);
+                    // each branch a whole wgmma pipeline stage, so that ptxas keeps the fast one asynchronous
+                    if (exact_values(j - 1)) {
+                        my_turn();
+                        wgmma_fence();
+                        issue_scores(S, s_Qg, s_K + s * TILE_KV);
+                        your_turn();
                         wgmma_wait<0>();
+                        wgmma_pin(S);
+                        visible_values(j - 1);
+                        scores_done(j);
                     } else {
+                        my_turn();
+                        wgmma_fence();
+                        issue_scores(S, s_Qg, s_K + s * TILE_KV);
+                        issue_values(O, P, s_V + sp * TILE_KV);
+                        your_turn();
                         wgmma_wait<1>();
+                        wgmma_pin(S);
+                        scores_done(j);
+                        wgmma_wait<0>();
+                        wgmma_pin(O);
+                        wgmma_pin_a(P);
                     }
-                    wgmma_pin(S);
-                    if (j == my_stop - 1) release_q();
-                    mbar_arrive(&k_empty[s]);
-                    softmax_step(j);
-                    wgmma_wait<0>();
-                    wgmma_pin(O);
-                    wgmma_pin_a(P);
                     mbar_arrive(&v_empty[sp]);
                     rescale();
                 }
@@ -360,15 +369,20 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                 const int j = my_stop, s = (kv + j) % STAGES, sp = (kv + j - 1) % STAGES;
                 if (j < j_stop) wait_full(k_full, kv + j);
                 wait_full(v_full, kv + j - 1);
-                const bool exact = exact_values(j - 1);
-                my_turn();
-                wgmma_fence();
-                if (!exact) issue_values(O, P, s_V + sp * TILE_KV);
-                your_turn();
-                if (j < j_stop) mbar_arrive(&k_empty[s]);
-                if (exact) visible_values(j - 1);
-                wgmma_wait<0>();
-                wgmma_pin(O);
+                if (exact_values(j - 1)) {
+                    my_turn();
+                    your_turn();
+                    if (j < j_stop) mbar_arrive(&k_empty[s]);
+                    visible_values(j - 1);
+                } else {
+                    my_turn();
+                    wgmma_fence();
+                    issue_values(O, P, s_V + sp * TILE_KV);
+                    your_turn();
+                    if (j < j_stop) mbar_arrive(&k_empty[s]);
+                    wgmma_wait<0>();
+                    wgmma_pin(O);
+                }
                 mbar_arrive(&v_empty[sp]);
             } else {
                 release_q();
