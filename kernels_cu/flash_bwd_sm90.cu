@@ -251,15 +251,19 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                 dSf[kk][3] = pack2(ds[1][2], ds[1][3]);
             }
 
-            // dS_ij^T into shared memory (this step's parity): the A operand (M-major) of dQ_i += dS_ij K_j
-            elem_t* s_dSn = s_dS + (n % 2) * TILE_DS;
-            auto share_ds = [&]() {
+            // A fragments (this warp's 16 keys, B_R queries) into a (B_C, B_R) swizzled tile
+            auto store_frags = [&](elem_t* tile, const unsigned (&frags)[B_R / 16][4]) {
 #pragma unroll
                 for (int kk = 0; kk < B_R / 16; ++kk)
 #pragma unroll
                     for (int r = 0; r < 4; ++r)   // A fragment register r: row g + 8 (r % 2), columns 16kk + 8 (r / 2) + 2t
-                        *reinterpret_cast<unsigned*>(s_dSn + sw128_offset<B_C>(16 * warp + g + 8 * (r % 2),
-                                                                               kk * 16 + 8 * (r / 2) + 2 * t)) = dSf[kk][r];
+                        *reinterpret_cast<unsigned*>(tile + sw128_offset<B_C>(16 * warp + g + 8 * (r % 2),
+                                                                              kk * 16 + 8 * (r / 2) + 2 * t)) = frags[kk][r];
+            };
+            // dS_ij^T into shared memory (this step's parity): the A operand (M-major) of dQ_i += dS_ij K_j
+            elem_t* s_dSn = s_dS + (n % 2) * TILE_DS;
+            auto share_ds = [&]() {
+                store_frags(s_dSn, dSf);
                 fence_proxy_async();
                 if (ctid < B_R) bulk_wait_read();              // the last bulk add is done with s_dQ
                 named_barrier_sync(1, CONSUMERS * WG_THREADS);   // all of dS^T is written, s_dQ is free
@@ -287,12 +291,18 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
             // dV_j += P_ij^T dO_i,  dK_j += dS_ij^T Q_i (scaled at the end)            (64, DP);  dQ_i
             // Each branch a whole wgmma pipeline stage, so that ptxas keeps the fast one asynchronous.
             if (exact) {
-                const auto key_seen = [&](int r, int qc) { return key_visible(q0 + qc, key0 + r, Nq, Nk, causal); };
-                const auto dO_at = [&](int qc, int col) { return to_acc(s_dOs[sw128_offset<B_R>(qc, col)]); };
-                const auto Q_at = [&](int qc, int col) { return to_acc(s_Qs[sw128_offset<B_R>(qc, col)]); };
-                visible_product<DP / 8, B_R>(dV, [&](int r, int qc) { return a_frag_at(Pf, r, qc); }, dO_at, key_seen);
-                visible_product<DP / 8, B_R>(dK, [&](int r, int qc) { return a_frag_at(dSf, r, qc); }, Q_at, key_seen);
+                // P^T beside dS^T, in the other parity's buffer (free since the last step's second barrier):
+                // products that read A from shared memory keep this branch's registers few
+                elem_t* s_Pn = s_dS + ((n + 1) % 2) * TILE_DS;
+                store_frags(s_Pn, Pf);
                 share_ds();
+                const auto key_seen = [&](int r, int qc) { return key_visible(q0 + qc, key0 + r, Nq, Nk, causal); };
+                visible_product<DP / 8, B_R>(
+                    dV, [&](int r, int qc) { return to_acc(s_Pn[sw128_offset<B_C>(16 * warp + r, qc)]); },
+                    [&](int qc, int col) { return to_acc(s_dOs[sw128_offset<B_R>(qc, col)]); }, key_seen);
+                visible_product<DP / 8, B_R>(
+                    dK, [&](int r, int qc) { return to_acc(s_dSn[sw128_offset<B_C>(16 * warp + r, qc)]); },
+                    [&](int qc, int col) { return to_acc(s_Qs[sw128_offset<B_R>(qc, col)]); }, key_seen);
                 share_dq([&](acc_t (&dQ)[8][4], int rb, int cb, int row0) {
                     zero_frag(dQ);
                     visible_product<8, B_C>(

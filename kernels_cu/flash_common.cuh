@@ -309,22 +309,6 @@ __device__ __forceinline__ void frag_to_a(unsigned (&a)[NT / 2][4], const acc_t 
     }
 }
 
-// Element (r, k) of a warp's A fragment tile (16, 16 KT) in registers, as acc_t: frag_to_a's register
-// 2 (k % 16 / 8) + r / 8 of a[k / 16] holds row r's columns k & ~1, k | 1 at lane 4 (r % 8) + k % 8 / 2.
-// A shuffle: all lanes call it together, with the same k and the same r / 8.
-template <int KT>
-__device__ __forceinline__ float a_frag_at(const unsigned (&a)[KT][4], int r, int k) {
-    const int reg = 2 * (k % 16 / 8) + r / 8;
-    unsigned w = 0;
-#pragma unroll
-    for (int x = 0; x < KT; ++x)
-#pragma unroll
-        for (int y = 0; y < 4; ++y)
-            if (x == k / 16 && y == reg) w = a[x][y];
-    w = __shfl_sync(0xffffffffu, w, 4 * (r % 8) + k % 8 / 2);
-    return bits_to_float((unsigned short)(k % 2 ? w >> 16 : w & 0xffffu));
-}
-
 // A warp's (16, K) row block of a shared tile as m16n8k16 A fragments, for an operand reused across steps.
 template <int K>
 __device__ __forceinline__ void load_a_frags(unsigned (&a)[K / 16][4], const elem_t* __restrict__ s, int lda) {
@@ -729,26 +713,58 @@ __device__ __forceinline__ bool rows_nonfinite(const elem_t* s, int rows, int co
     return any;
 }
 
-// C (16, 8*NT) += A (16, K) B (K, 8*NT) of a warp tile over the pairs (r, k) with visible(r, k) only.
-// a(r, k) and b(k, n) read the operands wherever they lie; all lanes call it together (a may shuffle).
-template <int NT, int K, class A, class B, class Visible>
-__device__ __forceinline__ void visible_product(acc_t (&c)[NT][4], A a, B b, Visible visible) {
+// One term of visible_product per accumulator of rows g, g+8 in tiles N0 .. N0+COUNT-1 of c: A's
+// column k holds a0, a1 there
+template <int N0, int COUNT, int NT, class B, class Visible>
+__device__ __forceinline__ void visible_terms(acc_t (&c)[NT][4], int k, acc_t a0, acc_t a1, B b, Visible visible) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
-#pragma unroll 1
-    for (int k = 0; k < K; ++k) {
-        const acc_t a0 = a(g, k), a1 = a(g + 8, k);
-        const bool v0 = visible(g, k), v1 = visible(g + 8, k);
+    const bool v0 = visible(g, k), v1 = visible(g + 8, k);
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
+    for (int n = N0; n < N0 + COUNT; ++n)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const acc_t x = b(k, n * 8 + 2 * t + e);
-                if (v0) c[n][e] += a0 * x;
-                if (v1) c[n][2 + e] += a1 * x;
-            }
-    }
+        for (int e = 0; e < 2; ++e) {
+            const acc_t x = b(k, n * 8 + 2 * t + e);
+            if (v0) c[n][e] += a0 * x;
+            if (v1) c[n][2 + e] += a1 * x;
+        }
 }
+
+// C (16, 8*NT) += A (16, K) B (K, 8*NT) of a warp tile over the pairs (r, k) with visible(r, k) only;
+// a(r, k) and b(k, n) read the operands from shared memory. Four accumulator tiles per pass over K
+// keep the registers it needs beyond c few.
+template <int NT, int K, int N0 = 0, class A, class B, class Visible>
+__device__ __forceinline__ void visible_product(acc_t (&c)[NT][4], A a, B b, Visible visible) {
+    constexpr int COUNT = NT - N0 < 4 ? NT - N0 : 4;
+    const int g = threadIdx.x % WARP_SIZE / 4;
+#pragma unroll 1
+    for (int k = 0; k < K; ++k) visible_terms<N0, COUNT>(c, k, a(g, k), a(g + 8, k), b, visible);
+    if constexpr (N0 + COUNT < NT) visible_product<NT, K, N0 + COUNT>(c, a, b, visible);
+}
+
+#if FLASH_TENSOR_CORES
+// The same with A (16, 16*KT) in registers as m16n8k16 A fragments (frag_to_a): register 2h + r/8 of
+// a[kk] holds row r's columns 16kk + 8h + 2t, +1 at lane 4 (r % 8) + t, and reaches the lanes of row r
+// by a shuffle. Every index into `a` is a constant (one known only at run time would move the
+// fragments to local memory, in the fast path too). All lanes call it together. It needs more
+// registers than the shared-memory form: the backward, short of them, stages its A operands.
+template <int NT, int KT, class B, class Visible>
+__device__ __forceinline__ void visible_product(acc_t (&c)[NT][4], const unsigned (&a)[KT][4], B b, Visible visible) {
+    const int g = threadIdx.x % WARP_SIZE / 4;
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll 1
+            for (int src = 0; src < 4; ++src) {
+                const unsigned w0 = __shfl_sync(0xffffffffu, a[kk][2 * h], 4 * g + src);       // row g
+                const unsigned w1 = __shfl_sync(0xffffffffu, a[kk][2 * h + 1], 4 * g + src);   // row g + 8
+                const int k = 16 * kk + 8 * h + 2 * src;
+                visible_terms<0, NT>(c, k, bits_to_float(w0 & 0xffffu), bits_to_float(w1 & 0xffffu), b, visible);
+                visible_terms<0, NT>(c, k + 1, bits_to_float(w0 >> 16), bits_to_float(w1 >> 16), b, visible);
+            }
+}
+#endif
 
 // The online softmax step (Algorithm 1, lines 10-11) on a warp's (16, 8*NT) score tile, in place:
 //   m_new = max(m_i, rowmax(S_ij));  S_ij <- P~_ij = exp2((S_ij - m_new) c);  alpha = exp2((m_i - m_new) c)

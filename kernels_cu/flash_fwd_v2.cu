@@ -153,7 +153,7 @@ flash_fwd_v2(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
         unsigned P[B_C / 16][4];
         frag_to_a(P, S);
         if (exact_pv && boundary)
-            visible_product<DP / 8, B_C>(O, [&](int r, int kk) { return a_frag_at(P, r, kk); }, v_at, visible);
+            visible_product(O, P, v_at, visible);
         else
             warp_mma_ra<DP / 8, B_C, true>(O, P, s_V, QKV_PITCH);
 #else

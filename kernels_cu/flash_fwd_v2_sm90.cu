@@ -294,8 +294,8 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                 if (j < j_stop) mbar_arrive(&k_empty[(kv + j) % STAGES]);
                 if (j >= 1) mbar_arrive(&v_empty[(kv + j - 1) % STAGES]);
             };
-            // Whether P~_ij V_j runs over the visible pairs only (visible_values, scalar FMAs, no wgmma in
-            // flight): these rows have masked pairs in tile j and V_j holds inf or NaN. The warpgroup
+            // Whether P~_ij V_j runs over the visible pairs only (visible_values, scalar FMAs, with no wgmma
+            // in flight): these rows have masked pairs in tile j and V_j holds inf or NaN. The warpgroup
             // decides together, once V_j is full.
             auto exact_values = [&](int j) {
                 const elem_t* s_Vj = s_V + ((kv + j) % STAGES) * TILE_KV;
@@ -306,9 +306,8 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             };
             auto visible_values = [&](int j) {
                 const elem_t* s_Vj = s_V + ((kv + j) % STAGES) * TILE_KV;
-                visible_product<DP / 8, B_C>(
-                    O, [&](int r, int kk) { return a_frag_at(P, r, kk); },
-                    [&](int kk, int col) { return to_acc(s_Vj[sw128_offset<B_C>(kk, col)]); },
+                visible_product(
+                    O, P, [&](int kk, int col) { return to_acc(s_Vj[sw128_offset<B_C>(kk, col)]); },
                     [&](int r, int kk) { return key_visible(r0 + r, j * B_C + kk, Nq, Nk, causal); });
             };
             // Q_i is released once this warpgroup's last S_ij has completed; the producer loads the
@@ -340,13 +339,13 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                     wait_full(v_full, kv + j - 1);
                     // each branch a whole wgmma pipeline stage, so that ptxas keeps the fast one asynchronous
                     if (exact_values(j - 1)) {
+                        visible_values(j - 1);   // first: S_ij, not yet issued, holds no registers
                         my_turn();
                         wgmma_fence();
                         issue_scores(S, s_Qg, s_K + s * TILE_KV);
                         your_turn();
                         wgmma_wait<0>();
                         wgmma_pin(S);
-                        visible_values(j - 1);
                         scores_done(j);
                     } else {
                         my_turn();
