@@ -45,7 +45,6 @@ constexpr int NTHREADS = FLASH_WARPS * WARP_SIZE;
 constexpr int WG_THREADS = 4 * WARP_SIZE;
 constexpr int CONSUMERS = NTHREADS / WG_THREADS - 1;
 constexpr int STAGES = 2;
-constexpr int EXACT_BARRIER = 4;                   // named barriers of the consumers: 1, 2, 3 (ordered adds), this
 constexpr bool ORDERED = FLASH_ORDERED;
 constexpr int TILE_KV = B_C * DP, TILE_Q = B_R * DP, TILE_DS = B_C * B_R;   // elements
 constexpr int DQ_PITCH = DP + 4;                   // floats: rows 16 bytes apart in banks
@@ -191,15 +190,6 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
             const acc_t* st = s_stat + s * 2 * B_R;     // lse_i log2 e, D_i of the tile's rows
             mbar_wait(&q_full[s], (n / STAGES) & 1);
             fence_proxy_async();
-            // a Q tile with masked pairs, and Q_i, dO_i or K_j holding inf or NaN: the products over the
-            // visible pairs only (both consumers decide together: dQ_i takes both halves of dS^T)
-            const auto nonfinite = [&](const elem_t* tile, int elems) {
-                return rows_nonfinite(tile, elems / SW_COLS, SW_COLS, SW_COLS, ctid, CONSUMERS * WG_THREADS);
-            };
-            const bool exact = causal && kv0 + B_C - 1 > q0 + (Nk - Nq)
-                               && named_barrier_or(EXACT_BARRIER, CONSUMERS * WG_THREADS,
-                                                   nonfinite(s_Qs, TILE_Q) || nonfinite(s_dOs, TILE_Q)
-                                                   || nonfinite(s_K, TILE_KV));
 
             // S_ij^T = K_j Q_i^T and dP_ij^T = V_j dO_i^T                   (64, B_R) per warpgroup
             acc_t S[B_R / 8][4], dP[B_R / 8][4];
@@ -216,8 +206,8 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
             wgmma_commit();
 
             // P_ij^T = exp(scale S_ij^T - lse_i) = exp2(S_ij^T scale log2 e - lse_i log2 e), one FFMA into the
-            // exponent (16-bit inputs round P far coarser); dS_ij^T = P_ij^T o (dP_ij^T - D_i); both 0 where
-            // invisible, whatever S^T, dP^T hold there (a row that saw no key has lse = inf)
+            // exponent (16-bit inputs round P far coarser); invisible -> 0 (a row that saw no key has lse = inf);
+            // dS_ij^T = P_ij^T o (dP_ij^T - D_i)
             wgmma_wait<0>();
             wgmma_pin(S);
             wgmma_pin(dP);
@@ -235,9 +225,10 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int kr = key0 + g + (e / 2) * 8;   // key row
-                        const bool seen = !boundary || key_visible(q0 + qc + e % 2, kr, Nq, Nk, causal);
-                        p[half][e] = seen ? exp2_acc(fmaf(S[nn][e], scale_log2, neg_lse[e % 2])) : (acc_t)0;
-                        ds[half][e] = seen ? p[half][e] * (dP[nn][e] - Dq[e % 2]) : (acc_t)0;
+                        p[half][e] = (boundary && !key_visible(q0 + qc + e % 2, kr, Nq, Nk, causal))
+                                         ? (acc_t)0
+                                         : exp2_acc(fmaf(S[nn][e], scale_log2, neg_lse[e % 2]));
+                        ds[half][e] = p[half][e] * (dP[nn][e] - Dq[e % 2]);
                     }
                 }
                 // the A fragment of columns 16kk .. 16kk+15: rows g, g+8 of the left, then the right 8
@@ -251,104 +242,72 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                 dSf[kk][3] = pack2(ds[1][2], ds[1][3]);
             }
 
-            // A fragments (this warp's 16 keys, B_R queries) into a (B_C, B_R) swizzled tile
-            auto store_frags = [&](elem_t* tile, const unsigned (&frags)[B_R / 16][4]) {
+            // dV_j += P_ij^T dO_i,  dK_j += dS_ij^T Q_i (scaled at the end)            (64, DP)
+            wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < B_R / 16; ++kk)
+            for (int kk = 0; kk < B_R / 16; ++kk)
+                Wgmma<DV_N>::rs(dV, Pf[kk], sw128_desc(s_dOs + sw128_offset<B_R>(kk * 16, 0), Q_BLOCK, ATOM));
 #pragma unroll
-                    for (int r = 0; r < 4; ++r)   // A fragment register r: row g + 8 (r % 2), columns 16kk + 8 (r / 2) + 2t
-                        *reinterpret_cast<unsigned*>(tile + sw128_offset<B_C>(16 * warp + g + 8 * (r % 2),
-                                                                              kk * 16 + 8 * (r / 2) + 2 * t)) = frags[kk][r];
-            };
+            for (int kk = 0; kk < B_R / 16; ++kk)
+                Wgmma<DV_N>::rs(dK, dSf[kk], sw128_desc(s_Qs + sw128_offset<B_R>(kk * 16, 0), Q_BLOCK, ATOM));
+            wgmma_commit();
+
             // dS_ij^T into shared memory (this step's parity): the A operand (M-major) of dQ_i += dS_ij K_j
             elem_t* s_dSn = s_dS + (n % 2) * TILE_DS;
-            auto share_ds = [&]() {
-                store_frags(s_dSn, dSf);
-                fence_proxy_async();
-                if (ctid < B_R) bulk_wait_read();              // the last bulk add is done with s_dQ
-                named_barrier_sync(1, CONSUMERS * WG_THREADS);   // all of dS^T is written, s_dQ is free
-            };
-            // dQ_i = scale dS_ij K_j over all B_C keys, one (64, 64) block per turn, into s_dQ;
-            // product(dQ, rb, cb, row0) forms block (rb, cb), this warp's rows from row0 of dQ_i
-            auto share_dq = [&](auto product) {
 #pragma unroll
-                for (int b = 0; b < (B_R / 64) * (DP / 64); ++b) {
-                    const int rb = b / (DP / 64), cb = b % (DP / 64);   // query rows 64 rb.., columns 64 cb..
-                    if ((b + n) % CONSUMERS != c) continue;
-                    const int row0 = rb * 64 + 16 * (warp % 4);
-                    acc_t dQ[8][4];
-                    product(dQ, rb, cb, row0);
-                    // rows of dQ_i are queries here: warp w of the group holds rows 16w + g (+8) of the block
+            for (int kk = 0; kk < B_R / 16; ++kk)
 #pragma unroll
-                    for (int nn = 0; nn < 8; ++nn)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h)
-                            *reinterpret_cast<float2*>(s_dQ + (row0 + g + 8 * h) * DQ_PITCH + cb * 64 + nn * 8 + 2 * t) =
-                                make_float2(scale * dQ[nn][2 * h], scale * dQ[nn][2 * h + 1]);
-                }
-            };
+                for (int r = 0; r < 4; ++r)   // A fragment register r: row g + 8 (r % 2), columns 16kk + 8 (r / 2) + 2t
+                    *reinterpret_cast<unsigned*>(s_dSn + sw128_offset<B_C>(16 * warp + g + 8 * (r % 2),
+                                                                           kk * 16 + 8 * (r / 2) + 2 * t)) = dSf[kk][r];
+            fence_proxy_async();
+            if (ctid < B_R) bulk_wait_read();              // the last bulk add is done with s_dQ
+            named_barrier_sync(1, CONSUMERS * WG_THREADS);   // all of dS^T is written, s_dQ is free
 
-            // dV_j += P_ij^T dO_i,  dK_j += dS_ij^T Q_i (scaled at the end)            (64, DP);  dQ_i
-            // Each branch a whole wgmma pipeline stage, so that ptxas keeps the fast one asynchronous.
-            if (exact) {
-                // P^T beside dS^T, in the other parity's buffer (free since the last step's second barrier):
-                // products that read A from shared memory keep this branch's registers few
-                elem_t* s_Pn = s_dS + ((n + 1) % 2) * TILE_DS;
-                store_frags(s_Pn, Pf);
-                share_ds();
-                const auto key_seen = [&](int r, int qc) { return key_visible(q0 + qc, key0 + r, Nq, Nk, causal); };
-                visible_product<DP / 8, B_R>(
-                    dV, [&](int r, int qc) { return to_acc(s_Pn[sw128_offset<B_C>(16 * warp + r, qc)]); },
-                    [&](int qc, int col) { return to_acc(s_dOs[sw128_offset<B_R>(qc, col)]); }, key_seen);
-                visible_product<DP / 8, B_R>(
-                    dK, [&](int r, int qc) { return to_acc(s_dSn[sw128_offset<B_C>(16 * warp + r, qc)]); },
-                    [&](int qc, int col) { return to_acc(s_Qs[sw128_offset<B_R>(qc, col)]); }, key_seen);
-                share_dq([&](acc_t (&dQ)[8][4], int rb, int cb, int row0) {
-                    zero_frag(dQ);
-                    visible_product<8, B_C>(
-                        dQ, [&](int r, int kc) { return to_acc(s_dSn[sw128_offset<B_C>(kc, row0 + r)]); },
-                        [&](int kc, int col) { return to_acc(s_K[sw128_offset<B_C>(kc, cb * 64 + col)]); },
-                        [&](int r, int kc) { return key_visible(q0 + row0 + r, kv0 + kc, Nq, Nk, causal); });
-                });
-            } else {
+            // dQ_i = scale dS_ij K_j over all B_C keys, one (64, 64) block per turn, into s_dQ
+#pragma unroll
+            for (int b = 0; b < (B_R / 64) * (DP / 64); ++b) {
+                const int rb = b / (DP / 64), cb = b % (DP / 64);   // query rows 64 rb.., columns 64 cb..
+                if ((b + n) % CONSUMERS != c) continue;
+                acc_t dQ[8][4];
                 wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < B_R / 16; ++kk)
-                    Wgmma<DV_N>::rs(dV, Pf[kk], sw128_desc(s_dOs + sw128_offset<B_R>(kk * 16, 0), Q_BLOCK, ATOM));
-#pragma unroll
-                for (int kk = 0; kk < B_R / 16; ++kk)
-                    Wgmma<DV_N>::rs(dK, dSf[kk], sw128_desc(s_Qs + sw128_offset<B_R>(kk * 16, 0), Q_BLOCK, ATOM));
+                for (int kk = 0; kk < B_C / 16; ++kk)
+                    Wgmma<64>::ss<1, 1>(dQ, sw128_desc(s_dSn + sw128_offset<B_C>(kk * 16, rb * 64), TILE_DS * 2, ATOM),
+                                        sw128_desc(s_K + sw128_offset<B_C>(kk * 16, cb * 64), K_BLOCK, ATOM), kk > 0);
                 wgmma_commit();
-                share_ds();
-                share_dq([&](acc_t (&dQ)[8][4], int rb, int cb, int) {
-                    wgmma_fence();
+                wgmma_wait<0>();
+                wgmma_pin(dQ);
+                // rows of dQ_i are queries here: warp w of the group holds rows 16w + g (+8) of the block
 #pragma unroll
-                    for (int kk = 0; kk < B_C / 16; ++kk)
-                        Wgmma<64>::ss<1, 1>(dQ, sw128_desc(s_dSn + sw128_offset<B_C>(kk * 16, rb * 64), TILE_DS * 2, ATOM),
-                                            sw128_desc(s_K + sw128_offset<B_C>(kk * 16, cb * 64), K_BLOCK, ATOM), kk > 0);
-                    wgmma_commit();
-                    wgmma_wait<0>();
-                    wgmma_pin(dQ);
-                });
-                wgmma_wait<0>();                               // dV_j, dK_j are done with P^T, dS^T too
-                wgmma_pin(dV);
-                wgmma_pin(dK);
-                wgmma_pin_a(Pf);
-                wgmma_pin_a(dSf);
+                for (int nn = 0; nn < 8; ++nn)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        *reinterpret_cast<float2*>(s_dQ + (rb * 64 + 16 * (warp % 4) + g + 8 * h) * DQ_PITCH + cb * 64
+                                                   + nn * 8 + 2 * t) =
+                            make_float2(scale * dQ[nn][2 * h], scale * dQ[nn][2 * h + 1]);
             }
+            wgmma_wait<0>();                               // dV_j, dK_j are done with P^T, dS^T too
+            wgmma_pin(dV);
+            wgmma_pin(dK);
+            wgmma_pin_a(Pf);
+            wgmma_pin_a(dSf);
             fence_proxy_async();
             // tile j adds the j-th term of dQ_i: every K/V tile before it reaches Q tile i too
             unsigned* dq_turn = ORDERED ? dq_turns + (bh * T_r + i_first + n) : nullptr;
             if (ORDERED && ctid == 0) wait_turn(dq_turn, j);
             named_barrier_sync(2, CONSUMERS * WG_THREADS);   // s_dQ holds dQ_i
 
-            // dQ_i into the workspace: a bulk add per row (rows of 16-byte multiples), else float atomics
+            // dQ_i into the workspace: a bulk add per row (rows of 16-byte multiples), else float atomics;
+            // a row that saw no key (lse = +inf) adds nothing, not even 0 · NaN of a masked key
             const int rows = min(B_R, Nq - q0);
             if (D % 4 == 0) {
-                if (ctid < rows) bulk_reduce_add_f32(dq_acc + (i64)(q0 + ctid) * D, s_dQ + ctid * DQ_PITCH, D * 4);
+                if (ctid < rows && st[ctid] != POS_INF)
+                    bulk_reduce_add_f32(dq_acc + (i64)(q0 + ctid) * D, s_dQ + ctid * DQ_PITCH, D * 4);
             } else {
                 for (int e = ctid; e < rows * D; e += CONSUMERS * WG_THREADS)
-                    atomicAdd(dq_acc + (i64)(q0 + e / D) * D + e % D, s_dQ[(e / D) * DQ_PITCH + e % D]);
+                    if (st[e / D] != POS_INF)
+                        atomicAdd(dq_acc + (i64)(q0 + e / D) * D + e % D, s_dQ[(e / D) * DQ_PITCH + e % D]);
             }   // s_dQ is rewritten only after the next step's first barrier
             if (ORDERED) {
                 if (D % 4 == 0 && ctid < rows) {

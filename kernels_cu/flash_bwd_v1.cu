@@ -184,12 +184,6 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
             s_D[r] = in ? Dsum[q0 + r] : (acc_t)0;
         }
         __syncthreads();
-        // a Q tile with masked pairs, and Q_i, dO_i or K_j holding inf or NaN: the products over the
-        // visible pairs only
-        const bool exact = causal && kv0 + B_C - 1 > q0 + (Nk - Nq)
-                           && __syncthreads_or(rows_nonfinite(s_Q, B_R, DP, QKV_PITCH, tid, NTHREADS)
-                                               || rows_nonfinite(s_dO, B_R, DP, QKV_PITCH, tid, NTHREADS)
-                                               || rows_nonfinite(s_K, B_C, DP, QKV_PITCH, tid, NTHREADS));
 
         // S_ij^T = K_j Q_i^T                                               (16, B_R)
         acc_t P[B_R / 8][4];
@@ -212,39 +206,24 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
         __syncwarp();
 
         // dV_j += P_ij^T dO_i                                              (16, DC)
-        const auto ds_at = [&](int r, int qc) { return to_acc(s_dSw[r * DS_PITCH + qc]); };   // P^T, then dS^T
-        const auto key_seen = [&](int r, int qc) { return key_visible(q0 + qc, key0 + r, Nq, Nk, causal); };
-        if (exact && boundary)
-            visible_product<DC / 8, B_R>(
-                dV, ds_at, [&](int qc, int col) { return to_acc(s_dO[qc * QKV_PITCH + c0 + col]); }, key_seen);
-        else
-            warp_mma<DC / 8, B_R, false, true>(dV, s_dSw, DS_PITCH, s_dO + c0, QKV_PITCH);
+        warp_mma<DC / 8, B_R, false, true>(dV, s_dSw, DS_PITCH, s_dO + c0, QKV_PITCH);
 
         // dP_ij^T = V_j dO_i^T                                             (16, B_R)
         acc_t dP[B_R / 8][4];
         zero_frag(dP);
         warp_mma<B_R / 8, DP, false, false>(dP, s_V + 16 * warp * QKV_PITCH, QKV_PITCH, s_dO, QKV_PITCH);
 
-        // dS_ij^T = P_ij^T o (dP_ij^T - D_i); invisible -> 0, whatever dP^T holds there
+        // dS_ij^T = P_ij^T o (dP_ij^T - D_i)
 #pragma unroll
         for (int n = 0; n < B_R / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int qc = n * 8 + 2 * t + e % 2;
-                P[n][e] = (boundary && !key_visible(q0 + qc, key0 + g + (e / 2) * 8, Nq, Nk, causal))
-                              ? (acc_t)0
-                              : P[n][e] * (dP[n][e] - s_D[qc]);
-            }
+            for (int e = 0; e < 4; ++e) P[n][e] *= dP[n][e] - s_D[n * 8 + 2 * t + e % 2];
         __syncwarp();
         store_frag_smem(s_dSw, DS_PITCH, P);
         __syncwarp();
 
         // dK_j += dS_ij^T Q_i   (scaled at the end)                        (16, DC)
-        if (exact && boundary)
-            visible_product<DC / 8, B_R>(
-                dK, ds_at, [&](int qc, int col) { return to_acc(s_Q[qc * QKV_PITCH + c0 + col]); }, key_seen);
-        else
-            warp_mma<DC / 8, B_R, false, true>(dK, s_dSw, DS_PITCH, s_Q + c0, QKV_PITCH);
+        warp_mma<DC / 8, B_R, false, true>(dK, s_dSw, DS_PITCH, s_Q + c0, QKV_PITCH);
         // tile j adds the j-th term of dQ_i: every K/V tile before it reaches Q tile i too
         unsigned* dq_turn = ORDERED ? dq_turns + ((bh * T_r + i) * n_chunks + c0 / DC) : nullptr;
         if (ORDERED && tid == 0) wait_turn(dq_turn, j);
@@ -256,19 +235,16 @@ flash_bwd_v1(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
             const int col0 = c0 + wn * DQ_NT * 8;
             acc_t dQ[DQ_NT][4];
             zero_frag(dQ);
-            if (exact)
-                visible_product<DQ_NT, B_C>(
-                    dQ, [&](int r, int kc) { return to_acc(s_dS[kc * DS_PITCH + wm * 16 + r]); },
-                    [&](int kc, int col) { return to_acc(s_K[kc * QKV_PITCH + col0 + col]); },
-                    [&](int r, int kc) { return key_visible(q0 + wm * 16 + r, kv0 + kc, Nq, Nk, causal); });
-            else
-                warp_mma<DQ_NT, B_C, true, true>(dQ, s_dS + wm * 16, DS_PITCH, s_K + col0, QKV_PITCH);
+            warp_mma<DQ_NT, B_C, true, true>(dQ, s_dS + wm * 16, DS_PITCH, s_K + col0, QKV_PITCH);
 #pragma unroll
             for (int n = 0; n < DQ_NT; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int row = q0 + wm * 16 + g + (e / 2) * 8, col = col0 + n * 8 + 2 * t + e % 2;
-                    if (row < Nq && col < D) atomicAdd(dq_acc + (i64)row * D + col, scale * dQ[n][e]);
+                    // a row that saw no key (1/l = 0; m = +inf may also be a seen row's) adds nothing,
+                    // not even 0 · NaN of a masked key
+                    if (row < Nq && col < D && s_inv_l[row - q0] != (acc_t)0)
+                        atomicAdd(dq_acc + (i64)row * D + col, scale * dQ[n][e]);
                 }
         }
         if (ORDERED) {

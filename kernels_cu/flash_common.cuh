@@ -510,14 +510,6 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
 }
 
-// named barrier `id` over `count` threads that also returns the OR of their `pred`
-__device__ __forceinline__ bool named_barrier_or(int id, int count, bool pred) {
-    unsigned any;
-    asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}"
-                 : "=r"(any) : "r"((unsigned)pred), "r"(id), "r"(count) : "memory");
-    return any != 0;
-}
-
 // Bulk add of `bytes` (a multiple of 16, both addresses 16-byte aligned) from shared to global memory,
 // done by the copy engine; `bulk_wait_read` waits until this thread's bulk operations have read
 // their shared-memory sources, `bulk_wait` until they are complete.
@@ -676,96 +668,6 @@ __device__ __forceinline__ void scale_and_mask(acc_t (&S)[NT][4], acc_t scale, b
     mask_scores(S, boundary, r0, kv0, Nq, Nk, causal);
 }
 
-// ---------------------------------------------------------------------------
-// Masked pairs and non-finite operands. A tile product forms a term for every
-// pair, a masked one as 0 · x, and 0 · inf or 0 · NaN is NaN where the
-// reference (a masked pair has no term) has none. So a product over a tile
-// with masked pairs whose other operand holds an inf or NaN (rows_nonfinite
-// finds it: a scan, only of tiles that have masked pairs) runs as
-// visible_product instead: the sum over the visible pairs only, one scalar
-// FMA per term. It is slow, and only such inputs take it. The ragged ends
-// need none of it: rows and keys past them are loaded as zeros.
-// ---------------------------------------------------------------------------
-
-// inf or NaN (all exponent bits set) in one 32-bit word of elem_t values
-__device__ __forceinline__ bool word_nonfinite(unsigned w) {
-#if FLASH_DTYPE == 0
-    return (w & 0x7c00u) == 0x7c00u || (w & 0x7c000000u) == 0x7c000000u;
-#elif FLASH_DTYPE == 1
-    return (w & 0x7f80u) == 0x7f80u || (w & 0x7f800000u) == 0x7f800000u;
-#elif FLASH_DTYPE == 2
-    return (w & 0x7f800000u) == 0x7f800000u;
-#else
-    return (w & 0x7ff00000u) == 0x7ff00000u;   // the high word of a double
-#endif
-}
-
-// This thread's share (of `threads`) of the question whether `rows` rows of `cols` elem_t (a multiple
-// of VEC), `pitch` elements apart in shared memory, hold an inf or NaN; the caller ORs the shares.
-__device__ __forceinline__ bool rows_nonfinite(const elem_t* s, int rows, int cols, int pitch, int tid, int threads) {
-    const int chunks = cols / VEC;
-    bool any = false;
-    for (int c = tid; c < rows * chunks; c += threads) {
-        const uint4 x = *reinterpret_cast<const uint4*>(s + (c / chunks) * pitch + c % chunks * VEC);
-        any |= (sizeof(elem_t) == 8 ? false : word_nonfinite(x.x) || word_nonfinite(x.z))
-               || word_nonfinite(x.y) || word_nonfinite(x.w);
-    }
-    return any;
-}
-
-// One term of visible_product per accumulator of rows g, g+8 in tiles N0 .. N0+COUNT-1 of c: A's
-// column k holds a0, a1 there
-template <int N0, int COUNT, int NT, class B, class Visible>
-__device__ __forceinline__ void visible_terms(acc_t (&c)[NT][4], int k, acc_t a0, acc_t a1, B b, Visible visible) {
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int g = lane / 4, t = lane % 4;
-    const bool v0 = visible(g, k), v1 = visible(g + 8, k);
-#pragma unroll
-    for (int n = N0; n < N0 + COUNT; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const acc_t x = b(k, n * 8 + 2 * t + e);
-            if (v0) c[n][e] += a0 * x;
-            if (v1) c[n][2 + e] += a1 * x;
-        }
-}
-
-// C (16, 8*NT) += A (16, K) B (K, 8*NT) of a warp tile over the pairs (r, k) with visible(r, k) only;
-// a(r, k) and b(k, n) read the operands from shared memory. Four accumulator tiles per pass over K
-// keep the registers it needs beyond c few.
-template <int NT, int K, int N0 = 0, class A, class B, class Visible>
-__device__ __forceinline__ void visible_product(acc_t (&c)[NT][4], A a, B b, Visible visible) {
-    constexpr int COUNT = NT - N0 < 4 ? NT - N0 : 4;
-    const int g = threadIdx.x % WARP_SIZE / 4;
-#pragma unroll 1
-    for (int k = 0; k < K; ++k) visible_terms<N0, COUNT>(c, k, a(g, k), a(g + 8, k), b, visible);
-    if constexpr (N0 + COUNT < NT) visible_product<NT, K, N0 + COUNT>(c, a, b, visible);
-}
-
-#if FLASH_TENSOR_CORES
-// The same with A (16, 16*KT) in registers as m16n8k16 A fragments (frag_to_a): register 2h + r/8 of
-// a[kk] holds row r's columns 16kk + 8h + 2t, +1 at lane 4 (r % 8) + t, and reaches the lanes of row r
-// by a shuffle. Every index into `a` is a constant (one known only at run time would move the
-// fragments to local memory, in the fast path too). All lanes call it together. It needs more
-// registers than the shared-memory form: the backward, short of them, stages its A operands.
-template <int NT, int KT, class B, class Visible>
-__device__ __forceinline__ void visible_product(acc_t (&c)[NT][4], const unsigned (&a)[KT][4], B b, Visible visible) {
-    const int g = threadIdx.x % WARP_SIZE / 4;
-#pragma unroll
-    for (int kk = 0; kk < KT; ++kk)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll 1
-            for (int src = 0; src < 4; ++src) {
-                const unsigned w0 = __shfl_sync(0xffffffffu, a[kk][2 * h], 4 * g + src);       // row g
-                const unsigned w1 = __shfl_sync(0xffffffffu, a[kk][2 * h + 1], 4 * g + src);   // row g + 8
-                const int k = 16 * kk + 8 * h + 2 * src;
-                visible_terms<0, NT>(c, k, bits_to_float(w0 & 0xffffu), bits_to_float(w1 & 0xffffu), b, visible);
-                visible_terms<0, NT>(c, k + 1, bits_to_float(w0 >> 16), bits_to_float(w1 >> 16), b, visible);
-            }
-}
-#endif
-
 // The online softmax step (Algorithm 1, lines 10-11) on a warp's (16, 8*NT) score tile, in place:
 //   m_new = max(m_i, rowmax(S_ij));  S_ij <- P~_ij = exp2((S_ij - m_new) c);  alpha = exp2((m_i - m_new) c)
 // and rowsum(P~_ij) per accumulator row (g, g+8). The caller rescales l_i and O_i by alpha.
@@ -834,8 +736,8 @@ __device__ __forceinline__ void store_row_pair(elem_t* row, int col, int d, acc_
 
 // The epilogue of a warp's (16, 8*NT) O_i accumulator, first row r0, rows g and g+8 of each lane:
 // O_i = diag(l_i)^-1 O_i into o (Nq, D), m_i m_scale (m_i of the online softmax in units of
-// m_scale; -inf stays -inf) and l_i into m_out, l_out (Nq). A row that saw no key (l_i = 0) has
-// O_i = 0 and keeps it (1 / l_i taken as 0); NaN stays NaN.
+// m_scale; -inf stays -inf) and l_i into m_out, l_out (Nq). A row that saw no key (l_i = 0) gets
+// O_i = 0, whatever 0 · NaN met in P~ V where a masked key's value was not finite; NaN stays NaN.
 template <int NT>
 __device__ __forceinline__ void store_output_rows(elem_t* o, acc_t* m_out, acc_t* l_out, const acc_t (&O)[NT][4],
                                                   const acc_t (&m_i)[2], const acc_t (&l_i)[2], acc_t m_scale,
@@ -846,10 +748,12 @@ __device__ __forceinline__ void store_output_rows(elem_t* o, acc_t* m_out, acc_t
     for (int h = 0; h < 2; ++h) {
         const int row = r0 + g + 8 * h;
         if (row >= Nq) continue;
-        const acc_t inv_l = l_i[h] == (acc_t)0 ? (acc_t)0 : (acc_t)1 / l_i[h];
+        const bool none = l_i[h] == (acc_t)0;
+        const acc_t inv_l = none ? (acc_t)0 : (acc_t)1 / l_i[h];
 #pragma unroll
         for (int n = 0; n < NT; ++n)
-            store_row_pair(o + (i64)row * D, n * 8 + 2 * t, D, O[n][2 * h] * inv_l, O[n][2 * h + 1] * inv_l);
+            store_row_pair(o + (i64)row * D, n * 8 + 2 * t, D, none ? (acc_t)0 : O[n][2 * h] * inv_l,
+                           none ? (acc_t)0 : O[n][2 * h + 1] * inv_l);
         if (t == 0) {
             m_out[row] = m_i[h] == NEG_INF ? NEG_INF : m_i[h] * m_scale;
             l_out[row] = l_i[h];

@@ -107,8 +107,6 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
         load_tile<B_C, DP>(s_K, k + kv0 * k_sn, k_sn, min(B_C, Nk - kv0), D, vec, tid, NTHREADS);
         load_tile<B_C, DP>(s_V, v + kv0 * v_sn, v_sn, min(B_C, Nk - kv0), D, vec, tid, NTHREADS);
         __syncthreads();
-        // V_j holds inf or NaN: P~_ij V_j over the visible pairs only, in the Q tiles with masked pairs
-        const bool exact_pv = causal && __syncthreads_or(rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS));
 
         for (int i = split; i < T_r; i += n_splits) {
             const int r0 = i * B_R + 16 * warp;   // first query row of this warp
@@ -163,13 +161,7 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                 if (c0 >= D) break;
                 acc_t PV[DC / 8][4];
                 zero_frag(PV);
-                if (exact_pv && boundary)
-                    visible_product<DC / 8, B_C>(
-                        PV, [&](int r, int kk) { return to_acc(s_Pw[r * P_PITCH + kk]); },
-                        [&](int kk, int col) { return to_acc(s_V[kk * QKV_PITCH + c0 + col]); },
-                        [&](int r, int kk) { return key_visible(r0 + r, kv0 + kk, Nq, Nk, causal); });
-                else
-                    warp_mma<DC / 8, B_C, false, true>(PV, s_Pw, P_PITCH, s_V + c0, QKV_PITCH);
+                warp_mma<DC / 8, B_C, false, true>(PV, s_Pw, P_PITCH, s_V + c0, QKV_PITCH);
 #pragma unroll
                 for (int n = 0; n < DC / 8; ++n)
 #pragma unroll
@@ -177,7 +169,8 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                         const int row = r0 + g + 8 * h, col = c0 + n * 8 + 2 * t;
                         if (row >= Nq) continue;
                         acc_t o0 = PV[n][2 * h] * inv_l[h], o1 = PV[n][2 * h + 1] * inv_l[h];
-                        if (j > 0) {
+                        if (l_new[h] == (acc_t)0) o0 = o1 = (acc_t)0;   // P~ V may hold 0 · NaN of a masked key
+                        else if (j > 0) {
                             o0 += keep[h] * O_prev[n][2 * h];
                             o1 += keep[h] * O_prev[n][2 * h + 1];
                         }

@@ -115,9 +115,6 @@ flash_fwd_v2(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             cp_async_wait<0>();
         }
         __syncthreads();
-        // a tile with masked pairs whose V_j holds inf or NaN: P~_ij V_j over the visible pairs only
-        const bool exact_pv = causal && kv0 + B_C - 1 > i * B_R + (Nk - Nq)
-                              && __syncthreads_or(rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS));
 
         // S_ij = scale Q_i K_j^T                                           (16, B_C)
         acc_t S[B_C / 8][4];
@@ -147,29 +144,20 @@ flash_fwd_v2(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
         }
 
         // O_i += P~_ij V_j                                                 (16, DP)
-        const auto v_at = [&](int kk, int col) { return to_acc(s_V[kk * QKV_PITCH + col]); };
-        const auto visible = [&](int r, int kk) { return key_visible(r0 + r, kv0 + kk, Nq, Nk, causal); };
 #if FLASH_TENSOR_CORES
         unsigned P[B_C / 16][4];
         frag_to_a(P, S);
-        if (exact_pv && boundary)
-            visible_product(O, P, v_at, visible);
-        else
-            warp_mma_ra<DP / 8, B_C, true>(O, P, s_V, QKV_PITCH);
+        warp_mma_ra<DP / 8, B_C, true>(O, P, s_V, QKV_PITCH);
 #else
         elem_t* s_Pw = s_KV + STAGES * KV_STAGE + 16 * warp * P_PITCH;   // (16, B_C) this warp's rows
         store_frag_smem(s_Pw, P_PITCH, S);
         __syncwarp();
         // FMA tiles hold a partial sum per accumulator: take O_i in chunks of PV_NT column tiles
         constexpr int PV_NT = DP / 8 < 8 ? DP / 8 : 8;
-        if (exact_pv && boundary)
-            visible_product<DP / 8, B_C>(O, [&](int r, int kk) { return s_Pw[r * P_PITCH + kk]; }, v_at, visible);
-        else {
 #pragma unroll
-            for (int n0 = 0; n0 < DP / 8; n0 += PV_NT)
-                warp_mma<PV_NT, B_C, false, true>(*reinterpret_cast<acc_t(*)[PV_NT][4]>(&O[n0]), s_Pw, P_PITCH,
-                                                  s_V + n0 * 8, QKV_PITCH);
-        }
+        for (int n0 = 0; n0 < DP / 8; n0 += PV_NT)
+            warp_mma<PV_NT, B_C, false, true>(*reinterpret_cast<acc_t(*)[PV_NT][4]>(&O[n0]), s_Pw, P_PITCH,
+                                              s_V + n0 * 8, QKV_PITCH);
         __syncwarp();
 #endif
         __syncthreads();   // every warp is done with this stage before it is refilled

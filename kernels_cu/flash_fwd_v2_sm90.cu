@@ -55,7 +55,6 @@ constexpr int SMEM_BYTES = (Q_STAGES * TILE_Q + 2 * STAGES * TILE_KV) * (int)siz
                            + (Q_STAGES + 1) * 8        // s_index, s_claim (8 bytes apart)
                            + SW_ATOM_BYTES;             // + slack for the 1024-byte alignment
 constexpr int PRODUCER_BARRIER = 15;                   // named barrier of the producer warpgroup (consumers: 1 .. CONSUMERS)
-constexpr int EXACT_BARRIER = 1 + CONSUMERS;           // consumer c's own: EXACT_BARRIER + c
 // One consumer: two CTAs per SM keep each other's tensor cores busy; more: one CTA, ping-pong.
 // The host launches this many per SM (FLASH_CTAS_PER_SM).
 constexpr int CTAS_PER_SM = FLASH_CTAS_PER_SM;
@@ -294,31 +293,9 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                 if (j < j_stop) mbar_arrive(&k_empty[(kv + j) % STAGES]);
                 if (j >= 1) mbar_arrive(&v_empty[(kv + j - 1) % STAGES]);
             };
-            // Whether P~_ij V_j runs over the visible pairs only (visible_values, scalar FMAs, with no wgmma
-            // in flight): these rows have masked pairs in tile j and V_j holds inf or NaN. The warpgroup
-            // decides together, once V_j is full.
-            auto exact_values = [&](int j) {
-                const elem_t* s_Vj = s_V + ((kv + j) % STAGES) * TILE_KV;
-                return causal && j * B_C + B_C - 1 > row_first + (Nk - Nq)
-                       && named_barrier_or(EXACT_BARRIER + c, WG_THREADS,
-                                           rows_nonfinite(s_Vj, TILE_KV / SW_COLS, SW_COLS, SW_COLS,
-                                                          tid % WG_THREADS, WG_THREADS));
-            };
-            auto visible_values = [&](int j) {
-                const elem_t* s_Vj = s_V + ((kv + j) % STAGES) * TILE_KV;
-                visible_product(
-                    O, P, [&](int kk, int col) { return to_acc(s_Vj[sw128_offset<B_C>(kk, col)]); },
-                    [&](int r, int kk) { return key_visible(r0 + r, j * B_C + kk, Nq, Nk, causal); });
-            };
             // Q_i is released once this warpgroup's last S_ij has completed; the producer loads the
             // CTA's next Q tile (in the other buffer, if there are two) under the rest of this one
             auto release_q = [&]() { mbar_arrive(&q_empty[qs]); };
-            // S_ij has landed: release Q_i after the last one and K_j, then the softmax
-            auto scores_done = [&](int j) {
-                if (j == my_stop - 1) release_q();
-                mbar_arrive(&k_empty[(kv + j) % STAGES]);
-                softmax_step(j);
-            };
 
             if (my_stop > 0) {
                 // step 0: S_i0 alone
@@ -329,7 +306,9 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                 your_turn();
                 wgmma_wait<0>();
                 wgmma_pin(S);
-                scores_done(0);
+                if (my_stop == 1) release_q();
+                mbar_arrive(&k_empty[kv % STAGES]);
+                softmax_step(0);
                 rescale();
 
                 // step j: S_ij and P~_{i,j-1} V_{j-1} in flight together, the softmax of S_ij under the latter
@@ -337,29 +316,19 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                     const int s = (kv + j) % STAGES, sp = (kv + j - 1) % STAGES;
                     wait_full(k_full, kv + j);
                     wait_full(v_full, kv + j - 1);
-                    // each branch a whole wgmma pipeline stage, so that ptxas keeps the fast one asynchronous
-                    if (exact_values(j - 1)) {
-                        visible_values(j - 1);   // first: S_ij, not yet issued, holds no registers
-                        my_turn();
-                        wgmma_fence();
-                        issue_scores(S, s_Qg, s_K + s * TILE_KV);
-                        your_turn();
-                        wgmma_wait<0>();
-                        wgmma_pin(S);
-                        scores_done(j);
-                    } else {
-                        my_turn();
-                        wgmma_fence();
-                        issue_scores(S, s_Qg, s_K + s * TILE_KV);
-                        issue_values(O, P, s_V + sp * TILE_KV);
-                        your_turn();
-                        wgmma_wait<1>();
-                        wgmma_pin(S);
-                        scores_done(j);
-                        wgmma_wait<0>();
-                        wgmma_pin(O);
-                        wgmma_pin_a(P);
-                    }
+                    my_turn();
+                    wgmma_fence();
+                    issue_scores(S, s_Qg, s_K + s * TILE_KV);
+                    issue_values(O, P, s_V + sp * TILE_KV);
+                    your_turn();
+                    wgmma_wait<1>();
+                    wgmma_pin(S);
+                    if (j == my_stop - 1) release_q();
+                    mbar_arrive(&k_empty[s]);
+                    softmax_step(j);
+                    wgmma_wait<0>();
+                    wgmma_pin(O);
+                    wgmma_pin_a(P);
                     mbar_arrive(&v_empty[sp]);
                     rescale();
                 }
@@ -368,20 +337,13 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                 const int j = my_stop, s = (kv + j) % STAGES, sp = (kv + j - 1) % STAGES;
                 if (j < j_stop) wait_full(k_full, kv + j);
                 wait_full(v_full, kv + j - 1);
-                if (exact_values(j - 1)) {
-                    my_turn();
-                    your_turn();
-                    if (j < j_stop) mbar_arrive(&k_empty[s]);
-                    visible_values(j - 1);
-                } else {
-                    my_turn();
-                    wgmma_fence();
-                    issue_values(O, P, s_V + sp * TILE_KV);
-                    your_turn();
-                    if (j < j_stop) mbar_arrive(&k_empty[s]);
-                    wgmma_wait<0>();
-                    wgmma_pin(O);
-                }
+                my_turn();
+                wgmma_fence();
+                issue_values(O, P, s_V + sp * TILE_KV);
+                your_turn();
+                if (j < j_stop) mbar_arrive(&k_empty[s]);
+                wgmma_wait<0>();
+                wgmma_pin(O);
                 mbar_arrive(&v_empty[sp]);
             } else {
                 release_q();
