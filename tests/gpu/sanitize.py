@@ -10,8 +10,9 @@ Run under each tool (zero errors is the pass mark), or all four with ``tests/gpu
 Cases: schedules v1, v2 and v2 on the portable kernels ("v2-mma", where the Hopper ones would
 run), the four dtypes, one head dim per bucket, Nq != Nk ragged against every tile size, causal and
 not, K/V broadcast over a group of query heads, the backward unordered and deterministic.
-``--quick`` keeps two head dims. The script also checks each result against the float64
-reference, so a kernel that runs clean but wrong fails too.
+``--quick`` keeps two head dims, ``--head-dims`` picks some (racecheck over all six takes
+longer than one 10-minute device call: run it in parts). The script also checks each result
+against the float64 reference, so a kernel that runs clean but wrong fails too.
 """
 
 from __future__ import annotations
@@ -64,10 +65,16 @@ def run_case(dtype, D, schedule, causal, rng) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"head dims {QUICK_HEAD_DIMS} only")
+    parser.add_argument("--head-dims", type=int, nargs="+", metavar="D",
+                        help=f"these head dims instead (default {HEAD_DIMS}): racecheck, the slowest tool, "
+                             "takes all of them in more than one 10-minute run")
     args = parser.parse_args(argv)
+    head_dims = args.head_dims or (QUICK_HEAD_DIMS if args.quick else HEAD_DIMS)
+    if any(d < 1 or d > 256 for d in head_dims):
+        parser.error(f"--head-dims must lie in 1..256, got {head_dims}")
     rng = numpy.random.default_rng(0)
     failures = 0
-    cases = list(itertools.product(DTYPES, QUICK_HEAD_DIMS if args.quick else HEAD_DIMS, SCHEDULES, (False, True)))
+    cases = list(itertools.product(DTYPES, head_dims, SCHEDULES, (False, True)))
     for dtype, D, schedule, causal in cases:
         name = numpy.dtype(dtype).name
         err = run_case(dtype, D, schedule, causal, rng)

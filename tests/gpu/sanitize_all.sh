@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every kernel specialisation (tests/gpu/sanitize.py) under each compute-sanitizer tool; prints
 # each tool's error summary and exits non-zero if any tool found an error or a case failed.
-# Usage, from the repository root on a GPU machine: tests/gpu/sanitize_all.sh [--quick]
+# Usage, from the repository root on a GPU machine: tests/gpu/sanitize_all.sh [--quick | --head-dims D ...]
 # (SANITIZER_TOOLS="racecheck synccheck" picks the tools; default all four)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
