@@ -111,14 +111,13 @@ def info() -> int:
     files = len(list(Path(cache).glob("*"))) if Path(cache).is_dir() else 0
     print(f"CuPy kernel cache: {cache} ({files} files, all programs' kernels; CUPY_CACHE_DIR moves it)")
     try:
-        count = cupy.cuda.runtime.getDeviceCount()
+        count, why = cupy.cuda.runtime.getDeviceCount(), ""
         runtime = _cuda_version(cupy.cuda.runtime.runtimeGetVersion())
         driver = _cuda_version(cupy.cuda.runtime.driverGetVersion())
     except cupy.cuda.runtime.CUDARuntimeError as error:
-        print(f"no CUDA GPU found ({error}): the NumPy path runs")
-        return 0
+        count, why = 0, f" ({error})"
     if count == 0:
-        print("no CUDA GPU found: the NumPy path runs")
+        print(f"no CUDA GPU found{why}: the NumPy path runs")
         return 0
     print(f"CUDA runtime {runtime}, driver {driver}")
     for device_id in range(count):

@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy
 
 import cupyflash
-from cupyflash import _launch, reference
+from cupyflash import _launch, _tiles, reference
 
 DTYPES = (numpy.float16, ml_dtypes.bfloat16, numpy.float32, numpy.float64)
 HEAD_DIMS = (24, 64, 80, 128, 160, 256)   # one per bucket: 32, 64, 96, 128, 192, 256
@@ -70,8 +70,8 @@ def main(argv=None) -> int:
                              "takes all of them in more than one 10-minute run")
     args = parser.parse_args(argv)
     head_dims = args.head_dims or (QUICK_HEAD_DIMS if args.quick else HEAD_DIMS)
-    if any(d < 1 or d > 256 for d in head_dims):
-        parser.error(f"--head-dims must lie in 1..256, got {head_dims}")
+    if any(not 1 <= d <= _tiles.MAX_HEAD_DIM for d in head_dims):
+        parser.error(f"--head-dims must lie in 1..{_tiles.MAX_HEAD_DIM}, got {head_dims}")
     rng = numpy.random.default_rng(0)
     failures = 0
     cases = list(itertools.product(DTYPES, head_dims, SCHEDULES, (False, True)))
