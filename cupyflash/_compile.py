@@ -17,13 +17,14 @@ from ._tiles import TileConfig
 
 HEADER = "flash_common.cuh"
 KERNEL_FILES = {"fwd_v1": "flash_fwd_v1.cu", "fwd_v2": "flash_fwd_v2.cu", "fwd_v2_sm90": "flash_fwd_v2_sm90.cu",
-                "bwd_v1": "flash_bwd_v1.cu", "bwd_sm90": "flash_bwd_sm90.cu"}
+                "bwd_v1": "flash_bwd_v1.cu", "bwd_sm90": "flash_bwd_sm90.cu", "repair": "flash_repair.cu"}
 KERNEL_NAMES = {
     "fwd_v1": ("flash_fwd_v1",),
     "fwd_v2": ("flash_fwd_v2",),
     "fwd_v2_sm90": ("flash_fwd_v2_sm90",),
     "bwd_v1": ("flash_bwd_prep_v1", "flash_bwd_v1", "flash_convert"),
     "bwd_sm90": ("flash_bwd_sm90",),
+    "repair": ("flash_fwd_repair", "flash_bwd_repair"),
 }
 BASE_OPTIONS = ("-std=c++17",)
 
@@ -108,7 +109,8 @@ def precompile(kernels=None, dtypes=None, head_dims=None) -> list[TileConfig]:
     ----------
     kernels : sequence of str, optional
         Names from ``cupyflash._tiles.KERNELS`` (``'fwd_v1'``, ``'fwd_v2'``,
-        ``'fwd_v2_sm90'``, ``'bwd_v1'``, ``'bwd_sm90'``); default all that run here.
+        ``'fwd_v2_sm90'``, ``'bwd_v1'``, ``'bwd_sm90'``, ``'repair'``); default
+        all that run here.
     dtypes : sequence of dtype-like, optional
         Default all four (each kernel takes only its own).
     head_dims : sequence of int, optional

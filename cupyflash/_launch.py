@@ -18,7 +18,7 @@ from functools import lru_cache
 import numpy
 
 from ._compile import get_kernels
-from ._tiles import BWD_SM90_MAX_HEAD_DIM, TileConfig, accumulator_dtype, choose_tiles
+from ._tiles import BWD_SM90_MAX_HEAD_DIM, REPAIR_WARPS, TileConfig, accumulator_dtype, choose_tiles
 
 MAX_BATCH_DIMS = 3  # collapsed batch dims a kernel indexes (flash_common.cuh: split_batch)
 VECTOR_BYTES = 16   # width of the vectorised tile loads
@@ -238,6 +238,26 @@ def _copy_into(target, x):
 
 
 @dataclass(frozen=True)
+class Repair:
+    """flash_fwd_repair or flash_bwd_repair (flash_repair.cu) over ``flags`` uint32 repair flags."""
+
+    kernel: object            # cupy.RawKernel
+    flags: int
+    grid: int
+    scalars: tuple            # the kernel's arguments after its arrays
+
+    def launch(self, arrays):
+        self.kernel((self.grid,), (32 * REPAIR_WARPS,), tuple(arrays) + self.scalars)
+
+
+def repair_plan(name: str, head_dim: int, dtype, flags: int, scalars: tuple) -> Repair:
+    """``flash_{name}_repair`` of ``flags`` flags: a CTA per flag up to four per SM, each reads its
+    share of them at once."""
+    kernel = get_kernels(device_tiles("repair", head_dim, dtype))[f"flash_{name}_repair"]
+    return Repair(kernel, flags, min(flags, 4 * current_limits().sms), scalars)
+
+
+@dataclass(frozen=True)
 class ForwardPlan:
     """A forward launch with everything but its arrays settled; ``plan(q, k, v)`` returns ``(o, m, l)``."""
 
@@ -253,6 +273,7 @@ class ForwardPlan:
     tile_counter: bool        # the persistent Hopper kernel, which takes a zeroed tile counter after l
     o_run_shape: tuple | None   # V1's running O_i (BH, Nq, d_pad); None with a single K/V tile (m stands in)
     scalars: tuple            # the kernel's arguments after its arrays
+    repair: Repair | None     # causal: flash_fwd_repair over the kernel's repair flags, one per Q tile
 
     def __call__(self, q, k, v, out=None):
         """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given."""
@@ -272,11 +293,19 @@ class ForwardPlan:
                 arrays = (q, k, v, o, o_run, m, l)
             else:
                 arrays = (q, k, v, o, m, l)
-            if self.tile_counter:
-                counter = workspace((1,), numpy.uint32)
-                counter.fill(0)
-                arrays += (counter,)
-            self.kernel((self.grid,), (self.threads,), arrays + self.scalars, shared_mem=self.smem_bytes)
+            # the tile counter and the repair flags, zeroed together
+            flags = NULL
+            n_counters = self.tile_counter + (self.repair.flags if self.repair else 0)
+            if n_counters:
+                counters = workspace((n_counters,), numpy.uint32)
+                counters.fill(0)
+                if self.tile_counter:
+                    arrays += (counters[:1],)
+                if self.repair:
+                    flags = counters[int(self.tile_counter):]
+            self.kernel((self.grid,), (self.threads,), arrays + (flags,) + self.scalars, shared_mem=self.smem_bytes)
+            if self.repair:
+                self.repair.launch((q, k, v, o, m, l, flags))
         return o, m, l
 
 
@@ -295,6 +324,12 @@ def forward_plan(q, k, v, *, schedule: str, causal: bool, scale: float, batch_sh
     flags = (numpy.int32(causal), numpy.int32(_vector_ok((q, k, v), D)))
     common = dict(kernel=kernel, device=q.data.device_id, threads=cfg.threads, smem_bytes=cfg.smem_bytes,
                   dtype=q.dtype, acc=acc, o_shape=(*batch_shape, Nq, D))
+    # causal: the kernel flags the Q tiles where a masked pair met an inf or NaN, flash_fwd_repair redoes them
+    repair = None
+    if causal:
+        repair = repair_plan("fwd", D, q.dtype, BH * T_r,
+                             (*strides, numpy.int64(BH), *sizes, numpy.int32(cfg.block_r), numpy.int32(causal)))
+    common.update(repair=repair)
     if schedule == "v2":   # fwd_v2 and fwd_v2_sm90 take the same arguments; the Q tiles of a head share K, V
         group = head_group(BH, 2 * Nk * D * q.itemsize)
         grid, persistent = BH * T_r, cfg.kernel == "fwd_v2_sm90"   # one CTA per tile, or CTAs that claim tiles
@@ -325,7 +360,8 @@ class BackwardPlan:
 
     Three steps: the preparation kernel (D_i and the statistics the main kernel reads), the main
     kernel (dQ into a float32/float64 workspace; dK, dV stored directly, or into workspaces when several
-    batch entries share a K/V head) and the conversion of each workspace to the input dtype.
+    batch entries share a K/V head) and the conversion of each workspace to the input dtype. Causal,
+    the repair of the tiles the main kernel flagged runs between the last two.
     """
 
     prep: object              # cupy.RawKernel: flash_bwd_prep_v1
@@ -339,6 +375,8 @@ class BackwardPlan:
     lse_stats: bool           # the main kernel reads lse_i log2 e (bwd_sm90), else m_i and 1 / l_i
     kv_atomic: bool           # dK, dV summed over batch entries in workspaces
     turn_shapes: tuple        # deterministic: counters of the ordered adds into dQ (and dK, dV), else ()
+    flag_splits: tuple        # causal: repair flags of the dQ, dK, dV tiles (counts), else ()
+    repair: Repair | None     # causal: flash_bwd_repair over those flags
     prep_grid: int
     prep_scalars: tuple
     main_grid: int
@@ -359,6 +397,7 @@ class BackwardPlan:
             m_b, inv_l, lse2 = (d_sum, d_sum, *stats) if self.lse_stats else (*stats, d_sum)   # d_sum: not written
             grads = tuple(cupy.empty(s, self.dtype) for s in self.grad_shapes) if out is None else out
             turns = tuple(workspace(s, numpy.uint32) for s in self.turn_shapes)
+            flags = workspace((sum(self.flag_splits),), numpy.uint32) if self.repair else None
             # dQ, and dK, dV where several batch entries share a K/V head, are sums: in the gradients
             # themselves when they are of the accumulator dtype, else in workspaces converted at the end
             summed = grads if self.kv_atomic else grads[:1]
@@ -368,12 +407,17 @@ class BackwardPlan:
             dk_out, dv_out = (q, q) if self.kv_atomic else grads[1:]             # not written / stored directly
 
             self.prep((self.prep_grid,), (PREP_THREADS,), (o, do, m, l, m_b, inv_l, lse2, d_sum, *self.prep_scalars))
-            for x in (*sums, *turns):
+            for x in (*sums, *turns, *((flags,) if self.repair else ())):
                 x.fill(0)
             turns += (NULL,) * (3 - len(turns))   # dQ, dK, dV; null: unordered
+            n_q, n_k, _ = self.flag_splits or (0, 0, 0)
+            flag_parts = (flags[:n_q], flags[n_q:n_q + n_k], flags[n_q + n_k:]) if self.repair else (NULL,) * 3
             self.main((self.main_grid,), (self.main_threads,),
-                      (q, k, v, do, *stats, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc, *turns, *self.main_scalars),
+                      (q, k, v, do, *stats, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc, *turns, *flag_parts,
+                       *self.main_scalars),
                       shared_mem=self.main_smem_bytes)
+            if self.repair:
+                self.repair.launch((q, k, v, do, m, l, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc, flags))
             for x_acc, g in zip(sums, summed):
                 if x_acc is not g and x_acc.size:
                     blocks = min(max(1, -(-x_acc.size // (4 * CONVERT_THREADS))), 65535)   # four elements per thread
@@ -413,14 +457,26 @@ def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, 
             turn_shapes += tuple((math.prod(x.shape[:-2]), T_c, n_chunks) for x in (k, v))
     # the K/V tiles of a head share Q, dO, the statistics and the dQ workspace
     group = head_group(BH, Nq * (D * (2 * q.itemsize + acc.itemsize) + 2 * acc.itemsize) + 2 * Nk * D * q.itemsize)
-    main_scalars = (*_strides4(q, s_q), *_strides4(k, s_k), *_strides4(v, s_v), *_strides4(do, s_do),
-                    *(numpy.int64(s) for s in (*s_dq, *s_dk, *s_dv)),
-                    n1, n2, group, numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D), acc.type(scale),
-                    numpy.int32(causal), numpy.int32(_vector_ok((q, k, v, do), D)), numpy.int32(kv_atomic))
+    strides = (*_strides4(q, s_q), *_strides4(k, s_k), *_strides4(v, s_v), *_strides4(do, s_do),
+               *(numpy.int64(s) for s in (*s_dq, *s_dk, *s_dv)))
+    sizes = (numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D), acc.type(scale))
+    main_scalars = (*strides, n1, n2, group, *sizes, numpy.int32(causal), numpy.int32(_vector_ok((q, k, v, do), D)),
+                    numpy.int32(kv_atomic))
+    # causal: the main kernel flags the dQ, dK, dV tiles where a masked pair met an inf or NaN (per head
+    # of q, k, v), flash_bwd_repair redoes them
+    flag_splits, repair = (), None
+    if causal:
+        heads = tuple(math.prod(x.shape[:-2]) for x in (q, k, v))
+        flag_splits = (heads[0] * -(-Nq // main_cfg.block_r), heads[1] * T_c, heads[2] * T_c)
+        repair = repair_plan("bwd", D, q.dtype, sum(flag_splits),
+                             (*strides, n1, n2, numpy.int64(BH), *(numpy.int64(h) for h in heads), *sizes,
+                              numpy.int32(main_cfg.block_r), numpy.int32(main_cfg.block_c), numpy.int32(causal),
+                              numpy.int32(kv_atomic)))
     return BackwardPlan(
         prep=kernels["flash_bwd_prep_v1"], main=get_kernels(main_cfg)[f"flash_{main_cfg.kernel}"],
         convert=kernels["flash_convert"], device=q.data.device_id, dtype=q.dtype, acc=acc, rows=(BH, Nq),
         grad_shapes=(q.shape, k.shape, v.shape), lse_stats=lse_stats, kv_atomic=kv_atomic, turn_shapes=turn_shapes,
+        flag_splits=flag_splits, repair=repair,
         prep_grid=-(-rows * PREP_LANES // PREP_THREADS), prep_scalars=prep_scalars,
         main_grid=BH * T_c * n_chunks, main_threads=main_cfg.threads, main_smem_bytes=main_cfg.smem_bytes,
         main_scalars=main_scalars)

@@ -31,6 +31,9 @@ How tiles are chosen (``choose_tiles``):
 * Backward on Hopper (``bwd_sm90``, 16-bit, sm_90a, D <= 128): a producer
   warpgroup and two consumers of 64 keys each (B_c = 128), B_r = 128 queries
   per step at D = 64, 64 at D = 128.
+* Repair (``repair``, flash_repair.cu: the rows where a masked pair met an inf
+  or NaN): one row per warp, ``REPAIR_WARPS`` warps, no shared tiles; the head
+  dim bucket sets the elements per lane.
 """
 
 from __future__ import annotations
@@ -44,12 +47,13 @@ HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
-KERNELS = ("fwd_v1", "fwd_v2", "fwd_v2_sm90", "bwd_v1", "bwd_sm90")
+KERNELS = ("fwd_v1", "fwd_v2", "fwd_v2_sm90", "bwd_v1", "bwd_sm90", "repair")
 # kernels built for one architecture only (NVRTC -arch), and the dtypes they take
 ARCH_KERNELS = {"fwd_v2_sm90": ("sm_90a", ("float16", "bfloat16")), "bwd_sm90": ("sm_90a", ("float16", "bfloat16"))}
 BWD_SM90_MAX_HEAD_DIM = 128   # dK_j, dV_j of 64 keys per warpgroup in registers
 SMEM_PAD_BYTES = 16  # one 16-byte pad per shared row (flash_common.cuh: SMEM_PAD_BYTES)
 SM90_SMEM_BLOCK = 227 * 1024   # shared memory a block may opt in to on sm_90 (H100, H200)
+REPAIR_WARPS = 8   # flash_repair.cu: rows in flight per CTA
 
 # (B_r, B_c, warps) in order of preference
 _FWD_CANDIDATES = {
@@ -107,7 +111,8 @@ class TileConfig:
 
     Attributes
     ----------
-    kernel : {'fwd_v1', 'bwd_v1'}
+    kernel : str
+        One of ``KERNELS``.
     dtype : str
         Element dtype name.
     d_pad : int
@@ -153,6 +158,8 @@ class TileConfig:
         """Dynamic shared memory of the kernel's layout (see the .cu headers)."""
         pad = SMEM_PAD_BYTES // self.itemsize
         qkv_pitch = self.d_pad + pad
+        if self.kernel == "repair":
+            return 0
         if self.kernel == "fwd_v1":
             # s_K, s_V (B_c, DP); s_Q (B_r, DP); s_P (B_r, B_c)
             elems = (2 * self.block_c + self.block_r) * qkv_pitch + self.block_r * (self.block_c + pad)
@@ -230,7 +237,8 @@ def choose_tiles(kernel: str, head_dim: int, dtype, smem_limit: int) -> TileConf
 
     Parameters
     ----------
-    kernel : {'fwd_v1', 'bwd_v1'}
+    kernel : str
+        One of ``KERNELS``.
     head_dim : int
         ``D``, 1 <= D <= 256.
     dtype : dtype-like
@@ -284,6 +292,8 @@ def choose_tiles(kernel: str, head_dim: int, dtype, smem_limit: int) -> TileConf
         cfg = TileConfig(kernel, name, d_pad, 128 if d_pad <= 64 else 64, 128, 12, d_pad)
         if cfg.smem_bytes <= smem_limit:
             return cfg
+    elif kernel == "repair":
+        return TileConfig(kernel, name, d_pad, 1, 1, REPAIR_WARPS, d_pad)
     elif kernel == "bwd_v1":
         for block_r, block_c, warps, max_chunk in _BWD_CANDIDATES[prec]:
             # chunks of 32 columns: the dQ product splits a chunk over two warps of even n-tiles

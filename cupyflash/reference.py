@@ -374,8 +374,8 @@ def blocked_forward(q, k, v, *, causal=False, softmax_scale=None, block_r=64, bl
                 O_i, m_i, l_i = O[..., r0:r1, :], m[..., r0:r1], l[..., r0:r1]
 
             S_ij = scale * (Q_i @ _transpose(K_j))          # S_ij = scale Q_i K_j^T, (*batch, B_r, B_c)
+            visible = _causal_visible(np.arange(r0, r1), np.arange(c0, c1), n_q, n_k) if causal else None
             if causal:
-                visible = _causal_visible(np.arange(r0, r1), np.arange(c0, c1), n_q, n_k)
                 S_ij = np.where(visible, S_ij, NEG_INF)
             m_tilde = S_ij.max(axis=-1, initial=NEG_INF)    # m~_ij = rowmax(S_ij), (*batch, B_r)
             m_new = np.maximum(m_i, m_tilde)                # m_i^new = max(m_i, m~_ij)
@@ -384,10 +384,8 @@ def blocked_forward(q, k, v, *, causal=False, softmax_scale=None, block_r=64, bl
             alpha = np.exp(m_i - shift)                     # alpha = exp(m_i - m_i^new)
             l_new = alpha * l_i + P_tilde.sum(axis=-1)      # l_i^new = alpha l_i + rowsum(P~_ij)
             inv_l_new = _reciprocal_or_zero(l_new)
-            PV = _as_operand(P_tilde, q.dtype) @ V_j        # P~_ij V_j, (*batch, B_r, D)
-            O_new = (alpha * l_i * inv_l_new)[..., None] * O_i + inv_l_new[..., None] * PV
-            # l_i^new == 0: no key seen yet, O_i stays 0 (PV may hold 0 · NaN of a masked key's value)
-            O[..., r0:r1, :] = np.where((l_new == 0)[..., None], 0, O_new)
+            PV = _visible_matmul(_as_operand(P_tilde, q.dtype), V_j, visible)   # P~_ij V_j, (*batch, B_r, D)
+            O[..., r0:r1, :] = (alpha * l_i * inv_l_new)[..., None] * O_i + inv_l_new[..., None] * PV
             m[..., r0:r1] = m_new
             l[..., r0:r1] = l_new
 
@@ -482,17 +480,18 @@ def blocked_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, 
             m_i, l_i, D_i = m[..., r0:r1], l[..., r0:r1], D[..., r0:r1]   # (*batch, B_r)
 
             S_ij = scale * (Q_i @ _transpose(K_j))          # S_ij = scale Q_i K_j^T, (*batch, B_r, B_c)
+            visible = _causal_visible(np.arange(r0, r1), np.arange(c0, c1), n_q, n_k) if causal else None
             if causal:
-                visible = _causal_visible(np.arange(r0, r1), np.arange(c0, c1), n_q, n_k)
                 S_ij = np.where(visible, S_ij, NEG_INF)
+            visible_t = None if visible is None else visible.T
             P_ij = (np.exp(S_ij - _exp_shift(m_i)[..., None])
                     * _reciprocal_or_zero(l_i)[..., None])  # P_ij = diag(l_i)^-1 exp(S_ij - m_i)
-            dV_j += _transpose(_as_operand(P_ij, q.dtype)) @ dO_i         # dV_j += P_ij^T dO_i
+            dV_j += _visible_matmul(_transpose(_as_operand(P_ij, q.dtype)), dO_i, visible_t)   # dV_j += P_ij^T dO_i
             dP_ij = dO_i @ _transpose(V_j)                  # dP_ij = dO_i V_j^T, (*batch, B_r, B_c)
-            dS_ij = _as_operand(P_ij * (dP_ij - D_i[..., None]), q.dtype) # dS_ij = P_ij * (dP_ij - D_i)
-            # dQ_i += scale dS_ij K_j; a row that saw no key adds nothing (not 0 · NaN of a masked key)
-            dQ[..., r0:r1, :] += np.where((l_i == 0)[..., None], 0, scale * (dS_ij @ K_j))
-            dK_j += scale * (_transpose(dS_ij) @ Q_i)       # dK_j += scale dS_ij^T Q_i
+            dS_ij = P_ij * (dP_ij - D_i[..., None])         # dS_ij = P_ij * (dP_ij - D_i), 0 where invisible
+            dS_ij = _as_operand(dS_ij if visible is None else np.where(visible, dS_ij, 0), q.dtype)
+            dQ[..., r0:r1, :] += scale * _visible_matmul(dS_ij, K_j, visible)          # dQ_i += scale dS_ij K_j
+            dK_j += scale * _visible_matmul(_transpose(dS_ij), Q_i, visible_t)         # dK_j += scale dS_ij^T Q_i
 
         dK[..., c0:c1, :] = dK_j
         dV[..., c0:c1, :] = dV_j

@@ -92,6 +92,9 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                unsigned* __restrict__ dq_turns,   // (BH, T_r) zeroed (ORDERED)
                unsigned* __restrict__ dk_turns,   // (K/V heads of k, T_c) zeroed (kv_atomic, ORDERED)
                unsigned* __restrict__ dv_turns,   // (K/V heads of v, T_c) zeroed (kv_atomic, ORDERED)
+               unsigned* __restrict__ dq_flags,   // (heads of q, T_r) zeroed, when causal: tiles for flash_bwd_repair
+               unsigned* __restrict__ dk_flags,   // (K/V heads of k, T_c) zeroed, when causal
+               unsigned* __restrict__ dv_flags,   // (K/V heads of v, T_c) zeroed, when causal
                i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
                i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
                i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
@@ -152,6 +155,31 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
         load_tile_sw128<B_C, DP, WG_THREADS>(s_V, v + batch_offset(bi, v_s0, v_s1, v_s2) + (i64)kv0 * v_sn, v_sn,
                                              kv_rows, D, vec, ptid);
         arrive_when_landed(kv_full, vec);
+
+        // Where a tile pair with masked pairs has an operand with an inf or NaN, its products may spread
+        // it to them (flash_common.cuh): flag dQ_i (of q's own head), dK_j, dV_j (of k's, v's) for the
+        // repair. The producer scans, in its idle time: the tiles of a step once the next step's loads
+        // are issued, K_j and V_j after the second step's. The steps with masked pairs come first.
+        auto masked = [&](int n) { return tile_has_masked_pairs((i_first + n) * B_R, kv0, B_C, Nq, Nk, causal); };
+        auto flag_pair = [&](int n) {
+            dq_flags[batch_offset(bi, dq_s0, dq_s1, dq_s2) / ((i64)Nq * D) * T_r + i_first + n] = 1u;
+            dk_flags[batch_offset(bi, dk_s0, dk_s1, dk_s2) / ((i64)Nk * D) * T_c + j] = 1u;
+            dv_flags[batch_offset(bi, dv_s0, dv_s1, dv_s2) / ((i64)Nk * D) * T_c + j] = 1u;
+        };
+        auto scan_step = [&](int n) {
+            const int s = n % STAGES;
+            mbar_wait(&q_full[s], (n / STAGES) & 1);
+            if (rows_nonfinite(s_Q + s * TILE_Q, TILE_Q / SW_COLS, SW_COLS, SW_COLS, ptid, WG_THREADS)
+                || rows_nonfinite(s_dO + s * TILE_Q, TILE_Q / SW_COLS, SW_COLS, SW_COLS, ptid, WG_THREADS)
+                || values_nonfinite(s_stat + s * 2 * B_R + B_R, B_R, ptid, WG_THREADS))
+                flag_pair(n);
+        };
+        auto scan_kv = [&]() {
+            mbar_wait(kv_full, 0);
+            if (rows_nonfinite(s_K, TILE_KV / SW_COLS, SW_COLS, SW_COLS, ptid, WG_THREADS)
+                || rows_nonfinite(s_V, TILE_KV / SW_COLS, SW_COLS, SW_COLS, ptid, WG_THREADS))
+                for (int n = 0; n < steps && masked(n); ++n) flag_pair(n);
+        };
         for (int n = 0; n < steps; ++n) {
             const int s = n % STAGES, use = n / STAGES, q0 = (i_first + n) * B_R, rows = min(B_R, Nq - q0);
             if (use > 0) mbar_wait(&q_empty[s], (use - 1) & 1);
@@ -159,7 +187,11 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
             load_tile_sw128<B_R, DP, WG_THREADS>(s_dO + s * TILE_Q, dO + (i64)q0 * do_sn, do_sn, rows, D, vec, ptid);
             produce_stats(s_stat + s * 2 * B_R, lse2, Dsum, q0, Nq, vec, ptid);
             arrive_when_landed(&q_full[s], vec);
+            if (n >= 1 && masked(n - 1)) scan_step(n - 1);
+            if (causal && n == 1) scan_kv();
         }
+        if (causal && steps == 1) scan_kv();
+        if (steps > 0 && masked(steps - 1)) scan_step(steps - 1);
         cp_async_wait<0>();   // no copy outlives its thread
     } else {
         // consumers: warpgroup c owns keys kv0 + 64c .. kv0 + 64c + 63

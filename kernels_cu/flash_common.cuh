@@ -657,6 +657,60 @@ __device__ __forceinline__ void mask_scores(acc_t (&S)[NT][4], bool boundary, in
             if (!key_visible(r0 + g + (e / 2) * 8, kv0 + n * 8 + 2 * t + e % 2, Nq, Nk, causal)) S[n][e] = NEG_INF;
 }
 
+// ---------------------------------------------------------------------------
+// Masked pairs and non-finite operands. A tile product forms a term for every
+// pair of its tile, a masked pair's as 0 · x, and 0 · inf or 0 · NaN is NaN
+// where the reference (a masked pair has no term) has none. So the kernels
+// scan the operand tiles of every tile with masked pairs (the causal diagonal
+// ones; ragged ends need nothing: rows and keys past them load as zeros), and
+// where one holds an inf or NaN they flag the output tiles its products reach.
+// flash_repair.cu then recomputes the flagged rows over their visible pairs
+// only. The scan reads tiles already in shared memory, the flags are plain
+// stores of 1 into a zeroed array, and finite inputs never take the repair.
+// ---------------------------------------------------------------------------
+
+// inf or NaN (all exponent bits set) in one 32-bit word of elem_t values
+__device__ __forceinline__ bool word_nonfinite(unsigned w) {
+#if FLASH_DTYPE == 0
+    return (w & 0x7c00u) == 0x7c00u || (w & 0x7c000000u) == 0x7c000000u;
+#elif FLASH_DTYPE == 1
+    return (w & 0x7f80u) == 0x7f80u || (w & 0x7f800000u) == 0x7f800000u;
+#elif FLASH_DTYPE == 2
+    return (w & 0x7f800000u) == 0x7f800000u;
+#else
+    return (w & 0x7ff00000u) == 0x7ff00000u;   // the high word of a double
+#endif
+}
+
+// This thread's share (of `threads`) of the question whether `rows` rows of `cols` elem_t (a
+// multiple of VEC), `pitch` elements apart in shared memory, hold an inf or NaN; the caller acts on
+// any thread's yes, with no vote (every thread that finds one raises the flag itself).
+__device__ __forceinline__ bool rows_nonfinite(const elem_t* s, int rows, int cols, int pitch, int tid, int threads) {
+    const int chunks = cols / VEC;
+    bool any = false;
+#pragma unroll 1
+    for (int c = tid; c < rows * chunks; c += threads) {
+        const uint4 x = *reinterpret_cast<const uint4*>(s + (c / chunks) * pitch + c % chunks * VEC);
+        any |= (sizeof(elem_t) == 8 ? false : word_nonfinite(x.x) || word_nonfinite(x.z))
+               || word_nonfinite(x.y) || word_nonfinite(x.w);
+    }
+    return any;
+}
+
+// The same question of `n` acc_t values in shared memory
+__device__ __forceinline__ bool values_nonfinite(const acc_t* s, int n, int tid, int threads) {
+    bool any = false;
+#pragma unroll 1
+    for (int c = tid; c < n; c += threads) any |= !isfinite(s[c]);
+    return any;
+}
+
+// Tile (q0 .. q0+rows_q-1) x (kv0 .. kv0+rows_k-1) has a masked pair that is not past a ragged end:
+// a key after the last one its first query row sees
+__device__ __forceinline__ bool tile_has_masked_pairs(int q0, int kv0, int rows_k, int Nq, int Nk, bool causal) {
+    return causal && min(kv0 + rows_k, Nk) - 1 > q0 + (Nk - Nq);
+}
+
 // S_ij = scale Q_i K_j^T, rounded once as a naive attention rounds it; invisible keys -> -inf.
 template <int NT>
 __device__ __forceinline__ void scale_and_mask(acc_t (&S)[NT][4], acc_t scale, bool boundary, int r0, int kv0,

@@ -65,6 +65,7 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
              acc_t* __restrict__ o_run,       // (BH, Nq, DP) running O_i between outer steps
              acc_t* __restrict__ m_run,       // (BH, Nq) running m_i
              acc_t* __restrict__ l_run,       // (BH, Nq) running l_i
+             unsigned* __restrict__ repair_flags,   // (BH, T_r) zeroed, when causal: Q tiles for flash_fwd_repair
              i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
              i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
              i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
@@ -107,8 +108,14 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
         load_tile<B_C, DP>(s_K, k + kv0 * k_sn, k_sn, min(B_C, Nk - kv0), D, vec, tid, NTHREADS);
         load_tile<B_C, DP>(s_V, v + kv0 * v_sn, v_sn, min(B_C, Nk - kv0), D, vec, tid, NTHREADS);
         __syncthreads();
+        // this thread's share of V_j holds an inf or NaN: P~_ij V_j may spread it to the masked pairs of
+        // the Q tiles below that have some (flash_common.cuh), flagged for the repair
+        const bool v_nonfinite = causal && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS);
 
         for (int i = split; i < T_r; i += n_splits) {
+            if (v_nonfinite && tile_has_masked_pairs(i * B_R, kv0, B_C, Nq, Nk, causal)
+                && j <= last_kv_tile(i * B_R + B_R - 1, Nq, Nk, T_c, causal))
+                repair_flags[bh * T_r + i] = 1u;
             const int r0 = i * B_R + 16 * warp;   // first query row of this warp
             if (r0 >= Nq) break;
             const int j_last = last_kv_tile(r0 + 15, Nq, Nk, T_c, causal);

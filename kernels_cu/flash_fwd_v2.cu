@@ -59,6 +59,7 @@ flash_fwd_v2(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
              elem_t* __restrict__ o,          // (BH, Nq, D)
              acc_t* __restrict__ m_out,       // (BH, Nq)
              acc_t* __restrict__ l_out,       // (BH, Nq)
+             unsigned* __restrict__ repair_flags,   // (BH, T_r) zeroed, when causal: Q tiles for flash_fwd_repair
              i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
              i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
              i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
@@ -115,6 +116,11 @@ flash_fwd_v2(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             cp_async_wait<0>();
         }
         __syncthreads();
+        // where Q tile i has masked pairs in tile j and V_j holds an inf or NaN, P~_ij V_j may spread it
+        // to them (flash_common.cuh): flag the tile for the repair
+        if (tile_has_masked_pairs(i * B_R, kv0, B_C, Nq, Nk, causal)
+            && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS))
+            repair_flags[bh * T_r + i] = 1u;
 
         // S_ij = scale Q_i K_j^T                                           (16, B_C)
         acc_t S[B_C / 8][4];

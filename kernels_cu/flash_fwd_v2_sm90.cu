@@ -112,6 +112,7 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                   acc_t* __restrict__ m_out,       // (BH, Nq)
                   acc_t* __restrict__ l_out,       // (BH, Nq)
                   unsigned* __restrict__ tile_counter,   // tiles claimed past the first gridDim.x; zero at launch
+                  unsigned* __restrict__ repair_flags,   // (BH, T_r) zeroed, when causal: Q tiles for flash_fwd_repair
                   i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
                   i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
                   i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
@@ -296,6 +297,14 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             // Q_i is released once this warpgroup's last S_ij has completed; the producer loads the
             // CTA's next Q tile (in the other buffer, if there are two) under the rest of this one
             auto release_q = [&]() { mbar_arrive(&q_empty[qs]); };
+            // under P~_{i,jj} V_jj: where these rows have masked pairs in tile jj and V_jj holds an inf or
+            // NaN, the product may spread it to them (flash_common.cuh): flag Q tile i for the repair
+            auto flag_values = [&](int jj) {
+                if (tile_has_masked_pairs(row_first, jj * B_C, B_C, Nq, Nk, causal)
+                    && rows_nonfinite(s_V + ((kv + jj) % STAGES) * TILE_KV, TILE_KV / SW_COLS, SW_COLS, SW_COLS,
+                                      tid % WG_THREADS, WG_THREADS))
+                    repair_flags[w.bh * T_r + i] = 1u;
+            };
 
             if (my_stop > 0) {
                 // step 0: S_i0 alone
@@ -321,6 +330,7 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                     issue_scores(S, s_Qg, s_K + s * TILE_KV);
                     issue_values(O, P, s_V + sp * TILE_KV);
                     your_turn();
+                    flag_values(j - 1);
                     wgmma_wait<1>();
                     wgmma_pin(S);
                     if (j == my_stop - 1) release_q();
@@ -341,6 +351,7 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                 wgmma_fence();
                 issue_values(O, P, s_V + sp * TILE_KV);
                 your_turn();
+                flag_values(j - 1);
                 if (j < j_stop) mbar_arrive(&k_empty[s]);
                 wgmma_wait<0>();
                 wgmma_pin(O);

@@ -80,6 +80,8 @@ def test_tiles_fit_and_follow_the_seed_bound(arch, smem):
             assert cfg.block_r == 64 * (cfg.warps // 4 - 1) and cfg.warps % 4 == 0
         elif cfg.kernel.startswith("fwd"):
             assert cfg.block_r == 16 * cfg.warps
+        elif cfg.kernel == "repair":        # a row per warp, no shared tiles
+            assert cfg.smem_bytes == 0 and cfg.warps == _tiles.REPAIR_WARPS
         else:
             assert cfg.block_c == 16 * cfg.warps
 

@@ -272,16 +272,21 @@ def test_deterministic_backward_is_bitwise_reproducible(schedule, dtype, D, caus
         assert numpy.abs(a - b).max() <= ORDER_RTOL[dtype] * numpy.abs(b).max()
 
 
-@pytest.mark.parametrize("schedule", ["v1", "v2"])
+@pytest.mark.parametrize("schedule", ["v1", "v2", "v2-mma"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("case", ["q", "k", "v"])
-def test_non_finite_inputs_reach_the_outputs_the_reference_says(schedule, dtype, causal, case):
-    """The README's rules: forward o, m, l non-finite exactly where the reference's are, except that v's
-    values may spread inside a causal diagonal tile (0 · NaN of a masked pair on the tensor cores);
-    gradients non-finite wherever the reference's are (exactly there without a mask); rows that see
-    no key keep o = 0, m = -inf, l = 0 and dq = 0."""
-    assert_non_finite_rules(dtype, causal, case, to_gpu, schedule=schedule)
+@pytest.mark.parametrize("case", ["q", "k", "v", "do"])
+@pytest.mark.parametrize("head_dim", [64, 200])
+def test_non_finite_inputs_reach_the_outputs_the_reference_says(schedule, dtype, causal, case, head_dim,
+                                                                monkeypatch):
+    """The README's rules, on every kernel ("v2-mma": the portable V2 forward where the Hopper one would
+    run; D = 200: the V1 backward under "v2"): o, m, l and the gradients non-finite exactly where the
+    mask-exact reference's are, masked pairs of a diagonal tile included; rows that see no key keep
+    o = 0, m = -inf, l = 0 and dq = 0."""
+    from cupyflash import _launch
+
+    monkeypatch.setattr(_launch, "USE_WGMMA", schedule != "v2-mma")
+    assert_non_finite_rules(dtype, causal, case, to_gpu, head_dim, schedule=schedule.split("-")[0])
 
 
 def test_a_call_too_big_for_the_gpu_raises_out_of_memory_and_the_next_call_works():

@@ -9,7 +9,8 @@ Run under each tool (zero errors is the pass mark), or all four with ``tests/gpu
 
 Cases: schedules v1, v2 and v2 on the portable kernels ("v2-mma", where the Hopper ones would
 run), the four dtypes, one head dim per bucket, Nq != Nk ragged against every tile size, causal and
-not, K/V broadcast over a group of query heads, the backward unordered and deterministic.
+not, causal with a NaN in each of q, k, v, do inside a diagonal tile (the scans, the flags and
+flash_repair.cu), K/V broadcast over a group of query heads, the backward unordered and deterministic.
 ``--quick`` keeps two head dims, ``--head-dims`` picks some (racecheck over all six takes
 longer than one 10-minute device call: run it in parts). The script also checks each result
 against the float64 reference, so a kernel that runs clean but wrong fails too.
@@ -34,9 +35,12 @@ SCHEDULES = ("v1", "v2", "v2-mma")
 # q (B, Hkv, G, Nq, D) against k, v (B, Hkv, 1, Nk, D): broadcast over G query heads
 Q_SHAPE, KV_SHAPE = (1, 2, 2, 70), (1, 2, 1, 200)
 TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-4, "float64": 1e-9}
+# Causal, query row i sees keys up to i + 130: a NaN at each of these, where rows of one tile see it
+# and rows of the same tile do not
+POISON = {"q": (0, 0, 1, 10, 3), "k": (0, 1, 0, 170, 2), "v": (0, 0, 0, 150, 1), "do": (0, 1, 1, 30, 0)}
 
 
-def run_case(dtype, D, schedule, causal, rng) -> float:
+def run_case(dtype, D, schedule, causal, poison, rng) -> float:
     """Forward and backward of one case; the worst relative error against the reference."""
     import cupy
 
@@ -44,6 +48,9 @@ def run_case(dtype, D, schedule, causal, rng) -> float:
     q = rng.standard_normal((*Q_SHAPE, D)).astype(dtype)
     k, v = (rng.standard_normal((*KV_SHAPE, D)).astype(dtype) for _ in range(2))
     do = rng.standard_normal(q.shape).astype(dtype)
+    if poison:
+        for name, x in zip(("q", "k", "v", "do"), (q, k, v, do)):
+            x[POISON[name]] = numpy.nan
     api = schedule.split("-")[0]
     qg, kg, vg, dog = (cupy.asarray(x) for x in (q, k, v, do))
     o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, causal=causal, schedule=api)
@@ -56,7 +63,8 @@ def run_case(dtype, D, schedule, causal, rng) -> float:
     for got, ref in zip((o, m, l, *grads, *ordered), (*refs, *ref_grads, *ref_grads)):
         got, ref = got.get().astype(numpy.float64), numpy.asarray(ref, numpy.float64)
         finite = numpy.isfinite(ref)
-        assert numpy.array_equal(numpy.isfinite(got), finite) and numpy.array_equal(got[~finite], ref[~finite])
+        assert numpy.array_equal(numpy.isfinite(got), finite)
+        assert numpy.array_equal(got[~finite], ref[~finite], equal_nan=True)
         scale = numpy.linalg.norm(ref[finite]) or 1.0
         worst = max(worst, float(numpy.linalg.norm(got[finite] - ref[finite]) / scale))
     return worst
@@ -74,14 +82,16 @@ def main(argv=None) -> int:
         parser.error(f"--head-dims must lie in 1..{_tiles.MAX_HEAD_DIM}, got {head_dims}")
     rng = numpy.random.default_rng(0)
     failures = 0
-    cases = list(itertools.product(DTYPES, head_dims, SCHEDULES, (False, True)))
-    for dtype, D, schedule, causal in cases:
+    masks = ((False, False), (True, False), (True, True))   # (causal, poison)
+    cases = list(itertools.product(DTYPES, head_dims, SCHEDULES, masks))
+    for dtype, D, schedule, (causal, poison) in cases:
         name = numpy.dtype(dtype).name
-        err = run_case(dtype, D, schedule, causal, rng)
+        err = run_case(dtype, D, schedule, causal, poison, rng)
         ok = err <= TOLERANCE[name]
         failures += not ok
         if not ok:
-            print(f"FAIL {name} D={D} {schedule} causal={causal}: relative error {err:.2e}", flush=True)
+            print(f"FAIL {name} D={D} {schedule} causal={causal} poison={poison}: relative error {err:.2e}",
+                  flush=True)
     print(f"{len(cases) - failures} of {len(cases)} cases within tolerance", flush=True)
     return 1 if failures else 0
 
