@@ -375,7 +375,7 @@ class BackwardPlan:
     lse_stats: bool           # the main kernel reads lse_i log2 e (bwd_sm90), else m_i and 1 / l_i
     kv_atomic: bool           # dK, dV summed over batch entries in workspaces
     turn_shapes: tuple        # deterministic: counters of the ordered adds into dQ (and dK, dV), else ()
-    flag_splits: tuple        # causal: repair flags of the dQ, dK, dV tiles (counts), else ()
+    flag_splits: tuple        # causal: repair flags of the dQ tiles and of the dK, dV tiles (counts), else ()
     repair: Repair | None     # causal: flash_bwd_repair over those flags
     prep_grid: int
     prep_scalars: tuple
@@ -410,14 +410,14 @@ class BackwardPlan:
             for x in (*sums, *turns, *((flags,) if self.repair else ())):
                 x.fill(0)
             turns += (NULL,) * (3 - len(turns))   # dQ, dK, dV; null: unordered
-            n_q, n_k, _ = self.flag_splits or (0, 0, 0)
-            flag_parts = (flags[:n_q], flags[n_q:n_q + n_k], flags[n_q + n_k:]) if self.repair else (NULL,) * 3
+            n_q = self.flag_splits[0] if self.repair else 0
+            flag_parts = (flags[:n_q], flags[n_q:]) if self.repair else (NULL, NULL)
             self.main((self.main_grid,), (self.main_threads,),
                       (q, k, v, do, *stats, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc, *turns, *flag_parts,
                        *self.main_scalars),
                       shared_mem=self.main_smem_bytes)
             if self.repair:
-                self.repair.launch((q, k, v, do, m, l, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc, flags))
+                self.repair.launch((q, k, v, do, m, l, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc, *flag_parts))
             for x_acc, g in zip(sums, summed):
                 if x_acc is not g and x_acc.size:
                     blocks = min(max(1, -(-x_acc.size // (4 * CONVERT_THREADS))), 65535)   # four elements per thread
@@ -462,16 +462,14 @@ def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, 
     sizes = (numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D), acc.type(scale))
     main_scalars = (*strides, n1, n2, group, *sizes, numpy.int32(causal), numpy.int32(_vector_ok((q, k, v, do), D)),
                     numpy.int32(kv_atomic))
-    # causal: the main kernel flags the dQ, dK, dV tiles where a masked pair met an inf or NaN (per head
-    # of q, k, v), flash_bwd_repair redoes them
+    # causal: the main kernel flags the dQ tiles and the dK, dV tiles (per batch entry) where a masked
+    # pair met an inf or NaN, flash_bwd_repair redoes them
     flag_splits, repair = (), None
     if causal:
-        heads = tuple(math.prod(x.shape[:-2]) for x in (q, k, v))
-        flag_splits = (heads[0] * -(-Nq // main_cfg.block_r), heads[1] * T_c, heads[2] * T_c)
+        flag_splits = (BH * -(-Nq // main_cfg.block_r), BH * T_c)
         repair = repair_plan("bwd", D, q.dtype, sum(flag_splits),
-                             (*strides, n1, n2, numpy.int64(BH), *(numpy.int64(h) for h in heads), *sizes,
-                              numpy.int32(main_cfg.block_r), numpy.int32(main_cfg.block_c), numpy.int32(causal),
-                              numpy.int32(kv_atomic)))
+                             (*strides, n1, n2, numpy.int64(BH), *sizes, numpy.int32(main_cfg.block_r),
+                              numpy.int32(main_cfg.block_c), numpy.int32(causal), numpy.int32(kv_atomic)))
     return BackwardPlan(
         prep=kernels["flash_bwd_prep_v1"], main=get_kernels(main_cfg)[f"flash_{main_cfg.kernel}"],
         convert=kernels["flash_convert"], device=q.data.device_id, dtype=q.dtype, acc=acc, rows=(BH, Nq),

@@ -92,9 +92,8 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                unsigned* __restrict__ dq_turns,   // (BH, T_r) zeroed (ORDERED)
                unsigned* __restrict__ dk_turns,   // (K/V heads of k, T_c) zeroed (kv_atomic, ORDERED)
                unsigned* __restrict__ dv_turns,   // (K/V heads of v, T_c) zeroed (kv_atomic, ORDERED)
-               unsigned* __restrict__ dq_flags,   // (heads of q, T_r) zeroed, when causal: tiles for flash_bwd_repair
-               unsigned* __restrict__ dk_flags,   // (K/V heads of k, T_c) zeroed, when causal
-               unsigned* __restrict__ dv_flags,   // (K/V heads of v, T_c) zeroed, when causal
+               unsigned* __restrict__ dq_flags,   // (BH, T_r) zeroed, when causal: dQ tiles for flash_bwd_repair
+               unsigned* __restrict__ kv_flags,   // (BH, T_c) zeroed, when causal: dK, dV tiles
                i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
                i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
                i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
@@ -157,14 +156,13 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
         arrive_when_landed(kv_full, vec);
 
         // Where a tile pair with masked pairs has an operand with an inf or NaN, its products may spread
-        // it to them (flash_common.cuh): flag dQ_i (of q's own head), dK_j, dV_j (of k's, v's) for the
-        // repair. The producer scans, in its idle time: the tiles of a step once the next step's loads
-        // are issued, K_j and V_j after the second step's. The steps with masked pairs come first.
+        // it to them (flash_common.cuh): flag dQ_i and dK_j, dV_j for the repair. The producer scans, in
+        // its idle time: the tiles of a step once the next step's loads are issued, K_j and V_j after the
+        // second step's. The steps with masked pairs come first.
         auto masked = [&](int n) { return tile_has_masked_pairs((i_first + n) * B_R, kv0, B_C, Nq, Nk, causal); };
         auto flag_pair = [&](int n) {
-            dq_flags[batch_offset(bi, dq_s0, dq_s1, dq_s2) / ((i64)Nq * D) * T_r + i_first + n] = 1u;
-            dk_flags[batch_offset(bi, dk_s0, dk_s1, dk_s2) / ((i64)Nk * D) * T_c + j] = 1u;
-            dv_flags[batch_offset(bi, dv_s0, dv_s1, dv_s2) / ((i64)Nk * D) * T_c + j] = 1u;
+            dq_flags[bh * T_r + i_first + n] = 1u;
+            kv_flags[bh * T_c + j] = 1u;
         };
         auto scan_step = [&](int n) {
             const int s = n % STAGES;

@@ -172,6 +172,20 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
         // in s_index with the next Q_i; a tile past the last one ends the CTA.
         setmaxnreg_dec<PRODUCER_REGS>();
         if (tid == 0) *s_claim = blockIdx.x;
+        // Where a Q tile has masked pairs in tile j and V_j holds an inf or NaN, P~_ij V_j may spread it
+        // to them (flash_common.cuh): flag the Q tile for the repair. The producer scans each such V_j in
+        // its idle time, once the next tile's load is issued: ring position `pending`, for flag
+        // `pending_flag` (none: -1).
+        int pending = -1;
+        unsigned pending_flag = 0;
+        auto scan_pending = [&]() {
+            if (pending < 0) return;
+            mbar_wait(&v_full[pending % STAGES], (pending / STAGES) & 1);
+            if (rows_nonfinite(s_V + (pending % STAGES) * TILE_KV, TILE_KV / SW_COLS, SW_COLS, SW_COLS,
+                               tid % WG_THREADS, WG_THREADS))
+                repair_flags[pending_flag] = 1u;
+            pending = -1;
+        };
         int kv = 0;
         for (unsigned n = 0;; ++n) {
             const int qs = n % Q_STAGES, q_use = n / Q_STAGES;
@@ -182,6 +196,7 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             if (index >= n_tiles) {
                 mbar_arrive(&q_full[qs]);
                 if (tid == 0) mbar_arrive(&q_full[qs]);
+                scan_pending();
                 break;
             }
             const Work w = work_at(index);
@@ -205,6 +220,11 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                 produce_tile<B_C>(s_K + s * TILE_KV, k_h + (i64)j * B_C * k_sn, k_sn, rows, D, vec, &k_full[s], ptid);
                 if (use > 0) mbar_wait(&v_empty[s], (use - 1) & 1);
                 produce_tile<B_C>(s_V + s * TILE_KV, v_h + (i64)j * B_C * v_sn, v_sn, rows, D, vec, &v_full[s], ptid);
+                scan_pending();
+                if (tile_has_masked_pairs(w.i * B_R, j * B_C, B_C, Nq, Nk, causal)) {
+                    pending = kv + j;
+                    pending_flag = (unsigned)(w.bh * T_r + w.i);
+                }
             }
             kv += w.j_stop;
         }
@@ -297,14 +317,6 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             // Q_i is released once this warpgroup's last S_ij has completed; the producer loads the
             // CTA's next Q tile (in the other buffer, if there are two) under the rest of this one
             auto release_q = [&]() { mbar_arrive(&q_empty[qs]); };
-            // under P~_{i,jj} V_jj: where these rows have masked pairs in tile jj and V_jj holds an inf or
-            // NaN, the product may spread it to them (flash_common.cuh): flag Q tile i for the repair
-            auto flag_values = [&](int jj) {
-                if (tile_has_masked_pairs(row_first, jj * B_C, B_C, Nq, Nk, causal)
-                    && rows_nonfinite(s_V + ((kv + jj) % STAGES) * TILE_KV, TILE_KV / SW_COLS, SW_COLS, SW_COLS,
-                                      tid % WG_THREADS, WG_THREADS))
-                    repair_flags[w.bh * T_r + i] = 1u;
-            };
 
             if (my_stop > 0) {
                 // step 0: S_i0 alone
@@ -330,7 +342,6 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                     issue_scores(S, s_Qg, s_K + s * TILE_KV);
                     issue_values(O, P, s_V + sp * TILE_KV);
                     your_turn();
-                    flag_values(j - 1);
                     wgmma_wait<1>();
                     wgmma_pin(S);
                     if (j == my_stop - 1) release_q();
@@ -351,7 +362,6 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                 wgmma_fence();
                 issue_values(O, P, s_V + sp * TILE_KV);
                 your_turn();
-                flag_values(j - 1);
                 if (j < j_stop) mbar_arrive(&k_empty[s]);
                 wgmma_wait<0>();
                 wgmma_pin(O);

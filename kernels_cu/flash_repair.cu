@@ -9,9 +9,9 @@
 //                      masked scores never reach them: the kernels set those to -inf first)
 //   flash_bwd_repair   dq_i = scale sum_j dS_ij k_j,  dk_j = scale sum_i dS_ij q_i,  dv_j = sum_i P_ij dO_i
 //                      with P_ij = exp(S_ij - m_i) / l_i, dS_ij = P_ij (dO_i . v_j - D_i), each summed
-//                      over every batch entry that shares the gradient's head (a broadcast q, k or v);
-//                      it writes the sums the conversion reads (dq_acc; dk_acc, dv_acc when
-//                      kv_atomic), or dk, dv themselves
+//                      over every batch entry that shares the gradient's head (a broadcast q, k or v):
+//                      the first flagged entry among them redoes the rows. It writes the sums the
+//                      conversion reads (dq_acc; dk_acc, dv_acc when kv_atomic), or dk, dv themselves
 //
 // S_ij = scale q_i . k_j. A row that saw no key (l_i = 0) adds nothing, as in the main kernels. One
 // warp per row, the head dim over its lanes (RPL elements each), one visible pair at a time: slow,
@@ -92,10 +92,10 @@ __device__ __forceinline__ void for_each_flagged(const unsigned* flags, i64 n, W
     }
 }
 
-// The batch entries whose gradient rows add into own head `head` of a gradient of `head_elems`
-// elements per head, contiguous in its own shape, with collapsed batch strides s0, s1, s2 (0 along
-// a dim where its input broadcasts): the coordinate is fixed along the others. Entry `index` of
-// `count` runs over the broadcast dims, the last fastest.
+// The batch entries whose gradient rows add into the same head as entry bh's, for a gradient with
+// collapsed batch strides s0, s1, s2 (0 along a dim where its input broadcasts): bh's coordinate
+// along the others, any along those. Entry `index` of `count` runs over the broadcast dims, the
+// last fastest; `first_flagged` says whether bh is the first of them with its flag set.
 struct Sharers {
     i64 n[3], b[3];
     bool free_dim[3];
@@ -110,19 +110,28 @@ struct Sharers {
         }
         return (c[0] * n[1] + c[1]) * n[2] + c[2];
     }
+
+    // flags (BH, tiles): of the entries that share bh's head, bh is the first with tile `tile` flagged
+    __device__ __forceinline__ bool first_flagged(i64 bh, const unsigned* flags, int tiles, int tile) const {
+        for (i64 x = 0; x < count; ++x) {
+            const i64 other = this->bh(x);
+            if (other >= bh) return true;   // in increasing order
+            if (flags[other * tiles + tile]) return false;
+        }
+        return true;
+    }
 };
 
-__device__ __forceinline__ Sharers sharers_of(i64 head, i64 head_elems, i64 BH, i64 n1, i64 n2, i64 s0, i64 s1,
-                                              i64 s2) {
+__device__ __forceinline__ Sharers sharers_of(i64 bh, i64 BH, i64 n1, i64 n2, i64 s0, i64 s1, i64 s2) {
     Sharers r;
-    const i64 n[3] = {BH / (n1 * n2), n1, n2}, s[3] = {s0, s1, s2};
-    const i64 offset = head * head_elems;
+    const BatchIndex bi = split_batch(bh, n1, n2);
+    const i64 n[3] = {BH / (n1 * n2), n1, n2}, s[3] = {s0, s1, s2}, b[3] = {bi.b0, bi.b1, bi.b2};
     r.count = 1;
 #pragma unroll
     for (int a = 0; a < 3; ++a) {
         r.n[a] = n[a];
         r.free_dim[a] = s[a] == 0;
-        r.b[a] = s[a] == 0 ? 0 : offset / s[a] % n[a];
+        r.b[a] = b[a];
         if (s[a] == 0) r.count *= n[a];
     }
     return r;
@@ -183,7 +192,8 @@ flash_bwd_repair(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                  elem_t* __restrict__ dv,           // v's own shape, contiguous (unless kv_atomic)
                  acc_t* __restrict__ dk_acc,        // k's own shape (when kv_atomic)
                  acc_t* __restrict__ dv_acc,        // v's own shape (when kv_atomic)
-                 const unsigned* __restrict__ flags,   // (heads of q, T_r), (heads of k, T_c), (heads of v, T_c)
+                 const unsigned* __restrict__ dq_flags,   // (BH, T_r): dQ tiles of tile_r rows to recompute
+                 const unsigned* __restrict__ kv_flags,   // (BH, T_c): dK, dV tiles of tile_c rows
                  i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
                  i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
                  i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
@@ -191,12 +201,12 @@ flash_bwd_repair(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                  i64 dq_s0, i64 dq_s1, i64 dq_s2,
                  i64 dk_s0, i64 dk_s1, i64 dk_s2,
                  i64 dv_s0, i64 dv_s1, i64 dv_s2,
-                 i64 n1, i64 n2, i64 BH, i64 q_heads, i64 k_heads, i64 v_heads,
-                 int Nq, int Nk, int D, acc_t scale, int tile_r, int tile_c, int causal_flag, int kv_atomic) {
+                 i64 n1, i64 n2, i64 BH, int Nq, int Nk, int D, acc_t scale, int tile_r, int tile_c,
+                 int causal_flag, int kv_atomic) {
     const bool causal = causal_flag != 0;
     const int warp = threadIdx.x / WARP_SIZE;
     const int T_r = (Nq + tile_r - 1) / tile_r, T_c = (Nk + tile_c - 1) / tile_c;
-    const i64 dq_tiles = q_heads * T_r, dk_tiles = k_heads * T_c;
+    const i64 dq_tiles = BH * T_r, kv_tiles = BH * T_c;
 
     // P_ij and dS_ij of entry bh's rows i, j (q_i, dO_i, k_j, v_j this lane's elements); false where
     // row i saw no key
@@ -210,47 +220,48 @@ flash_bwd_repair(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
         return l_i != (acc_t)0;
     };
 
-    for_each_flagged(flags, dq_tiles + dk_tiles + v_heads * T_c, [&](i64 tile) {
-        if (tile < dq_tiles) {
-            // dq_i of q's own head `head`, rows r0 .. r0+tile_r-1
-            const i64 head = tile / T_r;
-            const int r0 = (int)(tile % T_r) * tile_r;
-            const Sharers sh = sharers_of(head, (i64)Nq * D, BH, n1, n2, dq_s0, dq_s1, dq_s2);
-            for (int i = r0 + warp; i < min(r0 + tile_r, Nq); i += NWARPS) {
-                acc_t dq_i[RPL] = {};
-                for (i64 x = 0; x < sh.count; ++x) {
-                    const i64 bh = sh.bh(x);
-                    const BatchIndex bi = split_batch(bh, n1, n2);
-                    if (l[bh * Nq + i] == (acc_t)0) continue;
-                    acc_t q_i[RPL], do_i[RPL];
-                    load_row(q_i, q + batch_offset(bi, q_s0, q_s1, q_s2) + i * q_sn, D);
-                    load_row(do_i, dO + batch_offset(bi, do_s0, do_s1, do_s2) + i * do_sn, D);
-                    const int key_stop = causal ? min(i + (Nk - Nq) + 1, Nk) : Nk;
-                    for (int j = 0; j < key_stop; ++j) {
-                        acc_t k_j[RPL], v_j[RPL], p, ds;
-                        load_row(k_j, k + batch_offset(bi, k_s0, k_s1, k_s2) + j * k_sn, D);
-                        load_row(v_j, v + batch_offset(bi, v_s0, v_s1, v_s2) + j * v_sn, D);
-                        pair_terms(bh, i, q_i, do_i, k_j, v_j, p, ds);
+    // dq_i of entry bh's q head, rows tile_r * tile .., summed over the entries that share it
+    auto redo_dq = [&](i64 bh, int tile) {
+        const Sharers sh = sharers_of(bh, BH, n1, n2, dq_s0, dq_s1, dq_s2);
+        if (!sh.first_flagged(bh, dq_flags, T_r, tile)) return;
+        acc_t* dq_h = dq_acc + batch_offset(split_batch(bh, n1, n2), dq_s0, dq_s1, dq_s2);
+        const int r0 = tile * tile_r;
+        for (int i = r0 + warp; i < min(r0 + tile_r, Nq); i += NWARPS) {
+            acc_t dq_i[RPL] = {};
+            for (i64 x = 0; x < sh.count; ++x) {
+                const i64 e_bh = sh.bh(x);
+                const BatchIndex bi = split_batch(e_bh, n1, n2);
+                if (l[e_bh * Nq + i] == (acc_t)0) continue;
+                acc_t q_i[RPL], do_i[RPL];
+                load_row(q_i, q + batch_offset(bi, q_s0, q_s1, q_s2) + i * q_sn, D);
+                load_row(do_i, dO + batch_offset(bi, do_s0, do_s1, do_s2) + i * do_sn, D);
+                const int key_stop = causal ? min(i + (Nk - Nq) + 1, Nk) : Nk;
+                for (int j = 0; j < key_stop; ++j) {
+                    acc_t k_j[RPL], v_j[RPL], p, ds;
+                    load_row(k_j, k + batch_offset(bi, k_s0, k_s1, k_s2) + j * k_sn, D);
+                    load_row(v_j, v + batch_offset(bi, v_s0, v_s1, v_s2) + j * v_sn, D);
+                    pair_terms(e_bh, i, q_i, do_i, k_j, v_j, p, ds);
 #pragma unroll
-                        for (int e = 0; e < RPL; ++e) dq_i[e] += ds * k_j[e];
-                    }
+                    for (int e = 0; e < RPL; ++e) dq_i[e] += ds * k_j[e];
                 }
-                store_row(dq_acc + (head * Nq + i) * D, dq_i, scale, D);
             }
-            return;
+            store_row(dq_h + (i64)i * D, dq_i, scale, D);
         }
-        // dk_j (grad_k) or dv_j of k's or v's own head `head`, rows r0 .. r0+tile_c-1
-        const bool grad_k = tile < dq_tiles + dk_tiles;
-        const i64 rest = grad_k ? tile - dq_tiles : tile - dq_tiles - dk_tiles;
-        const i64 head = rest / T_c;
-        const int r0 = (int)(rest % T_c) * tile_c;
-        const Sharers sh = grad_k ? sharers_of(head, (i64)Nk * D, BH, n1, n2, dk_s0, dk_s1, dk_s2)
-                                  : sharers_of(head, (i64)Nk * D, BH, n1, n2, dv_s0, dv_s1, dv_s2);
+    };
+    // dk_j (grad_k) or dv_j of entry bh's k or v head, rows tile_c * tile .., summed over the entries
+    // that share it
+    auto redo_dkv = [&](i64 bh, int tile, bool grad_k) {
+        const Sharers sh = grad_k ? sharers_of(bh, BH, n1, n2, dk_s0, dk_s1, dk_s2)
+                                  : sharers_of(bh, BH, n1, n2, dv_s0, dv_s1, dv_s2);
+        if (!sh.first_flagged(bh, kv_flags, T_c, tile)) return;
+        const BatchIndex own = split_batch(bh, n1, n2);
+        const i64 at = grad_k ? batch_offset(own, dk_s0, dk_s1, dk_s2) : batch_offset(own, dv_s0, dv_s1, dv_s2);
+        const int r0 = tile * tile_c;
         for (int j = r0 + warp; j < min(r0 + tile_c, Nk); j += NWARPS) {
             acc_t g_j[RPL] = {};
             for (i64 x = 0; x < sh.count; ++x) {
-                const i64 bh = sh.bh(x);
-                const BatchIndex bi = split_batch(bh, n1, n2);
+                const i64 e_bh = sh.bh(x);
+                const BatchIndex bi = split_batch(e_bh, n1, n2);
                 acc_t k_j[RPL], v_j[RPL];
                 load_row(k_j, k + batch_offset(bi, k_s0, k_s1, k_s2) + j * k_sn, D);
                 load_row(v_j, v + batch_offset(bi, v_s0, v_s1, v_s2) + j * v_sn, D);
@@ -258,14 +269,20 @@ flash_bwd_repair(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                     acc_t q_i[RPL], do_i[RPL], p, ds;
                     load_row(q_i, q + batch_offset(bi, q_s0, q_s1, q_s2) + i * q_sn, D);
                     load_row(do_i, dO + batch_offset(bi, do_s0, do_s1, do_s2) + i * do_sn, D);
-                    if (!pair_terms(bh, i, q_i, do_i, k_j, v_j, p, ds)) continue;
+                    if (!pair_terms(e_bh, i, q_i, do_i, k_j, v_j, p, ds)) continue;
 #pragma unroll
                     for (int e = 0; e < RPL; ++e) g_j[e] += grad_k ? ds * q_i[e] : p * do_i[e];
                 }
             }
-            const i64 at = (head * Nk + j) * D;
-            if (kv_atomic) store_row((grad_k ? dk_acc : dv_acc) + at, g_j, grad_k ? scale : (acc_t)1, D);
-            else           store_row((grad_k ? dk : dv) + at, g_j, grad_k ? scale : (acc_t)1, D);
+            const i64 row = at + (i64)j * D;
+            if (kv_atomic) store_row((grad_k ? dk_acc : dv_acc) + row, g_j, grad_k ? scale : (acc_t)1, D);
+            else           store_row((grad_k ? dk : dv) + row, g_j, grad_k ? scale : (acc_t)1, D);
         }
+    };
+
+    for_each_flagged(dq_flags, dq_tiles, [&](i64 t) { redo_dq(t / T_r, (int)(t % T_r)); });
+    for_each_flagged(kv_flags, kv_tiles, [&](i64 t) {
+        redo_dkv(t / T_c, (int)(t % T_c), true);
+        redo_dkv(t / T_c, (int)(t % T_c), false);
     });
 }
