@@ -156,9 +156,9 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
         arrive_when_landed(kv_full, vec);
 
         // Where a tile pair with masked pairs has an operand with an inf or NaN, its products may spread
-        // it to them (flash_common.cuh): flag dQ_i and dK_j, dV_j for the repair. The producer scans, in
-        // its idle time: the tiles of a step once the next step's loads are issued, K_j and V_j after the
-        // second step's. The steps with masked pairs come first.
+        // it to them (flash_common.cuh): flag dQ_i and dK_j, dV_j for the repair. The producer scans
+        // while it waits anyway: a step's tiles just before it waits to refill their buffers, K_j and
+        // V_j before the first such wait, the rest as the CTA ends. The steps with masked pairs come first.
         auto masked = [&](int n) { return tile_has_masked_pairs((i_first + n) * B_R, kv0, B_C, Nq, Nk, causal); };
         auto flag_pair = [&](int n) {
             dq_flags[bh * T_r + i_first + n] = 1u;
@@ -180,16 +180,19 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
         };
         for (int n = 0; n < steps; ++n) {
             const int s = n % STAGES, use = n / STAGES, q0 = (i_first + n) * B_R, rows = min(B_R, Nq - q0);
-            if (use > 0) mbar_wait(&q_empty[s], (use - 1) & 1);
+            if (use > 0) {
+                if (causal && n == STAGES) scan_kv();
+                if (masked(n - STAGES)) scan_step(n - STAGES);
+                mbar_wait(&q_empty[s], (use - 1) & 1);
+            }
             load_tile_sw128<B_R, DP, WG_THREADS>(s_Q + s * TILE_Q, q + (i64)q0 * q_sn, q_sn, rows, D, vec, ptid);
             load_tile_sw128<B_R, DP, WG_THREADS>(s_dO + s * TILE_Q, dO + (i64)q0 * do_sn, do_sn, rows, D, vec, ptid);
             produce_stats(s_stat + s * 2 * B_R, lse2, Dsum, q0, Nq, vec, ptid);
             arrive_when_landed(&q_full[s], vec);
-            if (n >= 1 && masked(n - 1)) scan_step(n - 1);
-            if (causal && n == 1) scan_kv();
         }
-        if (causal && steps == 1) scan_kv();
-        if (steps > 0 && masked(steps - 1)) scan_step(steps - 1);
+        if (causal && steps <= STAGES) scan_kv();
+        for (int n = max(0, steps - STAGES); n < steps; ++n)
+            if (masked(n)) scan_step(n);
         cp_async_wait<0>();   // no copy outlives its thread
     } else {
         // consumers: warpgroup c owns keys kv0 + 64c .. kv0 + 64c + 63

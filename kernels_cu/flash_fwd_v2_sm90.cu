@@ -173,19 +173,20 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
         setmaxnreg_dec<PRODUCER_REGS>();
         if (tid == 0) *s_claim = blockIdx.x;
         // Where a Q tile has masked pairs in tile j and V_j holds an inf or NaN, P~_ij V_j may spread it
-        // to them (flash_common.cuh): flag the Q tile for the repair. The producer scans each such V_j in
-        // its idle time, once the next tile's load is issued: ring position `pending`, for flag
-        // `pending_flag` (none: -1).
-        int pending = -1;
-        unsigned pending_flag = 0;
-        auto scan_pending = [&]() {
-            if (pending < 0) return;
-            mbar_wait(&v_full[pending % STAGES], (pending / STAGES) & 1);
-            if (rows_nonfinite(s_V + (pending % STAGES) * TILE_KV, TILE_KV / SW_COLS, SW_COLS, SW_COLS,
-                               tid % WG_THREADS, WG_THREADS))
-                repair_flags[pending_flag] = 1u;
-            pending = -1;
+        // to them (flash_common.cuh): flag the Q tile for the repair. The producer scans each such V_j
+        // while it waits anyway: just before it waits to refill V_j's buffer, and as the CTA ends.
+        // pending0, pending1: the flag of the V_j in stage 0, 1 still to scan (NONE: none).
+        constexpr unsigned NONE = ~0u;
+        unsigned pending0 = NONE, pending1 = NONE;
+        auto scan_values = [&](int pos) {   // ring position pos, if its V_j is pending
+            const int s = pos % STAGES;
+            const unsigned flag = s == 0 ? pending0 : pending1;
+            if (pos < 0 || flag == NONE) return;
+            mbar_wait(&v_full[s], (pos / STAGES) & 1);
+            if (rows_nonfinite(s_V + s * TILE_KV, TILE_KV / SW_COLS, SW_COLS, SW_COLS, tid % WG_THREADS, WG_THREADS))
+                repair_flags[flag] = 1u;
         };
+        static_assert(STAGES == 2, "a pending flag per stage");
         int kv = 0;
         for (unsigned n = 0;; ++n) {
             const int qs = n % Q_STAGES, q_use = n / Q_STAGES;
@@ -196,7 +197,8 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             if (index >= n_tiles) {
                 mbar_arrive(&q_full[qs]);
                 if (tid == 0) mbar_arrive(&q_full[qs]);
-                scan_pending();
+                scan_values(kv - 2);
+                scan_values(kv - 1);
                 break;
             }
             const Work w = work_at(index);
@@ -218,13 +220,15 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                 const int s = (kv + j) % STAGES, use = (kv + j) / STAGES, rows = min(B_C, Nk - j * B_C);
                 if (use > 0) mbar_wait(&k_empty[s], (use - 1) & 1);
                 produce_tile<B_C>(s_K + s * TILE_KV, k_h + (i64)j * B_C * k_sn, k_sn, rows, D, vec, &k_full[s], ptid);
-                if (use > 0) mbar_wait(&v_empty[s], (use - 1) & 1);
-                produce_tile<B_C>(s_V + s * TILE_KV, v_h + (i64)j * B_C * v_sn, v_sn, rows, D, vec, &v_full[s], ptid);
-                scan_pending();
-                if (tile_has_masked_pairs(w.i * B_R, j * B_C, B_C, Nq, Nk, causal)) {
-                    pending = kv + j;
-                    pending_flag = (unsigned)(w.bh * T_r + w.i);
+                if (use > 0) {
+                    scan_values(kv + j - STAGES);
+                    mbar_wait(&v_empty[s], (use - 1) & 1);
                 }
+                produce_tile<B_C>(s_V + s * TILE_KV, v_h + (i64)j * B_C * v_sn, v_sn, rows, D, vec, &v_full[s], ptid);
+                const unsigned flag = tile_has_masked_pairs(w.i * B_R, j * B_C, B_C, Nq, Nk, causal)
+                                          ? (unsigned)(w.bh * T_r + w.i) : NONE;
+                if (s == 0) pending0 = flag;
+                else        pending1 = flag;
             }
             kv += w.j_stop;
         }
