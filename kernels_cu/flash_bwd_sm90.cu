@@ -6,7 +6,9 @@
 //
 //   producer   warpgroup 0 copies K_j, V_j once, then Q_i, dO_i and the row statistics
 //              (lse_i log2 e and D_i from flash_bwd_prep_v1) into a ring of STAGES buffers (cp.async),
-//              each guarded by a "full" and an "empty" mbarrier;
+//              each guarded by a "full" and an "empty" mbarrier; when causal it scans the
+//              operands of the diagonal tile pairs for inf and NaN (flash_common.cuh, "Masked
+//              pairs and non-finite operands") while it waits to refill their buffers;
 //   consumers  warpgroups 1, 2 own 64 keys each; dK_j, dV_j of their keys stay in registers.
 //
 // Keys sit on the accumulator rows, so every product of a consumer is one wgmma shape:

@@ -19,7 +19,9 @@
 //                       so P^T and dS^T come out of the products in the layout
 //                       their next product reads. A head-dim chunk (DC columns of
 //                       dK, dV, dQ) per CTA bounds registers for large head dims;
-//                       S and dP are recomputed per chunk.
+//                       S and dP are recomputed per chunk. Causal, the operands of
+//                       diagonal tile pairs are scanned for inf and NaN, and the
+//                       dQ, dK, dV tiles they may reach flagged for flash_repair.cu.
 //   flash_convert       float accumulators -> output dtype.
 //
 // Shared memory (elem_t unless noted, rows padded by PAD):

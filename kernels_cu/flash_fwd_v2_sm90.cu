@@ -9,7 +9,9 @@
 //
 //   producer   warpgroup 0 copies each Q_i into a ring of Q_STAGES buffers, then its K_j and V_j
 //              into a ring of STAGES buffers (cp.async), each buffer guarded by a "full" and an
-//              "empty" mbarrier; the K/V ring runs on from tile to tile;
+//              "empty" mbarrier; the K/V ring runs on from tile to tile; when causal it scans
+//              each diagonal V_j for inf and NaN (flash_common.cuh, "Masked pairs and
+//              non-finite operands") while it waits to refill the buffer;
 //   consumers  warpgroups 1 .. CONSUMERS own 64 query rows each and issue wgmma, which reads
 //              Q_i, K_j and V_j straight from swizzled shared memory (S_ij = Q_i K_j^T) and P~_ij
 //              from registers (O_i += P~_ij V_j). The producer hands its registers to them
