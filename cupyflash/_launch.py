@@ -251,8 +251,8 @@ class Repair:
 
 
 def repair_plan(name: str, head_dim: int, dtype, flags: int, scalars: tuple) -> Repair:
-    """``flash_{name}_repair`` of ``flags`` flags: a CTA per flag up to four per SM, each reads its
-    share of them at once."""
+    """``flash_{name}_repair`` over ``flags`` flags: a CTA per flag, at most four per SM, each reading
+    its share of the flags 256 at a time."""
     kernel = get_kernels(device_tiles("repair", head_dim, dtype))[f"flash_{name}_repair"]
     return Repair(kernel, flags, min(flags, 4 * current_limits().sms), scalars)
 

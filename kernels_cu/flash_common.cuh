@@ -732,8 +732,8 @@ __device__ __forceinline__ bool values_nonfinite(const acc_t* s, int n, int tid,
     return acc != acc;
 }
 
-// Tile (q0 .. q0+rows_q-1) x (kv0 .. kv0+rows_k-1) has a masked pair that is not past a ragged end:
-// a key after the last one its first query row sees
+// A tile of first query row q0 and keys kv0 .. kv0+rows_k-1 has a masked pair that is not past a
+// ragged end: a key after the last one row q0 sees
 __device__ __forceinline__ bool tile_has_masked_pairs(int q0, int kv0, int rows_k, int Nq, int Nk, bool causal) {
     return causal && min(kv0 + rows_k, Nk) - 1 > q0 + (Nk - Nq);
 }
