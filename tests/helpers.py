@@ -144,26 +144,29 @@ def assert_under(name, got, ref, ceiling):
 NON_FINITE_RTOL = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-4, "float64": 1e-9}
 
 
-def poisoned_inputs(rng, dtype, case, head_dim=64):
-    """q, do (2, 2, 300, D), k, v (2, 2, 260, D) with inf/NaN planted in ``case`` (one of them).
+# Batch shapes (q, k and v) of the poisoned inputs: every head its own, k and v shared by the two
+# query heads of a batch entry (GQA), q shared by the two batch entries
+POISON_LAYOUTS = {"own": ((2, 2), (2, 2)), "kv_shared": ((2, 2), (2, 1)), "q_shared": ((1, 2), (2, 2))}
+
+
+def poisoned_inputs(rng, dtype, case, head_dim=64, layout="own"):
+    """q (..., 300, D), k, v (..., 260, D) of ``POISON_LAYOUTS[layout]``, do (2, 2, 300, D), with inf/NaN
+    planted in ``case`` (one of them).
 
     Causal, rows 0-39 see no key, and every planted value lies in a diagonal tile (any tile size the
     kernels use), where rows of the same tile see its key or query while others do not.
     """
-    q, k, v = random_inputs(rng, dtype, (2, 2, 300, head_dim), (2, 2, 260, head_dim))
-    do = rng.standard_normal(q.shape).astype(q.dtype)
-    if case == "q":
-        q[0, 1, 100, 5] = numpy.nan
-        q[1, 0, 7, 0] = numpy.inf          # a row that sees no key when causal
-    elif case == "k":
-        k[1, 0, 200, 7] = numpy.inf        # +inf scores (NaN rows) where q_i7 > 0, ignored where < 0
-        k[0, 1, 3, 9] = numpy.nan
-    elif case == "v":
-        v[0, 0, 150, 3] = numpy.nan
-        v[1, 1, 20, 9] = -numpy.inf
-    else:
-        do[0, 1, 120, 4] = numpy.nan
-        do[1, 0, 250, head_dim - 1] = numpy.inf
+    q_batch, kv_batch = POISON_LAYOUTS[layout]
+    q, k, v = random_inputs(rng, dtype, (*q_batch, 300, head_dim), (*kv_batch, 260, head_dim))
+    do = rng.standard_normal((2, 2, 300, head_dim)).astype(q.dtype)
+    x = {"q": q, "k": k, "v": v, "do": do}[case]
+    planted = {"q": (((0, 1, 100, 5), numpy.nan), ((1, 0, 7, 0), numpy.inf)),   # row 7 sees no key when causal
+               "k": (((1, 0, 200, 7), numpy.inf),   # +inf scores (NaN rows) where q_i7 > 0, ignored where < 0
+                     ((0, 1, 3, 9), numpy.nan)),
+               "v": (((0, 0, 150, 3), numpy.nan), ((1, 1, 20, 9), -numpy.inf)),
+               "do": (((0, 1, 120, 4), numpy.nan), ((1, 0, 250, head_dim - 1), numpy.inf))}[case]
+    for index, value in planted:   # a shared dim has one entry: the value lands there
+        x[tuple(min(i, n - 1) for i, n in zip(index, x.shape))] = value
     return q, k, v, do
 
 
@@ -182,7 +185,8 @@ def assert_non_finite_like(name, got, ref, dtype):
     assert numpy.abs(got[both] - ref[both]).max(initial=0) <= NON_FINITE_RTOL[dtype] * scale, name
 
 
-def assert_non_finite_rules(dtype, causal, case, to_device=lambda *arrays: arrays, head_dim=64, **options):
+def assert_non_finite_rules(dtype, causal, case, to_device=lambda *arrays: arrays, head_dim=64, layout="own",
+                            **options):
     """Forward and backward of ``poisoned_inputs`` (arrays through ``to_device``, calls with ``options``)
     against the mask-exact reference: o, m, l and the gradients non-finite exactly where its are, and
     close where both are finite; rows 0-39, which see no key when causal, empty (o = 0, m = -inf, l = 0,
@@ -190,7 +194,7 @@ def assert_non_finite_rules(dtype, causal, case, to_device=lambda *arrays: array
     from cupyflash import flash_attention_backward, flash_attention_forward, reference
 
     rng = numpy.random.default_rng(13)
-    q, k, v, do = poisoned_inputs(rng, dtype, case, head_dim)
+    q, k, v, do = poisoned_inputs(rng, dtype, case, head_dim, layout)
     out = flash_attention_forward(*to_device(q, k, v), causal=causal, **options)
     refs = reference.attention_forward(q, k, v, causal=causal)
     for name, got, ref in zip("oml", out, refs):

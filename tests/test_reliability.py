@@ -289,6 +289,16 @@ def test_non_finite_inputs_reach_the_outputs_the_reference_says(schedule, dtype,
     assert_non_finite_rules(dtype, causal, case, to_gpu, head_dim, schedule=schedule.split("-")[0])
 
 
+@pytest.mark.parametrize("schedule", ["v1", "v2"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("case", ["q", "k", "v", "do"])
+@pytest.mark.parametrize("layout", ["kv_shared", "q_shared"])
+def test_non_finite_inputs_with_shared_heads_reach_the_outputs_the_reference_says(schedule, dtype, case, layout):
+    """The same rules, causal, with k, v shared by two query heads (their gradients summed over both, in
+    the repair too) or q shared by two batch entries (dq summed over both)."""
+    assert_non_finite_rules(dtype, True, case, to_gpu, layout=layout, schedule=schedule)
+
+
 def test_a_call_too_big_for_the_gpu_raises_out_of_memory_and_the_next_call_works():
     """Broadcast views (stride 0) make inputs that cost nothing but outputs of about 1 TB: the
     allocation fails before any launch, and the process goes on."""
