@@ -375,7 +375,7 @@ def blocked_forward(q, k, v, *, causal=False, softmax_scale=None, block_r=64, bl
 
             S_ij = scale * (Q_i @ _transpose(K_j))          # S_ij = scale Q_i K_j^T, (*batch, B_r, B_c)
             visible = _causal_visible(np.arange(r0, r1), np.arange(c0, c1), n_q, n_k) if causal else None
-            if causal:
+            if visible is not None:
                 S_ij = np.where(visible, S_ij, NEG_INF)
             m_tilde = S_ij.max(axis=-1, initial=NEG_INF)    # m~_ij = rowmax(S_ij), (*batch, B_r)
             m_new = np.maximum(m_i, m_tilde)                # m_i^new = max(m_i, m~_ij)
@@ -481,15 +481,14 @@ def blocked_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, 
 
             S_ij = scale * (Q_i @ _transpose(K_j))          # S_ij = scale Q_i K_j^T, (*batch, B_r, B_c)
             visible = _causal_visible(np.arange(r0, r1), np.arange(c0, c1), n_q, n_k) if causal else None
-            if causal:
+            if visible is not None:
                 S_ij = np.where(visible, S_ij, NEG_INF)
             visible_t = None if visible is None else visible.T
             P_ij = (np.exp(S_ij - _exp_shift(m_i)[..., None])
                     * _reciprocal_or_zero(l_i)[..., None])  # P_ij = diag(l_i)^-1 exp(S_ij - m_i)
             dV_j += _visible_matmul(_transpose(_as_operand(P_ij, q.dtype)), dO_i, visible_t)   # dV_j += P_ij^T dO_i
             dP_ij = dO_i @ _transpose(V_j)                  # dP_ij = dO_i V_j^T, (*batch, B_r, B_c)
-            dS_ij = P_ij * (dP_ij - D_i[..., None])         # dS_ij = P_ij * (dP_ij - D_i), 0 where invisible
-            dS_ij = _as_operand(dS_ij if visible is None else np.where(visible, dS_ij, 0), q.dtype)
+            dS_ij = _as_operand(P_ij * (dP_ij - D_i[..., None]), q.dtype)  # dS_ij = P_ij * (dP_ij - D_i)
             dQ[..., r0:r1, :] += scale * _visible_matmul(dS_ij, K_j, visible)          # dQ_i += scale dS_ij K_j
             dK_j += scale * _visible_matmul(_transpose(dS_ij), Q_i, visible_t)         # dK_j += scale dS_ij^T Q_i
 
