@@ -232,9 +232,24 @@ def workspace_allocator():
     return empty
 
 
-def _copy_into(target, x):
-    target[...] = x
-    return target
+ZEROED_ALIGN = 256   # bytes: each array ``zeroed`` carves out starts at a multiple of this
+
+
+def zeroed(workspace, parts) -> list:
+    """Zeroed arrays of ``parts`` ((shape, dtype) pairs), carved out of one ``workspace`` buffer and
+    cleared by one memset rather than one launch each."""
+    if not parts:
+        return []
+    sizes = [-(-math.prod(shape) * numpy.dtype(dtype).itemsize // ZEROED_ALIGN) * ZEROED_ALIGN
+             for shape, dtype in parts]
+    buffer = workspace((sum(sizes),), numpy.uint8)
+    buffer.fill(0)
+    arrays, at = [], 0
+    for (shape, dtype), size in zip(parts, sizes):
+        n = math.prod(shape) * numpy.dtype(dtype).itemsize
+        arrays.append(buffer[at:at + n].view(dtype).reshape(shape))
+        at += size
+    return arrays
 
 
 @dataclass(frozen=True)
@@ -294,15 +309,11 @@ class ForwardPlan:
             else:
                 arrays = (q, k, v, o, m, l)
             # the tile counter and the repair flags, zeroed together
-            flags = NULL
-            n_counters = self.tile_counter + (self.repair.flags if self.repair else 0)
-            if n_counters:
-                counters = workspace((n_counters,), numpy.uint32)
-                counters.fill(0)
-                if self.tile_counter:
-                    arrays += (counters[:1],)
-                if self.repair:
-                    flags = counters[int(self.tile_counter):]
+            counts = (int(self.tile_counter), self.repair.flags if self.repair else 0)
+            counters = zeroed(workspace, [((n,), numpy.uint32) for n in counts if n])
+            if self.tile_counter:
+                arrays += (counters.pop(0),)
+            flags = counters[0] if self.repair else NULL
             self.kernel((self.grid,), (self.threads,), arrays + (flags,) + self.scalars, shared_mem=self.smem_bytes)
             if self.repair:
                 self.repair.launch((q, k, v, o, m, l, flags))
@@ -396,22 +407,25 @@ class BackwardPlan:
             stats = tuple(workspace(self.rows, acc) for _ in range(1 if self.lse_stats else 2))
             m_b, inv_l, lse2 = (d_sum, d_sum, *stats) if self.lse_stats else (*stats, d_sum)   # d_sum: not written
             grads = tuple(cupy.empty(s, self.dtype) for s in self.grad_shapes) if out is None else out
-            turns = tuple(workspace(s, numpy.uint32) for s in self.turn_shapes)
-            flags = workspace((sum(self.flag_splits),), numpy.uint32) if self.repair else None
             # dQ, and dK, dV where several batch entries share a K/V head, are sums: in the gradients
-            # themselves when they are of the accumulator dtype, else in workspaces converted at the end
+            # themselves when they are of the accumulator dtype, else in workspaces converted at the end.
+            # Those workspaces, the turn counters and the repair flags are zeroed with one memset.
             summed = grads if self.kv_atomic else grads[:1]
-            sums = tuple(g if g.dtype == acc else workspace(g.shape, acc) for g in summed)
+            cleared = zeroed(workspace, [(g.shape, acc) for g in summed if g.dtype != acc]
+                             + [(s, numpy.uint32) for s in self.turn_shapes]
+                             + [((n,), numpy.uint32) for n in self.flag_splits])
+            sums = tuple(g if g.dtype == acc else cleared.pop(0) for g in summed)
+            turns = tuple(cleared.pop(0) for _ in self.turn_shapes)
+            flag_parts = tuple(cleared) if self.repair else (NULL, NULL)
             dq_acc = sums[0]
             dk_acc, dv_acc = sums[1:] if self.kv_atomic else (dq_acc, dq_acc)   # not written
             dk_out, dv_out = (q, q) if self.kv_atomic else grads[1:]             # not written / stored directly
 
             self.prep((self.prep_grid,), (PREP_THREADS,), (o, do, m, l, m_b, inv_l, lse2, d_sum, *self.prep_scalars))
-            for x in (*sums, *turns, *((flags,) if self.repair else ())):
-                x.fill(0)
+            for g in summed:
+                if g.dtype == acc:
+                    g.fill(0)
             turns += (NULL,) * (3 - len(turns))   # dQ, dK, dV; null: unordered
-            n_q = self.flag_splits[0] if self.repair else 0
-            flag_parts = (flags[:n_q], flags[n_q:]) if self.repair else (NULL, NULL)
             self.main((self.main_grid,), (self.main_threads,),
                       (q, k, v, do, *stats, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc, *turns, *flag_parts,
                        *self.main_scalars),

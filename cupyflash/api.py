@@ -98,11 +98,8 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     cupyflash.reference.attention_forward : the naive float64 reference.
     cupyflash.reference.blocked_forward : the NumPy Algorithm 1 (CPU path).
     """
-    key = _call_key((q, k, v), out, (causal, softmax_scale, schedule))
-    plan = _launch.PLANS.get(key)
+    plan, key = _kept_plan({"q": q, "k": k, "v": v}, out, FORWARD_OUTPUTS, (causal, softmax_scale, schedule))
     if plan is not None:
-        if out is not None:
-            check_disjoint(out, FORWARD_OUTPUTS, {"q": q, "k": k, "v": v})
         return plan(q, k, v, out)
     prob = check_forward(q, k, v, causal, softmax_scale)
     check_schedule(schedule)
@@ -125,6 +122,16 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         ready, key = _kernel_ready((q, k, v), key)
         return _forward_gpu(*ready, prob.batch_shape, prob, _launch.forward_schedule(schedule, prob.D, prob.dtype),
                             key, out)
+
+
+def _kept_plan(inputs: dict, out, names, flags):
+    """The plan an earlier like call kept (None if none) and this call's key (``_call_key``). With a
+    plan, ``out`` is checked against the inputs here: aliasing is what the key cannot see."""
+    key = _call_key(tuple(inputs.values()), out, flags)
+    plan = _launch.PLANS.get(key)
+    if plan is not None and out is not None:
+        check_disjoint(out, names, inputs)
+    return plan, key
 
 
 def _call_key(arrays, out, flags):
@@ -263,11 +270,8 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     cupyflash.reference.blocked_backward : the NumPy version (CPU path).
     """
     inputs = {"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}
-    key = _call_key(tuple(inputs.values()), out, (causal, softmax_scale, schedule, deterministic))
-    plan = _launch.PLANS.get(key)
+    plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS, (causal, softmax_scale, schedule, deterministic))
     if plan is not None:
-        if out is not None:
-            check_disjoint(out, BACKWARD_OUTPUTS, inputs)
         return plan(do, q, k, v, o, m, l, out)
     prob = check_backward(do, q, k, v, o, m, l, causal, softmax_scale)
     check_schedule(schedule)

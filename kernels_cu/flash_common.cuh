@@ -830,7 +830,7 @@ __device__ __forceinline__ void store_output_rows(elem_t* o, acc_t* m_out, acc_t
         const int row = r0 + g + 8 * h;
         if (row >= Nq) continue;
         const bool none = l_i[h] == (acc_t)0;
-        const acc_t inv_l = none ? (acc_t)0 : (acc_t)1 / l_i[h];
+        const acc_t inv_l = (acc_t)1 / l_i[h];   // inf where none: not used
 #pragma unroll
         for (int n = 0; n < NT; ++n)
             store_row_pair(o + (i64)row * D, n * 8 + 2 * t, D, none ? (acc_t)0 : O[n][2 * h] * inv_l,

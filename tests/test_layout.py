@@ -56,6 +56,33 @@ def test_gqa_collapses_to_two_dims():
     assert layout.strides[1] == (0, 72, 0)
 
 
+shapes_and_dtypes = st.tuples(st.lists(st.integers(0, 9), min_size=1, max_size=3).map(tuple),
+                              st.sampled_from([numpy.uint32, numpy.float32, numpy.float64]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(shapes_and_dtypes, max_size=5))
+def test_zeroed_parts_are_zero_aligned_and_apart(parts):
+    poisoned = []
+
+    def workspace(shape, dtype):   # stale memory, as a reused pool block would hold
+        poisoned.append(numpy.full(shape, 0xAB, dtype))
+        return poisoned[-1]
+
+    arrays = _launch.zeroed(workspace, parts)
+    assert len(poisoned) == (1 if parts else 0)
+    assert [(x.shape, x.dtype) for x in arrays] == [(s, numpy.dtype(d)) for s, d in parts]
+    spans = []
+    for x in arrays:
+        assert not x.any()
+        if not x.size:   # where an empty array points does not matter
+            continue
+        start = x.__array_interface__["data"][0] - poisoned[0].__array_interface__["data"][0]
+        assert start % _launch.ZEROED_ALIGN == 0
+        spans.append((start, start + x.nbytes))
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+
 @pytest.mark.parametrize("heads, T_r, slots", [(64, 64, 264), (16, 1024, 264), (1, 1, 132), (4096, 1, 264),
                                                (2, 16, 264), (7, 33, 132)])
 def test_splits_minimise_tile_steps_over_waves(heads, T_r, slots):
