@@ -232,6 +232,11 @@ def workspace_allocator():
     return empty
 
 
+def _copy_into(target, x):
+    target[...] = x
+    return target
+
+
 ZEROED_ALIGN = 256   # bytes: each array ``zeroed`` carves out starts at a multiple of this
 
 
