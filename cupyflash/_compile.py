@@ -1,58 +1,75 @@
 """Kernel sources, NVRTC compilation and the per-device module cache.
 
-Sources live in ``kernels_cu/``. Each kernel file starts with
-``#include "flash_common.cuh"``; the header's text is pasted in its place
-before compiling, so CuPy's on-disk cache (keyed on the source text and the
-options) sees every edit of the header.
+Sources live in ``kernels_cu/``: one ``.cu`` file per kernel family (``_tiles.KERNELS``) and
+headers by concern (types, parameters, mask, layout, copies, mma, sm90, softmax, non-finite
+scans, epilogue). ``kernel_source`` pastes every local ``#include`` in place, recursively and once
+each, and appends the parameter structs' layout checks (``_params.layout_checks``): the
+translation unit NVRTC compiles is one string, so CuPy's on-disk cache (keyed on the source text
+and the options) sees every edit of every header.
+
+Compiling is slow (0.5-3 s a specialisation), so ``precompile`` and ``compile_all`` spread it over
+the machine's cores in worker processes.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import threading
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
-from ._tiles import TileConfig
+from ._params import layout_checks
+from ._tiles import KERNELS, TileConfig
 
-HEADER = "flash_common.cuh"
-KERNEL_FILES = {"fwd_v1": "flash_fwd_v1.cu", "fwd_v2": "flash_fwd_v2.cu", "fwd_v2_sm90": "flash_fwd_v2_sm90.cu",
-                "bwd_v1": "flash_bwd_v1.cu", "bwd_sm90": "flash_bwd_sm90.cu", "repair": "flash_repair.cu"}
-KERNEL_NAMES = {
-    "fwd_v1": ("flash_fwd_v1",),
-    "fwd_v2": ("flash_fwd_v2",),
-    "fwd_v2_sm90": ("flash_fwd_v2_sm90",),
-    "bwd_v1": ("flash_bwd_prep_v1", "flash_bwd_v1", "flash_convert"),
-    "bwd_sm90": ("flash_bwd_sm90",),
-    "repair": ("flash_fwd_repair", "flash_bwd_repair"),
-}
 BASE_OPTIONS = ("-std=c++17",)
+_INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.M)
+_PRAGMA_ONCE = re.compile(r"^#pragma once[ \t]*\n", re.M)
 
 
 def kernel_dir() -> Path:
     """Folder of the CUDA sources: ``kernels_cu/`` beside the package, or inside it."""
     here = Path(__file__).resolve().parent
     for candidate in (here.parent / "kernels_cu", here / "kernels_cu"):
-        if (candidate / HEADER).is_file():
+        if (candidate / "params.cuh").is_file():
             return candidate
-    raise FileNotFoundError(f"cupyflash kernel sources ({HEADER}) not found next to {here}")
+    raise FileNotFoundError(f"cupyflash kernel sources (kernels_cu/params.cuh) not found next to {here}")
+
+
+def _expand(folder: Path, name: str, seen: set) -> str:
+    """``name`` with each local include replaced by its (expanded) text, the first time only."""
+    path = folder / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{name}, included by a cupyflash kernel, is not in {folder}")
+    seen.add(name)
+
+    def paste(match):
+        header = match.group(1)
+        return "" if header in seen else _expand(folder, header, seen)
+
+    return _INCLUDE.sub(paste, _PRAGMA_ONCE.sub("", path.read_text()))
 
 
 @lru_cache(maxsize=None)
 def kernel_source(kernel: str) -> str:
-    """Full translation unit for ``kernel``, the shared header pasted in."""
-    folder = kernel_dir()
-    header = (folder / HEADER).read_text()
-    body = (folder / KERNEL_FILES[kernel]).read_text()
-    include = f'#include "{HEADER}"'
-    if include not in body:
-        raise RuntimeError(f"{KERNEL_FILES[kernel]} does not include {HEADER}")
-    return body.replace(include, header, 1)
+    """The whole translation unit of ``kernel``'s family: its file, every header it pulls in, and the
+    parameter structs' layout checks."""
+    headers: set = set()
+    return _expand(kernel_dir(), KERNELS[kernel].source, headers) + "\n" + layout_checks()
+
+
+def included_headers(kernel: str) -> list[str]:
+    """The headers (recursively) that ``kernel``'s source pulls in."""
+    seen: set = set()
+    _expand(kernel_dir(), KERNELS[kernel].source, seen)
+    return sorted(seen - {KERNELS[kernel].source})
 
 
 def nvrtc_options(cfg: TileConfig) -> tuple[str, ...]:
     """Options of ``cfg``; an architecture-specific kernel names its architecture."""
-    arch = (f"-arch={cfg.arch}",) if cfg.arch else ()
+    arch = (f"-arch={cfg.spec.arch}",) if cfg.spec.arch else ()
     return BASE_OPTIONS + cfg.defines() + arch
 
 
@@ -70,14 +87,14 @@ def get_kernels(cfg: TileConfig):
     """
     import cupy
 
-    key = (cfg, cupy.cuda.Device().id)
+    key = (cfg, cupy.cuda.runtime.getDevice())
     kernels = _modules.get(key)
     if kernels is None:
         with _modules_lock:
             kernels = _modules.get(key)
             if kernels is None:
                 module = cupy.RawModule(code=kernel_source(cfg.kernel), options=nvrtc_options(cfg))
-                kernels = {name: module.get_function(name) for name in KERNEL_NAMES[cfg.kernel]}
+                kernels = {name: module.get_function(name) for name in cfg.spec.entries}
                 for kern in kernels.values():
                     if cfg.smem_bytes > 48 * 1024:
                         kern.max_dynamic_shared_size_bytes = cfg.smem_bytes
@@ -90,7 +107,8 @@ BFLOAT16_CUPY = 14   # the first CuPy major version that holds bfloat16 (ml_dtyp
 
 def install_hint(extras: str = "") -> str:
     """How to install cupyflash with CuPy, plus ``extras`` (e.g. ``',bench'``)."""
-    return f"pip install 'cupyflash[cuda12{extras}]' (CUDA 12) or 'cupyflash[cuda13{extras}]' (CUDA 13)"
+    return (f"from a checkout, python -m pip install -e \".[cuda13{extras}]\" (CUDA 13) or \".[cuda12{extras}]\" "
+            f"(CUDA 12); or pip install a built wheel with the same extra")
 
 
 def holds_bfloat16(cupy) -> bool:
@@ -98,7 +116,30 @@ def holds_bfloat16(cupy) -> bool:
     return int(cupy.__version__.split(".")[0]) >= BFLOAT16_CUPY
 
 
-def precompile(kernels=None, dtypes=None, head_dims=None) -> list[TileConfig]:
+def default_workers() -> int:
+    """Worker processes for compiling: the cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:   # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _spawn_pool(workers: int) -> ProcessPoolExecutor:
+    import multiprocessing
+
+    # spawn, not fork: a forked CUDA context is unusable, and NVRTC holds no state worth inheriting
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _load_on_device(cfg: TileConfig, device: int) -> None:
+    """Worker: compile ``cfg`` through CuPy on ``device``, so that it lands in CuPy's disk cache."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        cupy.RawModule(code=kernel_source(cfg.kernel), options=nvrtc_options(cfg)).compile()
+
+
+def precompile(kernels=None, dtypes=None, head_dims=None, workers=None) -> list[TileConfig]:
     """Compile specialisations for the current GPU now, into CuPy's kernel cache on disk.
 
     A later process (or this one) then loads them instead of compiling on first
@@ -108,13 +149,16 @@ def precompile(kernels=None, dtypes=None, head_dims=None) -> list[TileConfig]:
     Parameters
     ----------
     kernels : sequence of str, optional
-        Names from ``cupyflash._tiles.KERNELS`` (``'fwd_v1'``, ``'fwd_v2'``,
-        ``'fwd_v2_sm90'``, ``'bwd_v1'``, ``'bwd_sm90'``, ``'repair'``); default
-        all that run here.
+        Families from ``cupyflash._tiles.KERNELS`` (``'fwd_v1'``, ``'fwd_v2'``,
+        ``'fwd_sm90'``, ``'bwd_prep'``, ``'bwd'``, ``'bwd_sm90'``, ``'repair'``);
+        default all that run here.
     dtypes : sequence of dtype-like, optional
         Default all four (each kernel takes only its own).
     head_dims : sequence of int, optional
         Head dims whose buckets to compile; default every bucket.
+    workers : int, optional
+        Processes that compile side by side (each with its own CUDA context);
+        default one per core of this machine. 1 compiles in this process.
 
     Returns
     -------
@@ -123,12 +167,18 @@ def precompile(kernels=None, dtypes=None, head_dims=None) -> list[TileConfig]:
 
     Raises
     ------
+    ValueError
+        A name in ``kernels`` that is not a kernel family.
     RuntimeError
         Without CuPy or without a CUDA GPU, naming what to install or run on;
         for bfloat16 under a CuPy older than 14, which holds no bfloat16 arrays.
     """
     from ._tiles import DTYPE_CODES, all_tile_configs, choose_tiles, dtype_name
 
+    if kernels is not None:
+        unknown = sorted(set(kernels) - set(KERNELS))
+        if unknown:
+            raise ValueError(f"kernels: {', '.join(unknown)} not among the kernel families {', '.join(KERNELS)}")
     try:
         import cupy
     except ImportError:
@@ -146,7 +196,7 @@ def precompile(kernels=None, dtypes=None, head_dims=None) -> list[TileConfig]:
         names = (set(DTYPE_CODES) if names is None else names) - {"bfloat16"}
 
     def serves(cfg):   # the specialisation a call of one of head_dims would run
-        if head_dims is None:
+        if head_dims is None or cfg.spec.any_head_dim:
             return True
         for d in head_dims:
             try:
@@ -158,7 +208,12 @@ def precompile(kernels=None, dtypes=None, head_dims=None) -> list[TileConfig]:
 
     chosen = [cfg for cfg in all_tile_configs(smem, f"sm_{capability}")
               if (kernels is None or cfg.kernel in kernels) and (names is None or cfg.dtype in names) and serves(cfg)]
-    for cfg in chosen:
+    workers = default_workers() if workers is None else workers
+    if workers > 1 and len(chosen) > 1:
+        with _spawn_pool(min(workers, len(chosen))) as pool:
+            for done in [pool.submit(_load_on_device, cfg, device.id) for cfg in chosen]:
+                done.result()
+    for cfg in chosen:   # from the disk cache now
         get_kernels(cfg)
     return chosen
 
@@ -166,7 +221,7 @@ def precompile(kernels=None, dtypes=None, head_dims=None) -> list[TileConfig]:
 def compile_for_arch(cfg: TileConfig, arch: str, *, verbose: bool = False) -> tuple[bytes, str]:
     """Compile ``cfg`` to a cubin for ``arch`` (e.g. ``'sm_90'``) without a GPU.
 
-    An architecture-specific kernel (``cfg.arch``) is built for its own architecture.
+    An architecture-specific kernel (``cfg.spec.arch``) is built for its own architecture.
 
     Returns
     -------
@@ -182,11 +237,11 @@ def compile_for_arch(cfg: TileConfig, arch: str, *, verbose: bool = False) -> tu
     from cupy_backends.cuda.libs import nvrtc
 
     options = list(nvrtc_options(cfg))
-    if not cfg.arch:
+    if not cfg.spec.arch:
         options.append(f"-arch={arch}")
     if verbose:
         options.append("--ptxas-options=-v")
-    prog = nvrtc.createProgram(kernel_source(cfg.kernel), KERNEL_FILES[cfg.kernel], [], [])
+    prog = nvrtc.createProgram(kernel_source(cfg.kernel), cfg.spec.source, [], [])
     try:
         try:
             nvrtc.compileProgram(prog, options)
@@ -195,3 +250,20 @@ def compile_for_arch(cfg: TileConfig, arch: str, *, verbose: bool = False) -> tu
         return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def _compile_logged(job):
+    cfg, arch = job
+    cubin, log = compile_for_arch(cfg, arch, verbose=True)
+    return cubin[:4], log
+
+
+def compile_all(jobs, workers=None) -> list[tuple[bytes, str]]:
+    """``compile_for_arch(cfg, arch, verbose=True)`` of every ``(cfg, arch)`` in ``jobs``, in worker
+    processes (no GPU needed): the first four bytes of each cubin and its log, in order."""
+    jobs = list(jobs)
+    workers = default_workers() if workers is None else workers
+    if workers <= 1 or len(jobs) <= 1:
+        return [_compile_logged(job) for job in jobs]
+    with _spawn_pool(min(workers, len(jobs))) as pool:
+        return list(pool.map(_compile_logged, jobs))

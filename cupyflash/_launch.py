@@ -1,4 +1,4 @@
-"""Shapes to launches: grids, workspaces and kernel arguments.
+"""Shapes to launches: plans of grids, workspaces and parameter structs.
 
 Inputs reach this module validated (``_checks``): CuPy arrays of one dtype on
 the current device, last axis contiguous, non-negative element strides, and a
@@ -6,10 +6,17 @@ broadcast batch shape. Batch dims are collapsed to at most three (the kernels
 index them as ``b0 * s0 + b1 * s1 + b2 * s2``, a zero stride along a
 broadcast dim); ``collapse_batch`` returns None when that is impossible and the
 caller peels a batch dim off in Python.
+
+A plan (``forward_plan``, ``backward_plan``) settles everything of a call but its
+arrays: the kernels, grids, the workspace layout and the parameter struct
+(``_params``) with every stride, size and flag filled. Calling it allocates, writes
+the pointers into a copy of the struct and launches; a like call reuses it
+(``PLANS``). This module never calls back into ``api``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from dataclasses import dataclass, replace
@@ -18,13 +25,12 @@ from functools import lru_cache
 import numpy
 
 from ._compile import get_kernels
-from ._tiles import BWD_SM90_MAX_HEAD_DIM, REPAIR_WARPS, TileConfig, accumulator_dtype, choose_tiles
+from ._params import BWD, FWD, Params
+from ._tiles import KERNELS, TileConfig, accumulator_dtype, choose_tiles
 
-MAX_BATCH_DIMS = 3  # collapsed batch dims a kernel indexes (flash_common.cuh: split_batch)
+MAX_BATCH_DIMS = 3  # collapsed batch dims a kernel indexes (layout.cuh: split_batch)
 VECTOR_BYTES = 16   # width of the vectorised tile loads
-PREP_LANES, PREP_THREADS = 8, 256   # flash_bwd_prep_v1: threads per row, per block
-CONVERT_THREADS = 256
-NULL = numpy.uint64(0)   # a null pointer argument
+MAX_GRID_X = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -156,7 +162,7 @@ def forward_schedule(schedule: str, head_dim: int, dtype) -> str:
     return schedule
 
 
-# Run the V2 forward and backward of 16-bit inputs on Hopper's warpgroup MMA (flash_fwd_v2_sm90.cu,
+# Run the V2 forward and backward of 16-bit inputs on Hopper's warpgroup MMA (flash_fwd_sm90.cu,
 # flash_bwd_sm90.cu) on sm_90 devices. Tests and the benchmark turn it off to reach the portable
 # mma.sync kernels there.
 USE_WGMMA = True
@@ -174,8 +180,15 @@ def forward_kernel(schedule: str, dtype, scale: float = 1.0) -> str:
     it, in float32: a zero, negative or underflowing scale runs the portable V2 kernel.
     """
     if schedule == "v2" and numpy.float32(scale) > 0 and _hopper(dtype):
-        return "fwd_v2_sm90"
+        return "fwd_sm90"
     return f"fwd_{schedule}"
+
+
+def backward_kernel(schedule: str, dtype, head_dim: int) -> str:
+    """The main kernel of a backward ``schedule`` for ``dtype`` and ``head_dim`` on the current device."""
+    if schedule != "v1" and head_dim <= KERNELS["bwd_sm90"].max_head_dim and _hopper(dtype):
+        return "bwd_sm90"
+    return "bwd"
 
 
 def _vector_ok(arrays, head_dim: int) -> bool:
@@ -190,8 +203,8 @@ def _vector_ok(arrays, head_dim: int) -> bool:
 
 
 def _strides4(x, layout_strides) -> tuple:
-    """Kernel stride arguments (s0, s1, s2, row) as int64."""
-    return tuple(numpy.int64(s) for s in layout_strides) + (numpy.int64(element_strides(x)[-2]),)
+    """A Tensor's strides (s0, s1, s2, row) for array ``x`` with collapsed batch strides ``layout_strides``."""
+    return (*layout_strides, element_strides(x)[-2])
 
 
 @lru_cache(maxsize=1024)
@@ -237,49 +250,73 @@ def _copy_into(target, x):
     return target
 
 
-ZEROED_ALIGN = 256   # bytes: each array ``zeroed`` carves out starts at a multiple of this
+def _on_device(device: int):
+    """A scope on ``device``: nothing to do when it is current already (the usual case)."""
+    import cupy
+
+    return contextlib.nullcontext() if cupy.cuda.runtime.getDevice() == device else cupy.cuda.Device(device)
 
 
-def zeroed(workspace, parts) -> list:
-    """Zeroed arrays of ``parts`` ((shape, dtype) pairs), carved out of one ``workspace`` buffer and
-    cleared by one memset rather than one launch each."""
-    if not parts:
-        return []
-    sizes = [-(-math.prod(shape) * numpy.dtype(dtype).itemsize // ZEROED_ALIGN) * ZEROED_ALIGN
-             for shape, dtype in parts]
-    buffer = workspace((sum(sizes),), numpy.uint8)
-    buffer.fill(0)
-    arrays, at = [], 0
-    for (shape, dtype), size in zip(parts, sizes):
-        n = math.prod(shape) * numpy.dtype(dtype).itemsize
-        arrays.append(buffer[at:at + n].view(dtype).reshape(shape))
-        at += size
-    return arrays
+WORKSPACE_ALIGN = 256   # bytes: each part of a call's workspace starts at a multiple of this
 
 
 @dataclass(frozen=True)
-class Repair:
-    """flash_fwd_repair or flash_bwd_repair (flash_repair.cu) over ``flags`` uint32 repair flags."""
+class Workspace:
+    """A call's workspaces carved out of one buffer: each part at a ``WORKSPACE_ALIGN``-aligned byte
+    ``offsets[i]``, the zeroed parts after the others, so that one memset of ``[zero_from, nbytes)``
+    clears them all and a call allocates once."""
 
-    kernel: object            # cupy.RawKernel
-    flags: int
-    grid: int
-    scalars: tuple            # the kernel's arguments after its arrays
+    offsets: tuple
+    zero_from: int
+    nbytes: int
 
-    def launch(self, arrays):
-        self.kernel((self.grid,), (32 * REPAIR_WARPS,), tuple(arrays) + self.scalars)
+    def allocate(self, workspace):
+        """(buffer, base address): a new buffer from ``workspace`` (``workspace_allocator``) with its
+        zeroed parts cleared on the current stream; (None, 0) when there are no parts."""
+        if not self.nbytes:
+            return None, 0
+        buffer = workspace((self.nbytes,), numpy.uint8)
+        base = buffer.data.ptr
+        if self.zero_from < self.nbytes:
+            (buffer.data + self.zero_from).memset_async(0, self.nbytes - self.zero_from)
+        return buffer, base
 
 
-def repair_plan(name: str, head_dim: int, dtype, flags: int, scalars: tuple) -> Repair:
-    """``flash_{name}_repair`` over ``flags`` flags: a CTA per flag, at most four per SM, each reading
-    its share of the flags 256 at a time."""
-    kernel = get_kernels(device_tiles("repair", head_dim, dtype))[f"flash_{name}_repair"]
-    return Repair(kernel, flags, min(flags, 4 * current_limits().sms), scalars)
+def workspace_layout(parts) -> Workspace:
+    """The ``Workspace`` of ``parts``, (bytes, zeroed) pairs; ``offsets`` follows their order."""
+    def size(n):
+        return -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+
+    offsets, at = [0] * len(parts), 0
+    for zeroed in (False, True):
+        if zeroed:
+            zero_from = at
+        for i, (nbytes, z) in enumerate(parts):
+            if z == zeroed:
+                offsets[i] = at
+                at += size(nbytes)
+    return Workspace(tuple(offsets), zero_from, at)
+
+
+def _launch_grid(n: int) -> int:
+    if n > MAX_GRID_X:
+        raise ValueError(f"{n} CTAs exceed a grid's {MAX_GRID_X}")
+    return n
+
+
+def _masked_pairs(Nq: int, Nk: int, causal: bool) -> bool:
+    """Some (query, key) pair inside the ragged ends is masked (mask.cuh: Mask::has_masked_pairs of
+    the whole problem): causal, unless the first query row already sees every key."""
+    return causal and Nq > 1
 
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    """A forward launch with everything but its arrays settled; ``plan(q, k, v)`` returns ``(o, m, l)``."""
+    """A forward with everything but its arrays settled; ``plan(q, k, v)`` returns ``(o, m, l)``.
+
+    One ``FwdParams`` serves the main kernel and, causal, ``flash_fwd_repair`` after it, which
+    recomputes the Q tiles the main kernel flagged (a masked pair met an inf or NaN).
+    """
 
     kernel: object            # cupy.RawKernel
     device: int
@@ -287,42 +324,43 @@ class ForwardPlan:
     threads: int
     smem_bytes: int
     dtype: numpy.dtype
-    acc: numpy.dtype          # of m, l and the running O_i
+    acc: numpy.dtype          # of m, l and V1's running O_i
     o_shape: tuple            # (*batch, Nq, D)
-    v1: bool                  # the V1 kernel, which takes a running O_i after o
-    tile_counter: bool        # the persistent Hopper kernel, which takes a zeroed tile counter after l
-    o_run_shape: tuple | None   # V1's running O_i (BH, Nq, d_pad); None with a single K/V tile (m stands in)
-    scalars: tuple            # the kernel's arguments after its arrays
-    repair: Repair | None     # causal: flash_fwd_repair over the kernel's repair flags, one per Q tile
+    params: Params            # FwdParams
+    workspace: Workspace      # V1's running O_i (when more than one K/V tile), the tile counter, the repair flags
+    parts: tuple              # offsets into the workspace of those three (None: not used)
+    repair: object            # cupy.RawKernel flash_fwd_repair, or None
+    repair_grid: int
 
     def __call__(self, q, k, v, out=None):
         """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given."""
         import cupy
 
-        acc = self.acc
-        with cupy.cuda.Device(self.device):
+        with _on_device(self.device):
             if out is None:
                 o = cupy.empty(self.o_shape, self.dtype)
-                m = cupy.empty(self.o_shape[:-1], acc)
-                l = cupy.empty(self.o_shape[:-1], acc)
+                m = cupy.empty(self.o_shape[:-1], self.acc)
+                l = cupy.empty(self.o_shape[:-1], self.acc)
             else:
                 o, m, l = out
-            workspace = workspace_allocator()
-            if self.v1:
-                o_run = m if self.o_run_shape is None else workspace(self.o_run_shape, acc)
-                arrays = (q, k, v, o, o_run, m, l)
-            else:
-                arrays = (q, k, v, o, m, l)
-            # the tile counter and the repair flags, zeroed together
-            counts = (int(self.tile_counter), self.repair.flags if self.repair else 0)
-            counters = zeroed(workspace, [((n,), numpy.uint32) for n in counts if n])
-            if self.tile_counter:
-                arrays += (counters.pop(0),)
-            flags = counters[0] if self.repair else NULL
-            self.kernel((self.grid,), (self.threads,), arrays + (flags,) + self.scalars, shared_mem=self.smem_bytes)
-            if self.repair:
-                self.repair.launch((q, k, v, o, m, l, flags))
+            buffer, base = self.workspace.allocate(workspace_allocator())
+            at = tuple(0 if off is None else base + off for off in self.parts)
+            args = (self.params.with_pointers((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, m.data.ptr,
+                                               l.data.ptr, *at)),)
+            self.kernel((self.grid,), (self.threads,), args, shared_mem=self.smem_bytes)
+            if self.repair is not None:
+                self.repair((self.repair_grid,), (KERNELS_THREADS["repair"],), args)
         return o, m, l
+
+
+FWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o", "m", "l", "o_run", "tile_counter", "repair_flags")
+
+
+def _repair(head_dim: int, dtype, flags: int):
+    """``flash_repair.cu``'s kernels and the grid over ``flags`` flags: a CTA per flag, at most four
+    per SM, each reading its share of the flags in blocks of its threads."""
+    cfg = device_tiles("repair", head_dim, dtype)
+    return get_kernels(cfg), min(flags, 4 * current_limits().sms)
 
 
 def forward_plan(q, k, v, *, schedule: str, causal: bool, scale: float, batch_shape, layout: BatchLayout):
@@ -332,115 +370,105 @@ def forward_plan(q, k, v, *, schedule: str, causal: bool, scale: float, batch_sh
     BH = layout.count
     acc = accumulator_dtype(q.dtype)
     cfg = device_tiles(forward_kernel(schedule, q.dtype, scale), D, q.dtype)
-    kernel = get_kernels(cfg)[f"flash_{cfg.kernel}"]
+    kernel = get_kernels(cfg)[cfg.spec.entries[0]]
     T_r = -(-Nq // cfg.block_r)
-    strides = (*_strides4(q, layout.strides[0]), *_strides4(k, layout.strides[1]), *_strides4(v, layout.strides[2]),
-               numpy.int64(layout.sizes[1]), numpy.int64(layout.sizes[2]))
-    sizes = (numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D), acc.type(scale))
-    flags = (numpy.int32(causal), numpy.int32(_vector_ok((q, k, v), D)))
-    common = dict(kernel=kernel, device=q.data.device_id, threads=cfg.threads, smem_bytes=cfg.smem_bytes,
-                  dtype=q.dtype, acc=acc, o_shape=(*batch_shape, Nq, D))
-    # causal: the kernel flags the Q tiles where a masked pair met an inf or NaN, flash_fwd_repair redoes them
-    repair = None
-    if causal:
-        repair = repair_plan("fwd", D, q.dtype, BH * T_r,
-                             (*strides, numpy.int64(BH), *sizes, numpy.int32(cfg.block_r), numpy.int32(causal)))
-    common.update(repair=repair)
-    if schedule == "v2":   # fwd_v2 and fwd_v2_sm90 take the same arguments; the Q tiles of a head share K, V
-        group = head_group(BH, 2 * Nk * D * q.itemsize)
-        grid, persistent = BH * T_r, cfg.kernel == "fwd_v2_sm90"   # one CTA per tile, or CTAs that claim tiles
-        if persistent:
-            grid = min(grid, current_limits().sms * cfg.ctas_per_sm)
-        return ForwardPlan(grid=grid, v1=False, tile_counter=persistent, o_run_shape=None,
-                           scalars=(*strides, group, numpy.int32(BH), *sizes, *flags), **common)
     limits = current_limits()
-    slots = limits.sms * max(1, min(4, limits.smem_sm // cfg.smem_bytes))   # CTAs resident at once
-    n_splits = choose_splits(BH, T_r, slots)
-    # the running O_i between outer steps: with a single K/V tile every step is the last
-    o_run_shape = (BH, Nq, cfg.d_pad) if Nk > cfg.block_c else None
-    return ForwardPlan(grid=BH * n_splits, v1=True, tile_counter=False, o_run_shape=o_run_shape,
-                       scalars=(*strides, *sizes, numpy.int32(n_splits), *flags), **common)
+    if cfg.kernel == "fwd_v1":
+        slots = limits.sms * max(1, min(4, limits.smem_sm // cfg.smem_bytes))   # CTAs resident at once
+        n_splits = choose_splits(BH, T_r, slots)
+        grid = BH * n_splits
+    else:
+        n_splits = 1
+        grid = BH * T_r
+        if cfg.kernel == "fwd_sm90":   # persistent CTAs that claim tiles, one per SM
+            grid = min(grid, limits.sms)
+    # V1's running O_i between outer steps: with a single K/V tile every step is the last
+    o_run = BH * Nq * cfg.d_pad * acc.itemsize if cfg.kernel == "fwd_v1" and Nk > cfg.block_c else 0
+    counter = 4 if cfg.kernel == "fwd_sm90" else 0
+    # causal: the kernel flags the Q tiles where a masked pair met an inf or NaN, flash_fwd_repair redoes them
+    flags = BH * T_r if _masked_pairs(Nq, Nk, causal) else 0
+    parts = [(n, zeroed) for n, zeroed in ((o_run, False), (counter, True), (4 * flags, True))]
+    space = workspace_layout(parts)
+    offsets = tuple(off if n else None for off, (n, _) in zip(space.offsets, parts))
+    repair, repair_grid = (None, 0)
+    if flags:
+        kernels, repair_grid = _repair(D, q.dtype, flags)
+        repair = kernels["flash_fwd_repair"]
+    params = Params(FWD, FWD_POINTERS,
+                    q=_strides4(q, layout.strides[0]), k=_strides4(k, layout.strides[1]),
+                    v=_strides4(v, layout.strides[2]), batch=(layout.sizes[1], layout.sizes[2], BH),
+                    mask=(Nq, Nk, int(causal)), D=D, vec=int(_vector_ok((q, k, v), D)),
+                    head_group=head_group(BH, 2 * Nk * D * q.itemsize), n_splits=n_splits, tile_rows=cfg.block_r,
+                    scale=float(acc.type(scale)))
+    return ForwardPlan(kernel=kernel, device=q.data.device_id, grid=_launch_grid(grid), threads=cfg.threads,
+                       smem_bytes=cfg.smem_bytes, dtype=q.dtype, acc=acc, o_shape=(*batch_shape, Nq, D),
+                       params=params, workspace=space, parts=offsets, repair=repair, repair_grid=repair_grid)
 
 
-def backward_kernel(schedule: str, dtype, head_dim: int) -> str:
-    """The main kernel of a backward ``schedule`` for ``dtype`` and ``head_dim`` on the current device."""
-    if schedule != "v1" and head_dim <= BWD_SM90_MAX_HEAD_DIM and _hopper(dtype):
-        return "bwd_sm90"
-    return "bwd_v1"
+BWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o.ptr", "dO.ptr", "dq_acc.ptr", "dk.ptr", "dv.ptr", "dq", "dk_acc",
+                "dv_acc", "m", "l", "m_b", "inv_l", "lse2", "Dsum", "dq_turns", "dk_turns", "dv_turns", "dq_flags",
+                "kv_flags")
+# the workspace parts of a backward, in BackwardPlan.parts order
+BWD_PARTS = ("m_b", "inv_l", "lse2", "Dsum", "dq_acc", "dk_acc", "dv_acc", "dq_turns", "dk_turns", "dv_turns",
+             "dq_flags", "kv_flags")
 
 
 @dataclass(frozen=True)
 class BackwardPlan:
-    """A backward's launches with everything but the arrays settled; ``plan(do, q, k, v, o, m, l)`` returns
+    """A backward with everything but its arrays settled; ``plan(do, q, k, v, o, m, l)`` returns
     ``(dq, dk, dv)`` (in ``out``, validated by ``_checks.check_out``, when given).
 
-    Three steps: the preparation kernel (D_i and the statistics the main kernel reads), the main
-    kernel (dQ into a float32/float64 workspace; dK, dV stored directly, or into workspaces when several
-    batch entries share a K/V head) and the conversion of each workspace to the input dtype. Causal,
-    the repair of the tiles the main kernel flagged runs between the last two.
+    Its steps share one ``BwdParams``: ``flash_bwd_prep`` (D_i and the statistics the main kernel
+    reads), the main kernel (dQ summed into a float32/float64 workspace; dK, dV stored directly,
+    or summed when several batch entries share a K/V head), causal ``flash_bwd_repair`` (the tiles
+    the main kernel flagged) and, for 16-bit inputs, ``flash_convert`` of the sums.
     """
 
-    prep: object              # cupy.RawKernel: flash_bwd_prep_v1
-    main: object              # cupy.RawKernel: flash_bwd_v1 or flash_bwd_sm90
-    convert: object           # cupy.RawKernel: flash_convert
+    prep: object              # cupy.RawKernel flash_bwd_prep
+    main: object              # cupy.RawKernel flash_bwd or flash_bwd_sm90
+    convert: object           # cupy.RawKernel flash_convert, or None (the gradients are the sums)
+    repair: object            # cupy.RawKernel flash_bwd_repair, or None
     device: int
     dtype: numpy.dtype
-    acc: numpy.dtype          # of the statistics and the workspaces
-    rows: tuple               # (BH, Nq): the statistics
     grad_shapes: tuple        # shapes of q, k, v
-    lse_stats: bool           # the main kernel reads lse_i log2 e (bwd_sm90), else m_i and 1 / l_i
-    kv_atomic: bool           # dK, dV summed over batch entries in workspaces
-    turn_shapes: tuple        # deterministic: counters of the ordered adds into dQ (and dK, dV), else ()
-    flag_splits: tuple        # causal: repair flags of the dQ tiles and of the dK, dV tiles (counts), else ()
-    repair: Repair | None     # causal: flash_bwd_repair over those flags
+    summed: int               # gradients that are sums: 1 (dq) or 3 (dq, dk, dv: kv_atomic)
+    params: Params            # BwdParams
+    workspace: Workspace
+    parts: tuple              # offsets of BWD_PARTS in the workspace (None: not used)
     prep_grid: int
-    prep_scalars: tuple
     main_grid: int
     main_threads: int
     main_smem_bytes: int
-    main_scalars: tuple
+    repair_grid: int
+    convert_grid: tuple
 
     def __call__(self, do, q, k, v, o, m, l, out=None):
         import cupy
 
-        acc = self.acc
-        with cupy.cuda.Device(self.device):
+        with _on_device(self.device):
             # every buffer first: a call that does not fit raises OutOfMemoryError before any launch
             workspace = workspace_allocator()
             m, l = (x if x.flags.c_contiguous else _copy_into(workspace(x.shape, x.dtype), x) for x in (m, l))
-            d_sum = workspace(self.rows, acc)
-            stats = tuple(workspace(self.rows, acc) for _ in range(1 if self.lse_stats else 2))
-            m_b, inv_l, lse2 = (d_sum, d_sum, *stats) if self.lse_stats else (*stats, d_sum)   # d_sum: not written
+            buffer, base = self.workspace.allocate(workspace)
             grads = tuple(cupy.empty(s, self.dtype) for s in self.grad_shapes) if out is None else out
-            # dQ, and dK, dV where several batch entries share a K/V head, are sums: in the gradients
-            # themselves when they are of the accumulator dtype, else in workspaces converted at the end.
-            # Those workspaces, the turn counters and the repair flags are zeroed with one memset.
-            summed = grads if self.kv_atomic else grads[:1]
-            cleared = zeroed(workspace, [(g.shape, acc) for g in summed if g.dtype != acc]
-                             + [(s, numpy.uint32) for s in self.turn_shapes]
-                             + [((n,), numpy.uint32) for n in self.flag_splits])
-            sums = tuple(g if g.dtype == acc else cleared.pop(0) for g in summed)
-            turns = tuple(cleared.pop(0) for _ in self.turn_shapes)
-            flag_parts = tuple(cleared) if self.repair else (NULL, NULL)
-            dq_acc = sums[0]
-            dk_acc, dv_acc = sums[1:] if self.kv_atomic else (dq_acc, dq_acc)   # not written
-            dk_out, dv_out = (q, q) if self.kv_atomic else grads[1:]             # not written / stored directly
-
-            self.prep((self.prep_grid,), (PREP_THREADS,), (o, do, m, l, m_b, inv_l, lse2, d_sum, *self.prep_scalars))
-            for g in summed:
-                if g.dtype == acc:
-                    g.fill(0)
-            turns += (NULL,) * (3 - len(turns))   # dQ, dK, dV; null: unordered
-            self.main((self.main_grid,), (self.main_threads,),
-                      (q, k, v, do, *stats, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc, *turns, *flag_parts,
-                       *self.main_scalars),
-                      shared_mem=self.main_smem_bytes)
-            if self.repair:
-                self.repair.launch((q, k, v, do, m, l, d_sum, dq_acc, dk_out, dv_out, dk_acc, dv_acc, *flag_parts))
-            for x_acc, g in zip(sums, summed):
-                if x_acc is not g and x_acc.size:
-                    blocks = min(max(1, -(-x_acc.size // (4 * CONVERT_THREADS))), 65535)   # four elements per thread
-                    self.convert((blocks,), (CONVERT_THREADS,), (x_acc, g, numpy.int64(x_acc.size)))
+            at = dict(zip(BWD_PARTS, (0 if off is None else base + off for off in self.parts)))
+            if self.convert is None:   # the gradients of the accumulator dtype are the sums themselves
+                for g in grads[:self.summed]:
+                    g.data.memset_async(0, g.nbytes)
+                at["dq_acc"] = grads[0].data.ptr
+                if self.summed == 3:
+                    at["dk_acc"], at["dv_acc"] = grads[1].data.ptr, grads[2].data.ptr
+            dq, dk, dv = (g.data.ptr for g in grads)
+            args = (self.params.with_pointers((
+                q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, do.data.ptr, at["dq_acc"], dk, dv, dq, at["dk_acc"],
+                at["dv_acc"], m.data.ptr, l.data.ptr, at["m_b"], at["inv_l"], at["lse2"], at["Dsum"],
+                at["dq_turns"], at["dk_turns"], at["dv_turns"], at["dq_flags"], at["kv_flags"])),)
+            self.prep((self.prep_grid,), (KERNELS_THREADS["bwd_prep"],), args)
+            self.main((self.main_grid,), (self.main_threads,), args, shared_mem=self.main_smem_bytes)
+            if self.repair is not None:
+                self.repair((self.repair_grid,), (KERNELS_THREADS["repair"],), args)
+            if self.convert is not None:
+                self.convert(self.convert_grid, (KERNELS_THREADS["bwd_prep"],), args)
         return tuple(grads)
 
 
@@ -448,55 +476,72 @@ def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, 
                   layout: BatchLayout):
     """The backward of ``schedule`` for validated inputs as a ``BackwardPlan``.
 
-    ``layout.strides`` holds, in order, q, k, v, o, do and the contiguous
-    own-shape layouts of dq, dk, dv. The preparation (D_i) and conversion
-    kernels are the V1 module's; the main kernel is ``backward_kernel``'s.
+    ``layout.strides`` holds, in order, q, k, v, o, do and the contiguous own-shape layouts of
+    dq, dk, dv.
     """
     Nq, D = q.shape[-2:]
     Nk = k.shape[-2]
     BH = layout.count
     acc = accumulator_dtype(q.dtype)
-    kernels = get_kernels(device_tiles("bwd_v1", D, q.dtype))
+    prep = get_kernels(device_tiles("bwd_prep", D, q.dtype))
     main_cfg = replace(device_tiles(backward_kernel(schedule, q.dtype, D), D, q.dtype), ordered=deterministic)
+    main = get_kernels(main_cfg)[main_cfg.spec.entries[0]]
     s_q, s_k, s_v, s_o, s_do, s_dq, s_dk, s_dv = layout.strides
-    n1, n2 = numpy.int64(layout.sizes[1]), numpy.int64(layout.sizes[2])
     lse_stats = main_cfg.kernel == "bwd_sm90"
     rows = BH * Nq
-    prep_scalars = (*_strides4(o, s_o), *_strides4(do, s_do), n1, n2, numpy.int64(rows), numpy.int32(Nq),
-                    numpy.int32(D), numpy.int32(_vector_ok((o, do), D)), numpy.int32(lse_stats))
     # dK, dV are stored directly unless several batch entries share one K/V head
     kv_atomic = math.prod(k.shape[:-2]) < BH or math.prod(v.shape[:-2]) < BH
-    T_c = -(-Nk // main_cfg.block_c)
+    T_r, T_c = -(-Nq // main_cfg.block_r), -(-Nk // main_cfg.block_c)
     n_chunks = -(-D // main_cfg.d_chunk)
-    # deterministic: a counter per sum that several CTAs add into (flash_common.cuh, "Ordered sums")
-    turn_shapes = ()
-    if deterministic:
-        turn_shapes = ((BH, -(-Nq // main_cfg.block_r), n_chunks),)
-        if kv_atomic:
-            turn_shapes += tuple((math.prod(x.shape[:-2]), T_c, n_chunks) for x in (k, v))
-    # the K/V tiles of a head share Q, dO, the statistics and the dQ workspace
-    group = head_group(BH, Nq * (D * (2 * q.itemsize + acc.itemsize) + 2 * acc.itemsize) + 2 * Nk * D * q.itemsize)
-    strides = (*_strides4(q, s_q), *_strides4(k, s_k), *_strides4(v, s_v), *_strides4(do, s_do),
-               *(numpy.int64(s) for s in (*s_dq, *s_dk, *s_dv)))
-    sizes = (numpy.int32(Nq), numpy.int32(Nk), numpy.int32(D), acc.type(scale))
-    main_scalars = (*strides, n1, n2, group, *sizes, numpy.int32(causal), numpy.int32(_vector_ok((q, k, v, do), D)),
-                    numpy.int32(kv_atomic))
+    converted = q.dtype != acc   # the sums are workspaces, converted at the end
+    grads = (q, k, v)
+    # deterministic: a counter per sum that several CTAs add into (layout.cuh, "Ordered sums")
+    turns = (BH * T_r * n_chunks,) if deterministic else (0,)
+    turns += tuple(math.prod(x.shape[:-2]) * T_c * n_chunks if deterministic and kv_atomic else 0 for x in (k, v))
     # causal: the main kernel flags the dQ tiles and the dK, dV tiles (per batch entry) where a masked
     # pair met an inf or NaN, flash_bwd_repair redoes them
-    flag_splits, repair = (), None
-    if causal:
-        flag_splits = (BH * -(-Nq // main_cfg.block_r), BH * T_c)
-        repair = repair_plan("bwd", D, q.dtype, sum(flag_splits),
-                             (*strides, n1, n2, numpy.int64(BH), *sizes, numpy.int32(main_cfg.block_r),
-                              numpy.int32(main_cfg.block_c), numpy.int32(causal), numpy.int32(kv_atomic)))
+    masked = _masked_pairs(Nq, Nk, causal)
+    sizes = {
+        "m_b": (rows * acc.itemsize * (not lse_stats), False), "inv_l": (rows * acc.itemsize * (not lse_stats), False),
+        "lse2": (rows * acc.itemsize * lse_stats, False), "Dsum": (rows * acc.itemsize, False),
+        "dq_acc": (q.size * acc.itemsize * converted, True),
+        "dk_acc": (k.size * acc.itemsize * (converted and kv_atomic), True),
+        "dv_acc": (v.size * acc.itemsize * (converted and kv_atomic), True),
+        "dq_turns": (4 * turns[0], True), "dk_turns": (4 * turns[1], True), "dv_turns": (4 * turns[2], True),
+        "dq_flags": (4 * BH * T_r * masked, True), "kv_flags": (4 * BH * T_c * masked, True),
+    }
+    parts = [sizes[name] for name in BWD_PARTS]
+    space = workspace_layout(parts)
+    offsets = tuple(off if n else None for off, (n, _) in zip(space.offsets, parts))
+    repair, repair_grid = None, 0
+    if masked:
+        kernels, repair_grid = _repair(D, q.dtype, BH * (T_r + T_c))
+        repair = kernels["flash_bwd_repair"]
+    convert_elems = (q.size, k.size * kv_atomic, v.size * kv_atomic) if converted else (0, 0, 0)
+    convert_threads = KERNELS_THREADS["bwd_prep"]
+    convert_grid = (min(max(1, -(-max(convert_elems) // (4 * convert_threads))), 65535), 3 if kv_atomic else 1)
+    # the K/V tiles of a head share Q, dO, the statistics and the dQ workspace
+    group = head_group(BH, Nq * (D * (2 * q.itemsize + acc.itemsize) + 2 * acc.itemsize) + 2 * Nk * D * q.itemsize)
+    params = Params(BWD, BWD_POINTERS,
+                    q=_strides4(q, s_q), k=_strides4(k, s_k), v=_strides4(v, s_v), o=_strides4(o, s_o),
+                    dO=_strides4(do, s_do), dq_acc=(*s_dq, D), dk=(*s_dk, D), dv=(*s_dv, D),
+                    convert_elems=convert_elems, batch=(layout.sizes[1], layout.sizes[2], BH),
+                    mask=(Nq, Nk, int(causal)), D=D, vec=int(_vector_ok((q, k, v, do), D)),
+                    prep_vec=int(_vector_ok((o, do), D)), head_group=group, kv_atomic=int(kv_atomic),
+                    lse_stats=int(lse_stats), tile_r=main_cfg.block_r, tile_c=main_cfg.block_c,
+                    scale=float(acc.type(scale)))
     return BackwardPlan(
-        prep=kernels["flash_bwd_prep_v1"], main=get_kernels(main_cfg)[f"flash_{main_cfg.kernel}"],
-        convert=kernels["flash_convert"], device=q.data.device_id, dtype=q.dtype, acc=acc, rows=(BH, Nq),
-        grad_shapes=(q.shape, k.shape, v.shape), lse_stats=lse_stats, kv_atomic=kv_atomic, turn_shapes=turn_shapes,
-        flag_splits=flag_splits, repair=repair,
-        prep_grid=-(-rows * PREP_LANES // PREP_THREADS), prep_scalars=prep_scalars,
-        main_grid=BH * T_c * n_chunks, main_threads=main_cfg.threads, main_smem_bytes=main_cfg.smem_bytes,
-        main_scalars=main_scalars)
+        prep=prep["flash_bwd_prep"], main=main, convert=prep["flash_convert"] if converted else None, repair=repair,
+        device=q.data.device_id, dtype=q.dtype, grad_shapes=tuple(x.shape for x in grads),
+        summed=3 if kv_atomic else 1, params=params, workspace=space, parts=offsets,
+        prep_grid=_launch_grid(-(-rows // device_tiles("bwd_prep", D, q.dtype).block_r)),
+        main_grid=_launch_grid(BH * T_c * n_chunks), main_threads=main_cfg.threads,
+        main_smem_bytes=main_cfg.smem_bytes, repair_grid=repair_grid, convert_grid=convert_grid)
+
+
+# threads per CTA of the kernels whose CTA shape does not depend on the call (their TileConfigs)
+KERNELS_THREADS = {"bwd_prep": choose_tiles("bwd_prep", 1, "float32", 0).threads,
+                   "repair": choose_tiles("repair", 1, "float32", 0).threads}
 
 
 # ---------------------------------------------------------------------------

@@ -1,14 +1,19 @@
-// flash_bwd_sm90.cu — the backward (flash_bwd_v1.cu's loop order and arithmetic) on Hopper's
+// flash_bwd_sm90.cu — the backward (flash_bwd.cu's loop order and arithmetic) on Hopper's
 // warpgroup MMA, for float16/bfloat16 on sm_90a, D <= 128.
+//
+// It follows FlashAttention-3 (Shah et al., 2024) in its warp specialisation: a producer
+// warpgroup that copies and consumer warpgroups that multiply, with the registers reallocated
+// between them (section 3.1). Unlike FlashAttention-3's backward it copies with cp.async (not TMA)
+// and sums dQ_i on chip over the CTA's keys before one bulk add per row.
 //
 // One CTA per (K/V tile j of B_C keys, batch*head), walking the Q tiles i of B_R rows (128 at
 // D = 64, where the products are small, 64 at D = 128, where registers are). Three warpgroups:
 //
 //   producer   warpgroup 0 copies K_j, V_j once, then Q_i, dO_i and the row statistics
-//              (lse_i log2 e and D_i from flash_bwd_prep_v1) into a ring of STAGES buffers (cp.async),
+//              (lse_i log2 e and D_i from flash_bwd_prep) into a ring of STAGES buffers (cp.async),
 //              each guarded by a "full" and an "empty" mbarrier; when causal it scans the
-//              operands of the diagonal tile pairs for inf and NaN (flash_common.cuh, "Masked
-//              pairs and non-finite operands") while it waits to refill their buffers;
+//              operands of the diagonal tile pairs for inf and NaN (nonfinite.cuh) while it
+//              waits to refill their buffers;
 //   consumers  warpgroups 1, 2 own 64 keys each; dK_j, dV_j of their keys stay in registers.
 //
 // Keys sit on the accumulator rows, so every product of a consumer is one wgmma shape:
@@ -24,9 +29,9 @@
 //                                          (64, 64) blocks, stage them in float32 and the copy
 //                                          engine adds whole rows into the float32 workspace
 //                                          (cp.reduce.async.bulk), half the traffic of atomics;
-//                                          in grid order when deterministic (flash_common.cuh).
+//                                          in grid order when deterministic (layout.cuh).
 //
-// Shared memory (128-byte swizzle, flash_common.cuh), after 1024-byte alignment:
+// Shared memory (128-byte swizzle, sm90.cuh), after 1024-byte alignment:
 //   s_K, s_V  (B_C, DP)               K_j, V_j
 //   s_Q, s_dO (STAGES, B_R, DP)       Q_i, dO_i ring
 //   s_dS      (2, B_C, B_R)           dS^T by step parity, rows = keys (consumer c: rows 64c..)
@@ -38,7 +43,14 @@
 // written (and the previous bulk add has read s_dQ), once s_dQ is; ordered (deterministic) adds
 // meet a third time, once the bulk adds have landed.
 
-#include "flash_common.cuh"
+#include "copy.cuh"
+#include "epilogue.cuh"
+#include "layout.cuh"
+#include "mask.cuh"
+#include "mma_sm80.cuh"
+#include "nonfinite.cuh"
+#include "params.cuh"
+#include "sm90.cuh"
 
 constexpr int DP = FLASH_DP;
 constexpr int B_R = FLASH_BR;
@@ -54,12 +66,17 @@ constexpr int N_BARRIERS = 1 + 2 * STAGES;
 constexpr int SMEM_BYTES = (2 * TILE_KV + 2 * STAGES * TILE_Q + 2 * TILE_DS) * (int)sizeof(elem_t)
                            + B_R * DQ_PITCH * (int)sizeof(float) + STAGES * 2 * B_R * (int)sizeof(acc_t)
                            + N_BARRIERS * 8 + SW_ATOM_BYTES;
-constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;   // of 168 per thread at 384 (setmaxnreg); spare the consumers
+// setmaxnreg: the fewest registers to the producer, the rest to the consumers (cupyflash/_tiles.py:
+// TileConfig.registers, the one place)
+constexpr int PRODUCER_REGS = FLASH_PRODUCER_REGS;
+constexpr int CONSUMER_REGS = FLASH_CONSUMER_REGS;
 
-static_assert(FLASH_WGMMA && FLASH_TENSOR_CORES, "a float16/bfloat16 warpgroup-MMA kernel");
+// Named barriers (0 is __syncthreads) over both consumers: dS^T written, s_dQ written, bulk adds landed
+enum Barrier : int { DS_WRITTEN = 1, DQ_WRITTEN = 2, ADDS_LANDED = 3 };
+
 static_assert(CONSUMERS == 2 && B_C == 64 * CONSUMERS, "one producer warpgroup, 64 keys per consumer");
 static_assert((B_R == 64 || B_R == 128) && DP % SW_COLS == 0 && DP <= 128, "tile shapes");
-static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * 168, "register file");
+static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * (65536 / NTHREADS / 8 * 8), "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
 // Producer: one 4-byte cp.async per statistic of the rows q0 .. q0+B_R-1. Past Nq they are zero:
@@ -79,33 +96,7 @@ __device__ __forceinline__ void produce_stats(acc_t* s_stat, const acc_t* lse2, 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
-flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
-               const elem_t* __restrict__ k,      // (batch..., Nk, D) strided
-               const elem_t* __restrict__ v,      // (batch..., Nk, D) strided
-               const elem_t* __restrict__ dO,     // (batch..., Nq, D) strided
-               const acc_t* __restrict__ lse2,    // (BH, Nq) from flash_bwd_prep_v1
-               const acc_t* __restrict__ Dsum,    // (BH, Nq)
-               acc_t* __restrict__ dq_acc,        // q's own shape, contiguous, zeroed
-               elem_t* __restrict__ dk,           // k's own shape, contiguous (direct store)
-               elem_t* __restrict__ dv,           // v's own shape, contiguous (direct store)
-               acc_t* __restrict__ dk_acc,        // k's own shape, zeroed (when kv_atomic)
-               acc_t* __restrict__ dv_acc,        // v's own shape, zeroed (when kv_atomic)
-               unsigned* __restrict__ dq_turns,   // (BH, T_r) zeroed (ORDERED)
-               unsigned* __restrict__ dk_turns,   // (K/V heads of k, T_c) zeroed (kv_atomic, ORDERED)
-               unsigned* __restrict__ dv_turns,   // (K/V heads of v, T_c) zeroed (kv_atomic, ORDERED)
-               unsigned* __restrict__ dq_flags,   // (BH, T_r) zeroed, when causal: dQ tiles for flash_bwd_repair
-               unsigned* __restrict__ kv_flags,   // (BH, T_c) zeroed, when causal: dK, dV tiles
-               i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
-               i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
-               i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
-               i64 do_s0, i64 do_s1, i64 do_s2, i64 do_sn,
-               i64 dq_s0, i64 dq_s1, i64 dq_s2,
-               i64 dk_s0, i64 dk_s1, i64 dk_s2,
-               i64 dv_s0, i64 dv_s1, i64 dv_s2,
-               i64 n1, i64 n2, int head_group,
-               int Nq, int Nk, int D, acc_t scale,
-               int causal_flag, int vec_flag, int kv_atomic) {
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const BwdParams p) {
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned misalign = smem_addr(smem) % SW_ATOM_BYTES;
     elem_t* s_K = reinterpret_cast<elem_t*>(smem + (misalign ? SW_ATOM_BYTES - misalign : 0));   // (B_C, DP)
@@ -119,23 +110,25 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
     unsigned long long* q_full = kv_full + 1;                             // (STAGES)
     unsigned long long* q_empty = q_full + STAGES;                        // (STAGES)
 
-    const bool causal = causal_flag != 0, vec = vec_flag != 0;
+    const Mask mask = p.mask;
+    const int Nq = mask.Nq, Nk = mask.Nk, D = p.D;
+    const bool vec = p.vec != 0, kv_atomic = p.kv_atomic != 0;
     const int tid = threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid / WG_THREADS, 0);   // from lane 0: the compiler sees it warp-uniform
     const int T_r = (Nq + B_R - 1) / B_R, T_c = (Nk + B_C - 1) / B_C;
-    const GridTile at = grid_tile(T_c, head_group);
+    const GridTile at = grid_tile(T_c, p.head_group);
     const i64 bh = at.bh;
     const int j = at.tile;                             // the most Q tiles first when causal
     const int kv0 = j * B_C;
-    // causal: the first query row that sees key kv0 is kv0 - (Nk - Nq)
-    const int i_first = causal ? max(0, kv0 - (Nk - Nq)) / B_R : 0;
+    const int i_first = mask.q_tile_first<B_R>(kv0);   // the Q tiles that see K_j: i_first .. T_r - 1
     const int steps = T_r - i_first;
 
-    const BatchIndex bi = split_batch(bh, n1, n2);
-    q += batch_offset(bi, q_s0, q_s1, q_s2);
-    dO += batch_offset(bi, do_s0, do_s1, do_s2);
-    lse2 += bh * Nq;
-    Dsum += bh * Nq;
+    const BatchIndex bi = p.batch.split(bh);
+    const elem_t* q = p.q.at(bi);
+    const elem_t* dO = p.dO.at(bi);
+    const i64 q_sn = p.q.sn, do_sn = p.dO.sn;
+    const acc_t* lse2 = p.lse2 + bh * Nq;
+    const acc_t* Dsum = p.Dsum + bh * Nq;
 
     if (tid == 0) {
         mbar_init(kv_full, WG_THREADS);
@@ -151,20 +144,20 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
         setmaxnreg_dec<PRODUCER_REGS>();
         const int ptid = tid;
         const int kv_rows = min(B_C, Nk - kv0);
-        load_tile_sw128<B_C, DP, WG_THREADS>(s_K, k + batch_offset(bi, k_s0, k_s1, k_s2) + (i64)kv0 * k_sn, k_sn,
+        load_tile_sw128<B_C, DP, WG_THREADS>(s_K, p.k.at(bi) + (i64)kv0 * p.k.sn, p.k.sn,
                                              kv_rows, D, vec, ptid);
-        load_tile_sw128<B_C, DP, WG_THREADS>(s_V, v + batch_offset(bi, v_s0, v_s1, v_s2) + (i64)kv0 * v_sn, v_sn,
+        load_tile_sw128<B_C, DP, WG_THREADS>(s_V, p.v.at(bi) + (i64)kv0 * p.v.sn, p.v.sn,
                                              kv_rows, D, vec, ptid);
         arrive_when_landed(kv_full, vec);
 
         // Where a tile pair with masked pairs has an operand with an inf or NaN, its products may spread
-        // it to them (flash_common.cuh): flag dQ_i and dK_j, dV_j for the repair. The producer scans
+        // it to them (nonfinite.cuh): flag dQ_i and dK_j, dV_j for the repair. The producer scans
         // while it waits anyway: a step's tiles just before it waits to refill their buffers, K_j and
         // V_j before the first such wait, the rest as the CTA ends. The steps with masked pairs come first.
-        auto masked = [&](int n) { return tile_has_masked_pairs((i_first + n) * B_R, kv0, B_C, Nq, Nk, causal); };
+        auto masked = [&](int n) { return mask.has_masked_pairs((i_first + n) * B_R, kv0, B_C); };
         auto flag_pair = [&](int n) {
-            dq_flags[bh * T_r + i_first + n] = 1u;
-            kv_flags[bh * T_c + j] = 1u;
+            p.dq_flags[bh * T_r + i_first + n] = 1u;
+            p.kv_flags[bh * T_c + j] = 1u;
         };
         auto scan_step = [&](int n) {
             const int s = n % STAGES;
@@ -183,7 +176,7 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
         for (int n = 0; n < steps; ++n) {
             const int s = n % STAGES, use = n / STAGES, q0 = (i_first + n) * B_R, rows = min(B_R, Nq - q0);
             if (use > 0) {
-                if (causal && n == STAGES) scan_kv();
+                if (mask.causal && n == STAGES) scan_kv();
                 if (masked(n - STAGES)) scan_step(n - STAGES);
                 mbar_wait(&q_empty[s], (use - 1) & 1);
             }
@@ -192,7 +185,7 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
             produce_stats(s_stat + s * 2 * B_R, lse2, Dsum, q0, Nq, vec, ptid);
             arrive_when_landed(&q_full[s], vec);
         }
-        if (causal && steps <= STAGES) scan_kv();
+        if (mask.causal && steps <= STAGES) scan_kv();
         for (int n = max(0, steps - STAGES); n < steps; ++n)
             if (masked(n)) scan_step(n);
         cp_async_wait<0>();   // no copy outlives its thread
@@ -206,12 +199,12 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
         const elem_t* s_Kc = s_K + c * 64 * SW_COLS;      // this warpgroup's 64 rows of K_j, V_j
         const elem_t* s_Vc = s_V + c * 64 * SW_COLS;
         const int ctid = tid - WG_THREADS;                // thread among the consumers
-        dq_acc += batch_offset(bi, dq_s0, dq_s1, dq_s2);
+        acc_t* dq_acc = p.dq_acc.at(bi);
         constexpr unsigned ATOM = SW_ATOM_BYTES;
         constexpr unsigned Q_BLOCK = B_R * SW_COLS * sizeof(elem_t), K_BLOCK = B_C * SW_COLS * sizeof(elem_t);
         constexpr int DV_N = DP;                          // dV, dK columns per instruction (64 or 128)
 
-        const acc_t scale_log2 = scale * (acc_t)LOG2E;
+        const acc_t scale = (acc_t)p.scale, scale_log2 = scale * (acc_t)LOG2E;
         acc_t dK[DP / 8][4], dV[DP / 8][4];               // (16, DP) per warp
         zero_frag(dK);
         zero_frag(dV);
@@ -246,11 +239,11 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
             wgmma_wait<0>();
             wgmma_pin(S);
             wgmma_pin(dP);
-            const bool boundary = key0 + 16 > Nk || (causal && key0 + 15 > q0 + (Nk - Nq));
+            const bool full = mask.full(q0, key0, 16);   // every pair of this warp's keys and Q_i is visible
             unsigned Pf[B_R / 16][4], dSf[B_R / 16][4];  // P^T, dS^T as A fragments, 16 queries at a time
 #pragma unroll
             for (int kk = 0; kk < B_R / 16; ++kk) {
-                acc_t p[2][4], ds[2][4];
+                acc_t pt[2][4], ds[2][4];
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int nn = 2 * kk + half, qc = nn * 8 + 2 * t;   // query columns qc, qc + 1 of the tile
@@ -260,17 +253,17 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int kr = key0 + g + (e / 2) * 8;   // key row
-                        p[half][e] = (boundary && !key_visible(q0 + qc + e % 2, kr, Nq, Nk, causal))
+                        pt[half][e] = (!full && !mask.visible(q0 + qc + e % 2, kr))
                                          ? (acc_t)0
                                          : exp2_acc(fmaf(S[nn][e], scale_log2, neg_lse[e % 2]));
-                        ds[half][e] = p[half][e] * (dP[nn][e] - Dq[e % 2]);
+                        ds[half][e] = pt[half][e] * (dP[nn][e] - Dq[e % 2]);
                     }
                 }
                 // the A fragment of columns 16kk .. 16kk+15: rows g, g+8 of the left, then the right 8
-                Pf[kk][0] = pack2(p[0][0], p[0][1]);
-                Pf[kk][1] = pack2(p[0][2], p[0][3]);
-                Pf[kk][2] = pack2(p[1][0], p[1][1]);
-                Pf[kk][3] = pack2(p[1][2], p[1][3]);
+                Pf[kk][0] = pack2(pt[0][0], pt[0][1]);
+                Pf[kk][1] = pack2(pt[0][2], pt[0][3]);
+                Pf[kk][2] = pack2(pt[1][0], pt[1][1]);
+                Pf[kk][3] = pack2(pt[1][2], pt[1][3]);
                 dSf[kk][0] = pack2(ds[0][0], ds[0][1]);
                 dSf[kk][1] = pack2(ds[0][2], ds[0][3]);
                 dSf[kk][2] = pack2(ds[1][0], ds[1][1]);
@@ -297,7 +290,7 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                                                                            kk * 16 + 8 * (r / 2) + 2 * t)) = dSf[kk][r];
             fence_proxy_async();
             if (ctid < B_R) bulk_wait_read();              // the last bulk add is done with s_dQ
-            named_barrier_sync(1, CONSUMERS * WG_THREADS);   // all of dS^T is written, s_dQ is free
+            named_barrier_sync(DS_WRITTEN, CONSUMERS * WG_THREADS);   // all of dS^T is written, s_dQ is free
 
             // dQ_i = scale dS_ij K_j over all B_C keys, one (64, 64) block per turn, into s_dQ
 #pragma unroll
@@ -329,9 +322,9 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
             wgmma_pin_a(dSf);
             fence_proxy_async();
             // tile j adds the j-th term of dQ_i: every K/V tile before it reaches Q tile i too
-            unsigned* dq_turn = ORDERED ? dq_turns + (bh * T_r + i_first + n) : nullptr;
+            unsigned* dq_turn = ORDERED ? p.dq_turns + (bh * T_r + i_first + n) : nullptr;
             if (ORDERED && ctid == 0) wait_turn(dq_turn, j);
-            named_barrier_sync(2, CONSUMERS * WG_THREADS);   // s_dQ holds dQ_i
+            named_barrier_sync(DQ_WRITTEN, CONSUMERS * WG_THREADS);   // s_dQ holds dQ_i
 
             // dQ_i into the workspace: a bulk add per row (rows of 16-byte multiples), else float atomics;
             // a row that saw no key (lse = +inf) adds nothing, not even 0 · NaN of a masked key
@@ -349,7 +342,7 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
                     bulk_wait();
                     fence_proxy_async_global();
                 }
-                named_barrier_sync(3, CONSUMERS * WG_THREADS);   // every add of dQ_i has landed
+                named_barrier_sync(ADDS_LANDED, CONSUMERS * WG_THREADS);   // every add of dQ_i has landed
                 if (ctid == 0) end_turn(dq_turn);
             }
             mbar_arrive(&q_empty[s]);                     // Q_i, dO_i, statistics and dS^T are free
@@ -358,40 +351,21 @@ flash_bwd_sm90(const elem_t* __restrict__ q,      // (batch..., Nq, D) strided
         if (ctid < B_R) bulk_wait();                       // every bulk add of this thread has landed
 
         // dK_j, dV_j from registers to HBM; sums over the batch entries that share a K/V head in rank order
-        unsigned *dk_turn = nullptr, *dv_turn = nullptr;
+        KvTurns turns{};
         if (ORDERED && kv_atomic) {
-            const i64 head_elems = (i64)Nk * D;
-            dk_turn = dk_turns + batch_offset(bi, dk_s0, dk_s1, dk_s2) / head_elems * T_c + j;
-            dv_turn = dv_turns + batch_offset(bi, dv_s0, dv_s1, dv_s2) / head_elems * T_c + j;
+            turns = kv_turns(p, bi, j, T_c);
             if (ctid == 0) {
-                wait_turn(dk_turn, broadcast_rank(bi, n1, n2, dk_s0, dk_s1, dk_s2));
-                wait_turn(dv_turn, broadcast_rank(bi, n1, n2, dv_s0, dv_s1, dv_s2));
+                wait_turn(turns.dk, turns.dk_rank);
+                wait_turn(turns.dv, turns.dv_rank);
             }
-            named_barrier_sync(3, CONSUMERS * WG_THREADS);
+            named_barrier_sync(ADDS_LANDED, CONSUMERS * WG_THREADS);
         }
-#pragma unroll
-        for (int nn = 0; nn < DP / 8; ++nn)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = key0 + g + 8 * h, col = nn * 8 + 2 * t;
-                if (row >= Nk) continue;
-                const acc_t k0 = scale * dK[nn][2 * h], k1 = scale * dK[nn][2 * h + 1];
-                const acc_t v0 = dV[nn][2 * h], v1 = dV[nn][2 * h + 1];
-                if (kv_atomic) {
-                    acc_t* dk_r = dk_acc + batch_offset(bi, dk_s0, dk_s1, dk_s2) + (i64)row * D;
-                    acc_t* dv_r = dv_acc + batch_offset(bi, dv_s0, dv_s1, dv_s2) + (i64)row * D;
-                    if (col < D) { atomicAdd(dk_r + col, k0); atomicAdd(dv_r + col, v0); }
-                    if (col + 1 < D) { atomicAdd(dk_r + col + 1, k1); atomicAdd(dv_r + col + 1, v1); }
-                } else {
-                    store_row_pair(dk + batch_offset(bi, dk_s0, dk_s1, dk_s2) + (i64)row * D, col, D, k0, k1);
-                    store_row_pair(dv + batch_offset(bi, dv_s0, dv_s1, dv_s2) + (i64)row * D, col, D, v0, v1);
-                }
-            }
+        store_dkv_rows(p, bi, dK, dV, key0, 0, scale);
         if (ORDERED && kv_atomic) {
-            named_barrier_sync(3, CONSUMERS * WG_THREADS);
+            named_barrier_sync(ADDS_LANDED, CONSUMERS * WG_THREADS);
             if (ctid == 0) {
-                end_turn(dk_turn);
-                end_turn(dv_turn);
+                end_turn(turns.dk);
+                end_turn(turns.dv);
             }
         }
     }

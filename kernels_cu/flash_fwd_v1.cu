@@ -21,7 +21,14 @@
 //   s_Q (B_R, DP)   Q_i, warp-private row blocks
 //   s_P (B_R, B_C)  P~_ij = exp(S_ij - m_i^new), warp-private row blocks
 
-#include "flash_common.cuh"
+#include "copy.cuh"
+#include "epilogue.cuh"
+#include "layout.cuh"
+#include "mask.cuh"
+#include "mma_sm80.cuh"
+#include "nonfinite.cuh"
+#include "params.cuh"
+#include "softmax.cuh"
 
 constexpr int DP = FLASH_DP;
 constexpr int B_R = FLASH_BR;
@@ -36,14 +43,6 @@ static_assert(B_R == 16 * FLASH_WARPS, "each warp owns 16 query rows of a Q tile
 static_assert(DP % DC == 0 && DC % 16 == 0 && B_C % 16 == 0, "tile shapes");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
-// Last K/V tile holding a key visible from query row `row` (0 when it sees
-// none: tile 0 is still visited, so that such rows get o = 0, m = -inf, l = 0).
-__device__ __forceinline__ int last_kv_tile(int row, int Nq, int Nk, int T_c, bool causal) {
-    if (!causal) return T_c - 1;
-    const int key_last = min(row, Nq - 1) + (Nk - Nq);
-    return key_last < 0 ? 0 : min(key_last / B_C, T_c - 1);
-}
-
 // This lane's fragment of columns c0 .. c0+DC-1 of the running O_i (rows r0 .. r0+15).
 __device__ __forceinline__ void load_o_chunk(acc_t (&frag)[DC / 8][4], const acc_t* __restrict__ o_run,
                                              int r0, int c0, int Nq) {
@@ -57,46 +56,37 @@ __device__ __forceinline__ void load_o_chunk(acc_t (&frag)[DC / 8][4], const acc
         }
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS)
-flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
-             const elem_t* __restrict__ k,    // (batch..., Nk, D) strided
-             const elem_t* __restrict__ v,    // (batch..., Nk, D) strided
-             elem_t* __restrict__ o,          // (BH, Nq, D)
-             acc_t* __restrict__ o_run,       // (BH, Nq, DP) running O_i between outer steps
-             acc_t* __restrict__ m_run,       // (BH, Nq) running m_i
-             acc_t* __restrict__ l_run,       // (BH, Nq) running l_i
-             unsigned* __restrict__ repair_flags,   // (BH, T_r) zeroed, when causal: Q tiles for flash_fwd_repair
-             i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
-             i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
-             i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
-             i64 n1, i64 n2,
-             int Nq, int Nk, int D, acc_t scale, int n_splits, int causal_flag, int vec_flag) {
+extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdParams p) {
     extern __shared__ __align__(16) unsigned char smem[];
     elem_t* s_K = reinterpret_cast<elem_t*>(smem);   // (B_C, DP)
     elem_t* s_V = s_K + B_C * QKV_PITCH;               // (B_C, DP)
     elem_t* s_Q = s_V + B_C * QKV_PITCH;               // (B_R, DP)
     elem_t* s_P = s_Q + B_R * QKV_PITCH;               // (B_R, B_C)
 
-    const bool causal = causal_flag != 0, vec = vec_flag != 0;
+    const Mask mask = p.mask;
+    const int Nq = mask.Nq, Nk = mask.Nk, D = p.D, n_splits = p.n_splits;
+    const bool vec = p.vec != 0;
+    const acc_t scale = (acc_t)p.scale;
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
     const i64 bh = blockIdx.x / n_splits;
     const int split = blockIdx.x % n_splits;
 
-    const BatchIndex bi = split_batch(bh, n1, n2);
-    q += batch_offset(bi, q_s0, q_s1, q_s2);
-    k += batch_offset(bi, k_s0, k_s1, k_s2);
-    v += batch_offset(bi, v_s0, v_s1, v_s2);
-    o += bh * Nq * D;
-    o_run += bh * Nq * DP;
-    m_run += bh * Nq;
-    l_run += bh * Nq;
+    const BatchIndex bi = p.batch.split(bh);
+    const elem_t* q = p.q.at(bi);
+    const elem_t* k = p.k.at(bi);
+    const elem_t* v = p.v.at(bi);
+    const i64 q_sn = p.q.sn, k_sn = p.k.sn, v_sn = p.v.sn;
+    elem_t* o = p.o + bh * Nq * D;
+    acc_t* o_run = p.o_run + bh * Nq * DP;
+    acc_t* m_run = p.m + bh * Nq;
+    acc_t* l_run = p.l + bh * Nq;
 
     const int T_r = (Nq + B_R - 1) / B_R;
-    const int T_c = (Nk + B_C - 1) / B_C;
     if (split >= T_r) return;
+    // the K/V tiles this CTA visits: those its last Q tile needs (the most when causal)
     const int i_own_last = split + (T_r - 1 - split) / n_splits * n_splits;
-    const int j_stop = last_kv_tile(i_own_last * B_R + B_R - 1, Nq, Nk, T_c, causal) + 1;
+    const int j_stop = mask.kv_tiles<B_C>(i_own_last * B_R, B_R);
 
     elem_t* s_Qw = s_Q + 16 * warp * QKV_PITCH;   // (16, DP) this warp's rows of Q_i
     elem_t* s_Pw = s_P + 16 * warp * P_PITCH;     // (16, B_C) this warp's rows of P~_ij
@@ -109,16 +99,15 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
         load_tile<B_C, DP>(s_V, v + kv0 * v_sn, v_sn, min(B_C, Nk - kv0), D, vec, tid, NTHREADS);
         __syncthreads();
         // this thread's share of V_j holds an inf or NaN: P~_ij V_j may spread it to the masked pairs of
-        // the Q tiles below that have some (flash_common.cuh), flagged for the repair
-        const bool v_nonfinite = causal && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS);
+        // the Q tiles below that have some (nonfinite.cuh), flagged for the repair
+        const bool v_nonfinite = mask.causal && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS);
 
         for (int i = split; i < T_r; i += n_splits) {
-            if (v_nonfinite && tile_has_masked_pairs(i * B_R, kv0, B_C, Nq, Nk, causal)
-                && j <= last_kv_tile(i * B_R + B_R - 1, Nq, Nk, T_c, causal))
-                repair_flags[bh * T_r + i] = 1u;
+            if (v_nonfinite && mask.has_masked_pairs(i * B_R, kv0, B_C) && j < mask.kv_tiles<B_C>(i * B_R, B_R))
+                p.repair_flags[bh * T_r + i] = 1u;
             const int r0 = i * B_R + 16 * warp;   // first query row of this warp
             if (r0 >= Nq) break;
-            const int j_last = last_kv_tile(r0 + 15, Nq, Nk, T_c, causal);
+            const int j_last = mask.kv_tiles<B_C>(r0, 16) - 1;   // the last K/V tile this warp's rows see
             if (j > j_last) continue;
 
             // load O_i (first chunk), m_i, l_i and Q_i from HBM; nothing to read at the first outer step.
@@ -142,8 +131,7 @@ flash_fwd_v1(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             zero_frag(S);
             warp_mma<B_C / 8, DP, false, false>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
 
-            const bool boundary = kv0 + B_C > Nk || (causal && kv0 + B_C - 1 > r0 + (Nk - Nq));
-            scale_and_mask(S, scale, boundary, r0, kv0, Nq, Nk, causal);
+            scale_and_mask(S, scale, mask, r0, kv0);
 
             // m_i^new = max(m_i, rowmax(S_ij));  P~_ij = exp(S_ij - m_i^new);  l_i^new = e^(m_i - m_i^new) l_i + rowsum(P~_ij)
             acc_t m_new[2], alpha[2], rowsum[2], l_new[2];

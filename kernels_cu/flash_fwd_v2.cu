@@ -16,7 +16,14 @@
 //   s_KV (2 stages, 2, B_C, DP)  K_j, V_j double-buffered
 //   s_P  (B_R, B_C)           P~_ij, float32/float64 only (their FMA tiles read A from SRAM)
 
-#include "flash_common.cuh"
+#include "copy.cuh"
+#include "epilogue.cuh"
+#include "layout.cuh"
+#include "mask.cuh"
+#include "mma_sm80.cuh"
+#include "nonfinite.cuh"
+#include "params.cuh"
+#include "softmax.cuh"
 
 constexpr int DP = FLASH_DP;
 constexpr int B_R = FLASH_BR;
@@ -52,42 +59,32 @@ __device__ __forceinline__ void load_kv(elem_t* s_stage, const elem_t* k, const 
     cp_async_commit();
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS)
-flash_fwd_v2(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
-             const elem_t* __restrict__ k,    // (batch..., Nk, D) strided
-             const elem_t* __restrict__ v,    // (batch..., Nk, D) strided
-             elem_t* __restrict__ o,          // (BH, Nq, D)
-             acc_t* __restrict__ m_out,       // (BH, Nq)
-             acc_t* __restrict__ l_out,       // (BH, Nq)
-             unsigned* __restrict__ repair_flags,   // (BH, T_r) zeroed, when causal: Q tiles for flash_fwd_repair
-             i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
-             i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
-             i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
-             i64 n1, i64 n2, int head_group, int heads,
-             int Nq, int Nk, int D, acc_t scale, int causal_flag, int vec_flag) {
+extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdParams p) {
     extern __shared__ __align__(16) unsigned char smem[];
     elem_t* s_Q = reinterpret_cast<elem_t*>(smem);    // (B_R, DP)
     elem_t* s_KV = s_Q + B_R * QKV_PITCH;               // (STAGES, 2, B_C, DP)
 
-    const bool causal = causal_flag != 0, vec = vec_flag != 0;
+    const Mask mask = p.mask;
+    const int Nq = mask.Nq, Nk = mask.Nk, D = p.D;
+    const bool vec = p.vec != 0;
+    const acc_t scale = (acc_t)p.scale;
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
-    const int T_r = (Nq + B_R - 1) / B_R, T_c = (Nk + B_C - 1) / B_C;
-    const GridTile at = grid_tile_at(blockIdx.x, heads, T_r, head_group);
+    const int T_r = (Nq + B_R - 1) / B_R;
+    const GridTile at = grid_tile_at(blockIdx.x, (unsigned)p.batch.count, T_r, p.head_group);
     const i64 bh = at.bh;
     const int i = T_r - 1 - at.tile;                   // heaviest causal tiles first
 
-    const BatchIndex bi = split_batch(bh, n1, n2);
-    q += batch_offset(bi, q_s0, q_s1, q_s2);
-    k += batch_offset(bi, k_s0, k_s1, k_s2);
-    v += batch_offset(bi, v_s0, v_s1, v_s2);
-    o += bh * Nq * D;
-    m_out += bh * Nq;
-    l_out += bh * Nq;
+    const BatchIndex bi = p.batch.split(bh);
+    const elem_t* q = p.q.at(bi);
+    const elem_t* k = p.k.at(bi);
+    const elem_t* v = p.v.at(bi);
+    const i64 q_sn = p.q.sn, k_sn = p.k.sn, v_sn = p.v.sn;
+    elem_t* o = p.o + bh * Nq * D;
+    acc_t* m_out = p.m + bh * Nq;
+    acc_t* l_out = p.l + bh * Nq;
 
     const int r0 = i * B_R + 16 * warp;                 // first query row of this warp
-    // K/V tiles this CTA needs: up to the last key its last row sees (tile 0 at least)
-    const int key_last = causal ? min(i * B_R + B_R - 1, Nq - 1) + (Nk - Nq) : Nk - 1;
-    const int j_stop = key_last < 0 ? 1 : min(key_last / B_C, T_c - 1) + 1;
+    const int j_stop = mask.kv_tiles<B_C>(i * B_R, B_R);   // the K/V tiles this CTA needs
 
     elem_t* s_Qw = s_Q + 16 * warp * QKV_PITCH;         // (16, DP) this warp's rows of Q_i
     load_kv(s_KV, k, v, k_sn, v_sn, 0, Nk, D, vec);
@@ -117,10 +114,9 @@ flash_fwd_v2(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
         }
         __syncthreads();
         // where Q tile i has masked pairs in tile j and V_j holds an inf or NaN, P~_ij V_j may spread it
-        // to them (flash_common.cuh): flag the tile for the repair
-        if (tile_has_masked_pairs(i * B_R, kv0, B_C, Nq, Nk, causal)
-            && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS))
-            repair_flags[bh * T_r + i] = 1u;
+        // to them (nonfinite.cuh): flag the tile for the repair
+        if (mask.has_masked_pairs(i * B_R, kv0, B_C) && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS))
+            p.repair_flags[bh * T_r + i] = 1u;
 
         // S_ij = scale Q_i K_j^T                                           (16, B_C)
         acc_t S[B_C / 8][4];
@@ -131,8 +127,7 @@ flash_fwd_v2(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
 #else
         warp_mma<B_C / 8, DP, false, false>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
 #endif
-        const bool boundary = kv0 + B_C > Nk || (causal && kv0 + B_C - 1 > r0 + (Nk - Nq));
-        scale_and_mask(S, scale, boundary, r0, kv0, Nq, Nk, causal);
+        scale_and_mask(S, scale, mask, r0, kv0);
 
         // m_i^new = max(m_i, rowmax(S_ij));  P~_ij = exp(S_ij - m_i^new)
         // l_i <- e^(m_i - m_i^new) l_i + rowsum(P~_ij);  O_i <- e^(m_i - m_i^new) O_i

@@ -1,23 +1,45 @@
-"""Every kernel specialisation compiles through NVRTC for sm_80 and sm_90, no GPU needed.
+"""Every kernel specialisation compiles through NVRTC, no GPU needed; the sources and the parameter
+structs hold together.
 
-This runs in CI (which has no GPU): when ``CI`` is set a missing NVRTC is a
-failure, not a skip.
+This runs in CI (which has no GPU): when ``CI`` is set a missing NVRTC is a failure, not a skip.
+The specialisations compile side by side in worker processes, one per core
+(``_compile.compile_all``), once per test session.
 """
 
 import os
 import re
 
+import numpy
 import pytest
 
-from cupyflash import _compile, _tiles
+from cupyflash import _compile, _params, _tiles
 
 # opt-in shared memory per block: A100 (sm_80) and H100/H200 (sm_90)
-ARCH_SMEM = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+ARCH_SMEM = {"sm_90": 227 * 1024, "sm_80": 163 * 1024}
 
 if not os.environ.get("CI"):
     pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC (cupy-cuda*x[ctk]) is not installed")
 
-SPECIALISATIONS = [(arch, cfg) for arch, smem in ARCH_SMEM.items() for cfg in _tiles.all_tile_configs(smem, arch)]
+
+def _specialisations():
+    """(arch, cfg) for every specialisation some device runs, each once: for sm_90 where it runs
+    there, else for sm_80 (the tiles that only A100's smaller shared memory picks)."""
+    seen, out = set(), []
+    for arch, smem in ARCH_SMEM.items():
+        for cfg in _tiles.all_tile_configs(smem, arch):
+            if cfg not in seen:
+                seen.add(cfg)
+                out.append((arch, cfg))
+    return out
+
+
+SPECIALISATIONS = _specialisations()
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """(cubin magic, ptxas log) or the NVRTC error of every specialisation, compiled in parallel."""
+    return dict(zip(SPECIALISATIONS, _compile.compile_all(SPECIALISATIONS)))
 
 
 def is_fast(cfg) -> bool:
@@ -26,19 +48,20 @@ def is_fast(cfg) -> bool:
     The Hopper backward is left out: its producer warpgroup runs on 24 registers so that the
     consumers get 240, and spills a little (the consumers do not; the serialisation check holds).
     """
-    return cfg.kernel.startswith("fwd_v2") and cfg.itemsize == 2 and cfg.d_pad <= 128
+    return cfg.kernel in ("fwd_v2", "fwd_sm90") and cfg.itemsize == 2 and cfg.d_pad <= 128
 
 
 @pytest.mark.parametrize("arch, cfg", SPECIALISATIONS,
-                         ids=[f"{a}-{c.kernel}-{c.dtype}-d{c.d_pad}" for a, c in SPECIALISATIONS])
-def test_specialisation_compiles(arch, cfg):
-    cubin, log = _compile.compile_for_arch(cfg, arch, verbose=True)
-    assert cubin[:4] == b"\x7fELF"
+                         ids=[f"{a}-{c.kernel}-{c.dtype}-d{c.d_pad}{'-ordered' if c.ordered else ''}"
+                              for a, c in SPECIALISATIONS])
+def test_specialisation_compiles(arch, cfg, compiled):
+    magic, log = compiled[(arch, cfg)]
+    assert magic == b"\x7fELF", log
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
-    assert spills, log   # ptxas' report is there to read
+    assert len(spills) == len(cfg.spec.entries), log   # ptxas' report of every entry is there to read
     if is_fast(cfg):
         assert max(spills) == 0, f"{cfg} spills on {arch}:\n{log}"
-    if cfg.arch:
+    if cfg.spec.arch:
         assert "serialized" not in log, f"{cfg}: ptxas serialised the warpgroup MMAs:\n{log}"
 
 
@@ -48,16 +71,14 @@ def test_every_dtype_and_bucket_is_covered():
     On sm_80 the V2 forward of float64 beyond D = 192 does not fit (V1 runs); the Hopper
     kernels are sm_90-only and take 16-bit dtypes, the backward D <= 128.
     """
+    compiled = {c for _, c in SPECIALISATIONS}
     for arch, smem in ARCH_SMEM.items():
-        compiled = {c for a, c in SPECIALISATIONS if a == arch}
-        for kernel in _tiles.KERNELS:
-            own = _tiles.ARCH_KERNELS.get(kernel)
-            if own and not own[0].startswith(arch):
+        for kernel, spec in _tiles.KERNELS.items():
+            if not _tiles.runs_on(spec, arch):
                 continue
-            for dtype in (own[1] if own else _tiles.DTYPE_CODES):
+            for dtype in spec.dtypes:
                 for bucket in _tiles.HEAD_DIM_BUCKETS:
-                    if ((arch, kernel, dtype, bucket) == ("sm_80", "fwd_v2", "float64", 256)
-                            or (kernel == "bwd_sm90" and bucket > _tiles.BWD_SM90_MAX_HEAD_DIM)):
+                    if (arch, kernel, dtype, bucket) == ("sm_80", "fwd_v2", "float64", 256) or bucket > spec.max_head_dim:
                         with pytest.raises(ValueError):
                             _tiles.choose_tiles(kernel, bucket, dtype, smem)
                         continue
@@ -69,26 +90,50 @@ def test_tiles_fit_and_follow_the_seed_bound(arch, smem):
     """Shared memory fits; forward B_c <= ceil(M / 4d) and B_r <= min(B_c, d) (the V1 seed's tiling formula)."""
     for cfg in _tiles.all_tile_configs(smem, arch):
         assert cfg.smem_bytes <= smem
-        assert cfg.d_pad % cfg.d_chunk == 0
+        if cfg.d_pad:
+            assert cfg.d_pad % cfg.d_chunk == 0
         if cfg.kernel == "fwd_v1":
             M = smem // cfg.itemsize
             assert cfg.block_c <= -(-M // (4 * cfg.d_pad))
             assert cfg.block_r <= min(cfg.block_c, cfg.d_pad)
         if cfg.kernel == "bwd_sm90":      # a producer warpgroup, then 64 keys per consumer warpgroup
             assert cfg.block_c == 64 * (cfg.warps // 4 - 1) and cfg.warps % 4 == 0
-        elif cfg.kernel == "fwd_v2_sm90":   # a producer warpgroup, then 64 query rows per consumer warpgroup
+        elif cfg.kernel == "fwd_sm90":    # a producer warpgroup, then 64 query rows per consumer warpgroup
             assert cfg.block_r == 64 * (cfg.warps // 4 - 1) and cfg.warps % 4 == 0
-        elif cfg.kernel.startswith("fwd"):
+        elif cfg.kernel in ("fwd_v1", "fwd_v2"):
             assert cfg.block_r == 16 * cfg.warps
-        elif cfg.kernel == "repair":        # a row per warp, no shared tiles
-            assert cfg.smem_bytes == 0 and cfg.warps == _tiles.REPAIR_WARPS
+        elif cfg.kernel in ("repair", "bwd_prep"):   # no shared tiles
+            assert cfg.smem_bytes == 0
         else:
             assert cfg.block_c == 16 * cfg.warps
 
 
-def test_header_edits_change_the_source():
-    """The header is pasted into the source, so CuPy's cache (keyed on source text) sees header edits."""
-    header = (_compile.kernel_dir() / _compile.HEADER).read_text()
-    for kernel in _tiles.KERNELS:
-        src = _compile.kernel_source(kernel)
-        assert header in src and '#include "flash_common.cuh"' not in src
+@pytest.mark.parametrize("kernel", sorted(_tiles.KERNELS))
+def test_a_source_is_its_file_and_every_header_it_includes_once(kernel):
+    """Local includes are pasted in, recursively and once each, so CuPy's cache (keyed on the source
+    text) sees an edit of any header; the parameter structs' layout checks close the source."""
+    src = _compile.kernel_source(kernel)
+    assert '#include "' not in src and "#pragma once" not in src
+    headers = _compile.included_headers(kernel)
+    assert "params.cuh" in headers and "types.cuh" in headers
+    for header in headers:
+        body = (_compile.kernel_dir() / header).read_text().replace("#pragma once\n", "")
+        first_line = body.splitlines()[0]
+        assert src.count(first_line) == 1, (kernel, header)
+    assert src.endswith(_params.layout_checks())
+
+
+def test_a_drifted_parameter_mirror_fails_to_compile(monkeypatch):
+    """The layout checks can fail: a mirror with one field moved does not compile."""
+    moved = numpy.dtype({"names": list(_params.FWD.names), "formats": [_params.FWD.fields[n][0] for n in _params.FWD.names],
+                         "offsets": [_params.FWD.fields[n][1] + (8 if n == "scale" else 0) for n in _params.FWD.names],
+                         "itemsize": _params.FWD.itemsize + 8})
+    monkeypatch.setitem(_params.STRUCTS, "FwdParams", moved)
+    _compile.kernel_source.cache_clear()
+    cfg = _tiles.choose_tiles("fwd_v2", 64, "float32", ARCH_SMEM["sm_90"])
+    try:
+        with pytest.raises(RuntimeError, match="differs from _params.py"):
+            _compile.compile_for_arch(cfg, "sm_90")
+    finally:
+        monkeypatch.undo()
+        _compile.kernel_source.cache_clear()

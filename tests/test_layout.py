@@ -56,31 +56,21 @@ def test_gqa_collapses_to_two_dims():
     assert layout.strides[1] == (0, 72, 0)
 
 
-shapes_and_dtypes = st.tuples(st.lists(st.integers(0, 9), min_size=1, max_size=3).map(tuple),
-                              st.sampled_from([numpy.uint32, numpy.float32, numpy.float64]))
+workspace_parts = st.lists(st.tuples(st.integers(0, 5000), st.booleans()), max_size=8)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(shapes_and_dtypes, max_size=5))
-def test_zeroed_parts_are_zero_aligned_and_apart(parts):
-    poisoned = []
-
-    def workspace(shape, dtype):   # stale memory, as a reused pool block would hold
-        poisoned.append(numpy.full(shape, 0xAB, dtype))
-        return poisoned[-1]
-
-    arrays = _launch.zeroed(workspace, parts)
-    assert len(poisoned) == (1 if parts else 0)
-    assert [(x.shape, x.dtype) for x in arrays] == [(s, numpy.dtype(d)) for s, d in parts]
-    spans = []
-    for x in arrays:
-        assert not x.any()
-        if not x.size:   # where an empty array points does not matter
-            continue
-        start = x.__array_interface__["data"][0] - poisoned[0].__array_interface__["data"][0]
-        assert start % _launch.ZEROED_ALIGN == 0
-        spans.append((start, start + x.nbytes))
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+@given(workspace_parts)
+def test_workspace_parts_are_aligned_apart_and_the_zeroed_ones_one_range(parts):
+    """One buffer, one memset: every part 256-byte aligned and disjoint, the zeroed parts exactly the
+    range the memset clears, and a call's buffer cleared there while the rest keeps stale bytes."""
+    space = _launch.workspace_layout(parts)
+    spans = sorted((off, off + n, zeroed) for off, (n, zeroed) in zip(space.offsets, parts) if n)
+    assert all(off % _launch.WORKSPACE_ALIGN == 0 for off in space.offsets)
+    assert all(a_end <= b_start for (_, a_end, _), (b_start, _, _) in zip(spans, spans[1:]))
+    assert all(end <= space.nbytes for _, end, _ in spans)
+    assert all((start >= space.zero_from) == zeroed for start, _, zeroed in spans)
+    assert space.nbytes == sum(-(-n // _launch.WORKSPACE_ALIGN) * _launch.WORKSPACE_ALIGN for n, _ in parts)
 
 
 @pytest.mark.parametrize("heads, T_r, slots", [(64, 64, 264), (16, 1024, 264), (1, 1, 132), (4096, 1, 264),
@@ -109,7 +99,7 @@ def test_head_dim_past_the_last_bucket_raises():
 H100_SMEM = 227 * 1024
 
 
-@pytest.mark.parametrize("kernel", ["fwd_v2_sm90", "bwd_sm90"])
+@pytest.mark.parametrize("kernel", ["fwd_sm90", "bwd_sm90"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_hopper_kernels_take_16_bit_only(kernel, dtype):
     with pytest.raises(ValueError, match=kernel):
@@ -122,17 +112,29 @@ def test_hopper_backward_stops_at_128(head_dim):
         _tiles.choose_tiles("bwd_sm90", head_dim, "bfloat16", H100_SMEM)
 
 
-@pytest.mark.parametrize("kernel", ["fwd_v2_sm90", "bwd_sm90"])
+@pytest.mark.parametrize("kernel", ["fwd_sm90", "bwd_sm90"])
 @pytest.mark.parametrize("head_dim", [1, 33, 64, 65, 96, 128])
 def test_hopper_tiles_pad_to_swizzle_blocks_and_fit(kernel, head_dim):
     """Whole 64-column swizzle blocks, warpgroups of 64 rows plus a producer, within an H100/H200 block."""
     cfg = _tiles.choose_tiles(kernel, head_dim, "float16", H100_SMEM)
     assert cfg.d_pad == -(-_tiles.head_dim_bucket(head_dim) // 64) * 64   # its bucket, up to a 64 multiple
-    rows = cfg.block_r if kernel == "fwd_v2_sm90" else cfg.block_c
+    rows = cfg.block_r if kernel == "fwd_sm90" else cfg.block_c
     assert rows == 64 * (cfg.warps // 4 - 1) and cfg.smem_bytes <= H100_SMEM
-    assert cfg.arch == "sm_90a" and "-DFLASH_WGMMA=1" in cfg.defines()
+    assert cfg.spec.arch == "sm_90a"
+    producer, consumer = cfg.registers   # setmaxnreg's split of the register file, one CTA per SM
+    entry = _tiles.REGISTER_FILE // cfg.threads // 8 * 8
+    assert producer % 8 == consumer % 8 == 0 and consumer <= 256
+    assert producer + (cfg.warps // 4 - 1) * consumer <= (cfg.warps // 4) * entry
+    assert f"-DFLASH_CONSUMER_REGS={consumer}" in cfg.defines()
 
 
-def test_portable_kernels_have_no_arch():
+def test_portable_kernels_have_no_arch_and_no_register_split():
     cfg = _tiles.choose_tiles("fwd_v2", 64, "float16", H100_SMEM)
-    assert cfg.arch is None and "-DFLASH_WGMMA=0" in cfg.defines()
+    assert cfg.spec.arch is None and cfg.registers is None
+    assert not any("REGS" in d for d in cfg.defines())
+
+
+@pytest.mark.parametrize("kernel", ["no_such_kernel", "fwd_v2_sm90", "bwd_v1"])
+def test_an_unknown_kernel_family_is_refused_by_name(kernel):
+    with pytest.raises(ValueError, match="unknown kernel"):
+        _tiles.choose_tiles(kernel, 64, "float16", H100_SMEM)

@@ -1,5 +1,10 @@
-// flash_fwd_v2_sm90.cu — the V2 forward (flash_fwd_v2.cu's schedule and outputs) on Hopper's
+// flash_fwd_sm90.cu — the V2 forward (flash_fwd_v2.cu's schedule and outputs) on Hopper's
 // warpgroup MMA, for float16/bfloat16 on sm_90a.
+//
+// It follows FlashAttention-3 (Shah et al., 2024): warp specialisation with a producer warpgroup
+// and register reallocation (section 3.1), ping-pong scheduling of the consumer warpgroups (3.1)
+// and the intra-warpgroup overlap of one step's softmax with the previous step's P~ V (3.2). It
+// differs in its copies (cp.async from the producer, not TMA) and keeps 16-bit arithmetic (no FP8).
 //
 // Same loop order as flash_fwd_v2.cu: per (Q tile i, batch*head), O_i, m_i, l_i in registers,
 // normalisation deferred to the end. What changes is who does what, and that the CTAs are
@@ -10,8 +15,8 @@
 //   producer   warpgroup 0 copies each Q_i into a ring of Q_STAGES buffers, then its K_j and V_j
 //              into a ring of STAGES buffers (cp.async), each buffer guarded by a "full" and an
 //              "empty" mbarrier; the K/V ring runs on from tile to tile; when causal it scans
-//              each diagonal V_j for inf and NaN (flash_common.cuh, "Masked pairs and
-//              non-finite operands") while it waits to refill the buffer;
+//              each diagonal V_j for inf and NaN (nonfinite.cuh) while it waits to refill
+//              the buffer;
 //   consumers  warpgroups 1 .. CONSUMERS own 64 query rows each and issue wgmma, which reads
 //              Q_i, K_j and V_j straight from swizzled shared memory (S_ij = Q_i K_j^T) and P~_ij
 //              from registers (O_i += P~_ij V_j). The producer hands its registers to them
@@ -32,7 +37,7 @@
 // A consumer multiplies only the K/V tiles its own 64 rows see (fewer than the CTA's when causal,
 // none when the rows are all past Nq); it still takes each turn and releases each tile.
 //
-// Shared memory (elem_t, 128-byte swizzle, flash_common.cuh), after 1024-byte alignment:
+// Shared memory (elem_t, 128-byte swizzle, sm90.cuh), after 1024-byte alignment:
 //   s_Q  (Q_STAGES, B_R, DP)    Q_i ring
 //   s_K  (STAGES, B_C, DP)      K_j ring
 //   s_V  (STAGES, B_C, DP)      V_j ring
@@ -40,7 +45,15 @@
 //   s_index (Q_STAGES) u32, 8 bytes apart    the tile index of each Q_i
 //   s_claim u32 (8 bytes)                    producer thread 0's next tile (in a register it would spill)
 
-#include "flash_common.cuh"
+#include "copy.cuh"
+#include "epilogue.cuh"
+#include "layout.cuh"
+#include "mask.cuh"
+#include "mma_sm80.cuh"
+#include "nonfinite.cuh"
+#include "params.cuh"
+#include "sm90.cuh"
+#include "softmax.cuh"
 
 constexpr int DP = FLASH_DP;
 constexpr int B_R = FLASH_BR;
@@ -56,22 +69,19 @@ constexpr int N_BARRIERS = 2 * Q_STAGES + 4 * STAGES;
 constexpr int SMEM_BYTES = (Q_STAGES * TILE_Q + 2 * STAGES * TILE_KV) * (int)sizeof(elem_t) + N_BARRIERS * 8
                            + (Q_STAGES + 1) * 8        // s_index, s_claim (8 bytes apart)
                            + SW_ATOM_BYTES;             // + slack for the 1024-byte alignment
-constexpr int PRODUCER_BARRIER = 15;                   // named barrier of the producer warpgroup (consumers: 1 .. CONSUMERS)
-// One consumer: two CTAs per SM keep each other's tensor cores busy; more: one CTA, ping-pong.
-// The host launches this many per SM (FLASH_CTAS_PER_SM).
-constexpr int CTAS_PER_SM = FLASH_CTAS_PER_SM;
-// setmaxnreg moves registers between the warpgroups of the CTA's fixed allocation: the fewest
-// to the producer, the rest to the consumers (multiples of 8)
-constexpr int ENTRY_REGS = 65536 / (NTHREADS * CTAS_PER_SM) / 8 * 8;
-constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 40 : 32;
-constexpr int CONSUMER_SHARE = ((1 + CONSUMERS) * ENTRY_REGS - PRODUCER_REGS) / CONSUMERS / 8 * 8;
-constexpr int CONSUMER_REGS = CONSUMER_SHARE < 256 ? CONSUMER_SHARE : 256;
+// setmaxnreg moves registers between the warpgroups of the CTA's fixed allocation: the fewest to
+// the producer, the rest to the consumers (cupyflash/_tiles.py: TileConfig.registers, the one place)
+constexpr int PRODUCER_REGS = FLASH_PRODUCER_REGS;
+constexpr int CONSUMER_REGS = FLASH_CONSUMER_REGS;
 
-static_assert(FLASH_WGMMA && FLASH_TENSOR_CORES, "a float16/bfloat16 warpgroup-MMA kernel");
+// Named barriers (0 is __syncthreads): consumer c's turn to issue its products, and the producer's own
+enum Barrier : int { CONSUMER_TURN = 1, PRODUCER = 15 };   // CONSUMER_TURN + c, c < CONSUMERS
+
 static_assert(B_R == 64 * CONSUMERS && FLASH_WARPS % 4 == 0, "one producer warpgroup, 64 query rows per consumer");
-static_assert(CTAS_PER_SM == (CONSUMERS == 1 ? 2 : 1) && (Q_STAGES == 1 || Q_STAGES == 2), "host and device disagree");
+static_assert(CONSUMERS >= 2 && CONSUMER_TURN + CONSUMERS <= PRODUCER, "ping-pong consumers and their barriers");
+static_assert(Q_STAGES == 1 || Q_STAGES == 2, "one or two Q buffers");
 static_assert(DP % SW_COLS == 0 && (B_C == 64 || B_C == 128), "tile shapes");
-static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * ENTRY_REGS, "register file");
+static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * (65536 / NTHREADS / 8 * 8), "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
 // Producer thread `ptid` of WG_THREADS: its share of a (ROWS, DP) tile of `rows` rows into a
@@ -106,20 +116,7 @@ __device__ __forceinline__ void issue_values(acc_t (&O)[DP / 8][4], const unsign
     wgmma_commit();
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
-flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
-                  const elem_t* __restrict__ k,    // (batch..., Nk, D) strided
-                  const elem_t* __restrict__ v,    // (batch..., Nk, D) strided
-                  elem_t* __restrict__ o,          // (BH, Nq, D)
-                  acc_t* __restrict__ m_out,       // (BH, Nq)
-                  acc_t* __restrict__ l_out,       // (BH, Nq)
-                  unsigned* __restrict__ tile_counter,   // tiles claimed past the first gridDim.x; zero at launch
-                  unsigned* __restrict__ repair_flags,   // (BH, T_r) zeroed, when causal: Q tiles for flash_fwd_repair
-                  i64 q_s0, i64 q_s1, i64 q_s2, i64 q_sn,
-                  i64 k_s0, i64 k_s1, i64 k_s2, i64 k_sn,
-                  i64 v_s0, i64 v_s1, i64 v_s2, i64 v_sn,
-                  i64 n1, i64 n2, int head_group, int heads,
-                  int Nq, int Nk, int D, acc_t scale, int causal_flag, int vec_flag) {
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const FwdParams p) {
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned misalign = smem_addr(smem) % SW_ATOM_BYTES;
     elem_t* s_Q = reinterpret_cast<elem_t*>(smem + (misalign ? SW_ATOM_BYTES - misalign : 0));   // (Q_STAGES, B_R, DP)
@@ -134,20 +131,20 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
     unsigned* s_index = reinterpret_cast<unsigned*>(v_empty + STAGES);   // (Q_STAGES, 2) the tile of each Q_i
     unsigned* s_claim = s_index + 2 * Q_STAGES;                          // producer thread 0's next tile
 
-    const bool causal = causal_flag != 0, vec = vec_flag != 0;
+    const Mask mask = p.mask;
+    const int Nq = mask.Nq, Nk = mask.Nk, D = p.D;
+    const bool vec = p.vec != 0;
     const int tid = threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid / WG_THREADS, 0);   // from lane 0: the compiler sees it warp-uniform
-    const int T_r = (Nq + B_R - 1) / B_R, T_c = (Nk + B_C - 1) / B_C;
-    const unsigned n_tiles = (unsigned)heads * T_r;
+    const int T_r = (Nq + B_R - 1) / B_R;
+    const unsigned heads = (unsigned)p.batch.count, n_tiles = heads * T_r;
 
-    // Tile `index` of the grid order: its head, Q tile i (heaviest causal first) and the K/V tiles it
-    // needs, up to the last key its last row sees (tile 0 at least)
+    // Tile `index` of the grid order: its head, Q tile i (heaviest causal first) and the K/V tiles it needs
     struct Work { i64 bh; int i, j_stop; };
     auto work_at = [&](unsigned index) {
-        const GridTile at = grid_tile_at(index, heads, T_r, head_group);
+        const GridTile at = grid_tile_at(index, heads, T_r, p.head_group);
         const int i = T_r - 1 - at.tile;
-        const int key_last = causal ? min(i * B_R + B_R - 1, Nq - 1) + (Nk - Nq) : Nk - 1;
-        return Work{at.bh, i, key_last < 0 ? 1 : min(key_last / B_C, T_c - 1) + 1};
+        return Work{at.bh, i, mask.kv_tiles<B_C>(i * B_R, B_R)};
     };
 
     if (tid == 0) {
@@ -175,7 +172,7 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
         setmaxnreg_dec<PRODUCER_REGS>();
         if (tid == 0) *s_claim = blockIdx.x;
         // Where a Q tile has masked pairs in tile j and V_j holds an inf or NaN, P~_ij V_j may spread it
-        // to them (flash_common.cuh): flag the Q tile for the repair. The producer scans each such V_j
+        // to them (nonfinite.cuh): flag the Q tile for the repair. The producer scans each such V_j
         // while it waits anyway: just before it waits to refill V_j's buffer, and as the CTA ends.
         // pending0, pending1: the flag of the V_j in stage 0, 1 still to scan (NONE: none).
         constexpr unsigned NONE = ~0u;
@@ -186,7 +183,7 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             if (pos < 0 || flag == NONE) return;
             mbar_wait(&v_full[s], (pos / STAGES) & 1);
             if (rows_nonfinite(s_V + s * TILE_KV, TILE_KV / SW_COLS, SW_COLS, SW_COLS, tid % WG_THREADS, WG_THREADS))
-                repair_flags[flag] = 1u;
+                p.repair_flags[flag] = 1u;
         };
         static_assert(STAGES == 2, "a pending flag per stage");
         int kv = 0;
@@ -194,7 +191,7 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             const int qs = n % Q_STAGES, q_use = n / Q_STAGES;
             if (q_use > 0) mbar_wait(&q_empty[qs], (q_use - 1) & 1);
             if (tid == 0) s_index[2 * qs] = *s_claim;
-            named_barrier_sync(PRODUCER_BARRIER, WG_THREADS);
+            named_barrier_sync(PRODUCER, WG_THREADS);
             const unsigned index = s_index[2 * qs];
             if (index >= n_tiles) {
                 mbar_arrive(&q_full[qs]);
@@ -208,15 +205,16 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             // loop, would not fit the producer's registers
             unsigned ptid = tid;
             asm volatile("" : "+r"(ptid));
-            const BatchIndex bi = split_batch(w.bh, n1, n2);
-            const elem_t* q_h = q + batch_offset(bi, q_s0, q_s1, q_s2);
-            const elem_t* k_h = k + batch_offset(bi, k_s0, k_s1, k_s2);
-            const elem_t* v_h = v + batch_offset(bi, v_s0, v_s1, v_s2);
+            const BatchIndex bi = p.batch.split(w.bh);
+            const elem_t* q_h = p.q.at(bi);
+            const elem_t* k_h = p.k.at(bi);
+            const elem_t* v_h = p.v.at(bi);
+            const i64 q_sn = p.q.sn, k_sn = p.k.sn, v_sn = p.v.sn;
             produce_tile<B_R>(s_Q + qs * TILE_Q, q_h + (i64)w.i * B_R * q_sn, q_sn, min(B_R, Nq - w.i * B_R), D, vec,
                               &q_full[qs], ptid);
             if (tid == 0) {
                 mbar_arrive(&q_full[qs]);
-                *s_claim = gridDim.x + atomicAdd(tile_counter, 1u);   // under the wait for K_0's buffer
+                *s_claim = gridDim.x + atomicAdd(p.tile_counter, 1u);   // under the wait for K_0's buffer
             }
             for (int j = 0; j < w.j_stop; ++j) {
                 const int s = (kv + j) % STAGES, use = (kv + j) / STAGES, rows = min(B_C, Nk - j * B_C);
@@ -227,8 +225,7 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
                     mbar_wait(&v_empty[s], (use - 1) & 1);
                 }
                 produce_tile<B_C>(s_V + s * TILE_KV, v_h + (i64)j * B_C * v_sn, v_sn, rows, D, vec, &v_full[s], ptid);
-                const unsigned flag = tile_has_masked_pairs(w.i * B_R, j * B_C, B_C, Nq, Nk, causal)
-                                          ? (unsigned)(w.bh * T_r + w.i) : NONE;
+                const unsigned flag = mask.has_masked_pairs(w.i * B_R, j * B_C, B_C) ? (unsigned)(w.bh * T_r + w.i) : NONE;
                 if (s == 0) pending0 = flag;
                 else        pending1 = flag;
             }
@@ -240,25 +237,21 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
         setmaxnreg_inc<CONSUMER_REGS>();
         const int c = wg - 1;
         const int warp = tid / WARP_SIZE - 4;   // warp among the consumers
-        const acc_t log2_scale = scale * (acc_t)LOG2E;
+        const acc_t scale = (acc_t)p.scale, log2_scale = scale * (acc_t)LOG2E;
 
         // the tile's copies happened in the generic proxy; the tensor cores read through the async one
         auto wait_full = [&](unsigned long long* bars, int pos) {
             mbar_wait(&bars[pos % STAGES], (pos / STAGES) & 1);
             fence_proxy_async();
         };
-        // Ping-pong: the consumers take turns issuing their products (named barrier 1 + c is
-        // consumer c's turn), so one's softmax runs while another's products keep the tensor cores
+        // Ping-pong: the consumers take turns issuing their products (named barrier CONSUMER_TURN + c
+        // is consumer c's turn), so one's softmax runs while another's products keep the tensor cores
         // busy. Consumer 0 goes first; every issue hands the turn on, from tile to tile, and
         // consumer 0 takes the last hand-off as the CTA ends.
         constexpr int PAIR = 2 * WG_THREADS;
-        auto my_turn = [&]() {
-            if (CONSUMERS > 1) named_barrier_sync(1 + c, PAIR);
-        };
-        auto your_turn = [&]() {
-            if (CONSUMERS > 1) named_barrier_arrive(1 + (c + 1) % CONSUMERS, PAIR);
-        };
-        if (CONSUMERS > 1 && c == CONSUMERS - 1) named_barrier_arrive(1, PAIR);
+        auto my_turn = [&]() { named_barrier_sync(CONSUMER_TURN + c, PAIR); };
+        auto your_turn = [&]() { named_barrier_arrive(CONSUMER_TURN + (c + 1) % CONSUMERS, PAIR); };
+        if (c == CONSUMERS - 1) named_barrier_arrive(CONSUMER_TURN, PAIR);
 
         int kv = 0;
         for (unsigned n = 0;; ++n) {
@@ -282,8 +275,7 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             // S_ij -> P~_ij, its statistics into m_new, alpha, rowsum (masked online softmax)
             auto softmax_step = [&](int j) {
                 const int kv0 = j * B_C;
-                const bool boundary = kv0 + B_C > Nk || (causal && kv0 + B_C - 1 > r0 + (Nk - Nq));
-                mask_scores(S, boundary, r0, kv0, Nq, Nk, causal);
+                mask_scores(S, mask, r0, kv0);
                 online_softmax(S, m_i, m_new, alpha, rowsum, log2_scale);
             };
             // m_i <- m_new;  l_i <- alpha l_i + rowsum(P~_ij);  O_i <- alpha O_i (skipped while no row
@@ -306,9 +298,8 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
 
             // The K/V tiles this warpgroup's rows need (fewer than the CTA's when causal; none for rows
             // all past Nq). It still takes every turn and releases every tile, computing nothing there.
-            const int row_first = i * B_R + 64 * c, row_last = min(row_first + 63, Nq - 1);
-            const int my_key_last = causal ? row_last + (Nk - Nq) : Nk - 1;
-            const int my_stop = row_first >= Nq ? 0 : my_key_last < 0 ? 1 : min(my_key_last / B_C, T_c - 1) + 1;
+            const int row_first = i * B_R + 64 * c;
+            const int my_stop = row_first >= Nq ? 0 : mask.kv_tiles<B_C>(row_first, 64);
 
             // a turn with nothing to multiply: release K_j and V_{j-1} once they have landed (an arrival
             // before the tile's own must not count towards the previous use of its buffer)
@@ -378,10 +369,10 @@ flash_fwd_v2_sm90(const elem_t* __restrict__ q,    // (batch..., Nq, D) strided
             for (int j = my_stop > 0 ? my_stop + 1 : 0; j <= j_stop; ++j) idle_step(j);
 
             // O_i = diag(l_i)^-1 O_i; write O_i, m_i (in natural units), l_i to HBM
-            store_output_rows(o + w.bh * Nq * D, m_out + w.bh * Nq, l_out + w.bh * Nq, O, m_i, l_i, scale, r0, Nq,
+            store_output_rows(p.o + w.bh * Nq * D, p.m + w.bh * Nq, p.l + w.bh * Nq, O, m_i, l_i, scale, r0, Nq,
                               D);
             kv += j_stop;
         }
-        if (CONSUMERS > 1 && c == 0) my_turn();   // the hand-off of the last issue
+        if (c == 0) my_turn();   // the hand-off of the last issue
     }
 }

@@ -1,0 +1,109 @@
+"""The kernels' parameter structs (``kernels_cu/params.cuh``) as NumPy structured dtypes.
+
+Each kernel family takes one struct by value: ``FwdParams`` (the forward kernels and their
+repair) and ``BwdParams`` (the backward's preparation, main, repair and conversion kernels).
+This module is their one mirror on the host. ``layout_checks`` turns the mirror into
+``static_assert``s of ``sizeof`` and of every field's offset, which ``_compile`` appends to every
+kernel source: a mirror that drifts from the header fails to compile, on any machine, GPU or not.
+
+A plan fills a :class:`Params` once (strides, sizes, flags); a call then writes only its
+pointers and passes the struct as a size-one NumPy array, which CuPy hands to the kernel by
+value.
+"""
+
+from __future__ import annotations
+
+import numpy
+
+_ptr, _i64, _i32, _f64 = numpy.uint64, numpy.int64, numpy.int32, numpy.float64
+
+
+def _struct(fields) -> numpy.dtype:
+    return numpy.dtype(fields, align=True)
+
+
+# Tensor<T>: base pointer, strides of the three collapsed batch dims and of a row (elements)
+TENSOR = _struct([("ptr", _ptr), ("s0", _i64), ("s1", _i64), ("s2", _i64), ("sn", _i64)])
+BATCH = _struct([("n1", _i64), ("n2", _i64), ("count", _i64)])
+MASK = _struct([("Nq", _i32), ("Nk", _i32), ("causal", _i32)])
+
+FWD = _struct([
+    ("q", TENSOR), ("k", TENSOR), ("v", TENSOR),
+    ("o", _ptr), ("m", _ptr), ("l", _ptr), ("o_run", _ptr), ("tile_counter", _ptr), ("repair_flags", _ptr),
+    ("batch", BATCH), ("mask", MASK),
+    ("D", _i32), ("vec", _i32), ("head_group", _i32), ("n_splits", _i32), ("tile_rows", _i32),
+    ("scale", _f64),
+])
+
+BWD = _struct([
+    ("q", TENSOR), ("k", TENSOR), ("v", TENSOR), ("o", TENSOR), ("dO", TENSOR),
+    ("dq_acc", TENSOR), ("dk", TENSOR), ("dv", TENSOR),
+    ("dk_acc", _ptr), ("dv_acc", _ptr), ("dq", _ptr), ("m", _ptr), ("l", _ptr),
+    ("m_b", _ptr), ("inv_l", _ptr), ("lse2", _ptr), ("Dsum", _ptr),
+    ("dq_turns", _ptr), ("dk_turns", _ptr), ("dv_turns", _ptr), ("dq_flags", _ptr), ("kv_flags", _ptr),
+    ("convert_elems", _i64, (3,)),
+    ("batch", BATCH), ("mask", MASK),
+    ("D", _i32), ("vec", _i32), ("prep_vec", _i32), ("head_group", _i32), ("kv_atomic", _i32), ("lse_stats", _i32),
+    ("tile_r", _i32), ("tile_c", _i32),
+    ("scale", _f64),
+])
+
+STRUCTS = {"FwdParams": FWD, "BwdParams": BWD}
+
+
+def _members(dtype: numpy.dtype, prefix: str = "", base: int = 0):
+    """(designator, offset) of every member of ``dtype``, nested ones as ``a.b``."""
+    for name in dtype.names:
+        sub, offset = dtype.fields[name][:2]
+        yield prefix + name, base + offset
+        if sub.names:
+            yield from _members(sub, f"{prefix}{name}.", base + offset)
+
+
+def layout_checks() -> str:
+    """C++ ``static_assert``s that ``params.cuh`` lays out each struct as its mirror here."""
+    lines = ["// cupyflash/_params.py: the host's mirror of params.cuh"]
+    for struct, dtype in STRUCTS.items():
+        lines.append(f'static_assert(sizeof({struct}) == {dtype.itemsize}, "{struct}: size differs from _params.py");')
+        for member, offset in _members(dtype):
+            lines.append(f'static_assert(__builtin_offsetof({struct}, {member}) == {offset}, '
+                         f'"{struct}.{member}: offset differs from _params.py");')
+    return "\n".join(lines) + "\n"
+
+
+def pointer_word(dtype: numpy.dtype, field: str) -> int:
+    """Index of the 8-byte word that holds pointer ``field`` (``'q.ptr'``, ``'o'``) in ``dtype``."""
+    offset = dict(_members(dtype))[field]
+    assert offset % 8 == 0, field
+    return offset // 8
+
+
+class Params:
+    """One parameter struct of a plan: everything but the pointers filled once, the pointers per call.
+
+    Parameters
+    ----------
+    dtype : numpy.dtype
+        ``FWD`` or ``BWD``.
+    pointers : sequence of str
+        The pointer fields a call writes, in the order :meth:`with_pointers` takes them.
+    **values
+        Field values; a tensor field takes a tuple ``(s0, s1, s2, sn)`` of strides (its pointer is
+        one of ``pointers``), a struct field a tuple of its members.
+    """
+
+    def __init__(self, dtype: numpy.dtype, pointers, **values):
+        self.template = numpy.zeros(1, dtype)
+        for name, value in values.items():
+            if dtype.fields[name][0] == TENSOR:
+                value = (0, *value)
+            self.template[name] = value
+        self.words = numpy.array([pointer_word(dtype, f) for f in pointers], numpy.intp)
+        assert dtype.itemsize % 8 == 0
+
+    def with_pointers(self, pointers) -> numpy.ndarray:
+        """The struct with ``pointers`` (device addresses, 0 for none) written: a size-one array,
+        which CuPy passes to a kernel by value."""
+        struct = self.template.copy()
+        struct.view(numpy.uint64)[self.words] = pointers
+        return struct

@@ -1,0 +1,117 @@
+// epilogue.cuh — accumulator fragments out of registers: into shared memory, the forward's output
+// rows (O_i normalised, m_i, l_i) and the backward's dK_j, dV_j rows into HBM.
+
+#pragma once
+
+#include "layout.cuh"
+#include "params.cuh"
+#include "types.cuh"
+
+// Write a warp's (16, 8*NT) accumulator tile into shared memory as elem_t
+// (row pitch ld), e.g. P_ij before it multiplies V_j.
+template <int NT>
+__device__ __forceinline__ void store_frag_smem(elem_t* __restrict__ s, int ld, const acc_t (&c)[NT][4]) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const int col = n * 8 + 2 * t;
+#if FLASH_TENSOR_CORES
+        *reinterpret_cast<unsigned*>(s + g * ld + col) = pack2(c[n][0], c[n][1]);
+        *reinterpret_cast<unsigned*>(s + (g + 8) * ld + col) = pack2(c[n][2], c[n][3]);
+#else
+        s[g * ld + col] = c[n][0];
+        s[g * ld + col + 1] = c[n][1];
+        s[(g + 8) * ld + col] = c[n][2];
+        s[(g + 8) * ld + col + 1] = c[n][3];
+#endif
+    }
+}
+
+// Columns col, col+1 of a row of `d` elem_t values (col even); ragged and odd d handled.
+__device__ __forceinline__ void store_row_pair(elem_t* row, int col, int d, acc_t a, acc_t b) {
+    if (col + 1 < d && d % 2 == 0) {
+#if FLASH_TENSOR_CORES
+        *reinterpret_cast<unsigned*>(row + col) = pack2(a, b);
+#else
+        typename Pair<acc_t>::type v;
+        v.x = a;
+        v.y = b;
+        *reinterpret_cast<typename Pair<acc_t>::type*>(row + col) = v;
+#endif
+    } else {
+        if (col < d) row[col] = from_acc(a);
+        if (col + 1 < d) row[col + 1] = from_acc(b);
+    }
+}
+
+// The epilogue of a warp's (16, 8*NT) O_i accumulator, first row r0, rows g and g+8 of each lane:
+// O_i = diag(l_i)^-1 O_i into o (Nq, D), m_i m_scale (m_i of the online softmax in units of
+// m_scale; -inf stays -inf) and l_i into m_out, l_out (Nq). A row that saw no key (l_i = 0) gets
+// O_i = 0, whatever 0 · NaN met in P~ V where a masked key's value was not finite; NaN stays NaN.
+template <int NT>
+__device__ __forceinline__ void store_output_rows(elem_t* o, acc_t* m_out, acc_t* l_out, const acc_t (&O)[NT][4],
+                                                  const acc_t (&m_i)[2], const acc_t (&l_i)[2], acc_t m_scale,
+                                                  int r0, int Nq, int D) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = r0 + g + 8 * h;
+        if (row >= Nq) continue;
+        const bool none = l_i[h] == (acc_t)0;
+        const acc_t inv_l = (acc_t)1 / l_i[h];   // inf where none: not used
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+            store_row_pair(o + (i64)row * D, n * 8 + 2 * t, D, none ? (acc_t)0 : O[n][2 * h] * inv_l,
+                           none ? (acc_t)0 : O[n][2 * h + 1] * inv_l);
+        if (t == 0) {
+            m_out[row] = m_i[h] == NEG_INF ? NEG_INF : m_i[h] * m_scale;
+            l_out[row] = l_i[h];
+        }
+    }
+}
+
+// The turn counters of the dK_j, dV_j sums that batch entry bi adds into (deterministic with
+// kv_atomic; layout.cuh, "Ordered sums"): tile `tile` of the `tiles` per K/V head, and bi's rank
+// among the entries that share each head.
+struct KvTurns {
+    unsigned *dk, *dv;
+    unsigned dk_rank, dv_rank;
+};
+
+__device__ __forceinline__ KvTurns kv_turns(const BwdParams& p, BatchIndex bi, i64 tile, i64 tiles) {
+    const i64 head_elems = (i64)p.mask.Nk * p.D;
+    return {p.dk_turns + batch_offset(bi, p.dk.s0, p.dk.s1, p.dk.s2) / head_elems * tiles + tile,
+            p.dv_turns + batch_offset(bi, p.dv.s0, p.dv.s1, p.dv.s2) / head_elems * tiles + tile,
+            broadcast_rank(bi, p.batch.n1, p.batch.n2, p.dk.s0, p.dk.s1, p.dk.s2),
+            broadcast_rank(bi, p.batch.n1, p.batch.n2, p.dv.s0, p.dv.s1, p.dv.s2)};
+}
+
+// scale dK_j and dV_j, a warp's (16, 8*NT) accumulators of key rows key0 .. key0+15 and head-dim
+// columns c0 .., into HBM: stored into dk, dv, or added into the sums dk_acc, dv_acc (kv_atomic)
+template <int NT>
+__device__ __forceinline__ void store_dkv_rows(const BwdParams& p, BatchIndex bi, const acc_t (&dK)[NT][4],
+                                               const acc_t (&dV)[NT][4], int key0, int c0, acc_t scale) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, t = lane % 4, D = p.D;
+    const i64 dk_at = batch_offset(bi, p.dk.s0, p.dk.s1, p.dk.s2), dv_at = batch_offset(bi, p.dv.s0, p.dv.s1, p.dv.s2);
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = key0 + g + 8 * h, col = c0 + n * 8 + 2 * t;
+            if (row >= p.mask.Nk) continue;
+            const acc_t k0 = scale * dK[n][2 * h], k1 = scale * dK[n][2 * h + 1];
+            const acc_t v0 = dV[n][2 * h], v1 = dV[n][2 * h + 1];
+            if (p.kv_atomic) {
+                acc_t* dk_r = p.dk_acc + dk_at + (i64)row * D;
+                acc_t* dv_r = p.dv_acc + dv_at + (i64)row * D;
+                if (col < D) { atomicAdd(dk_r + col, k0); atomicAdd(dv_r + col, v0); }
+                if (col + 1 < D) { atomicAdd(dk_r + col + 1, k1); atomicAdd(dv_r + col + 1, v1); }
+            } else {
+                store_row_pair(p.dk.ptr + dk_at + (i64)row * D, col, D, k0, k1);
+                store_row_pair(p.dv.ptr + dv_at + (i64)row * D, col, D, v0, v1);
+            }
+        }
+}

@@ -1,0 +1,223 @@
+// flash_bwd.cu — the recomputation backward: P is recomputed from the saved statistics instead of
+// stored (FlashAttention's backward, Algorithm 4 of the V1 paper), in FlashAttention-2's loop order
+// (Algorithm 2 of the V2 paper: K/V tiles outer, dK_j and dV_j on chip, dQ_i added into HBM).
+// flash_bwd_prep.cu runs before it (D_i and the statistics it reads) and flash_convert after it.
+//
+//   flash_bwd           one CTA per (batch*head, K/V tile j, head-dim chunk):
+//                       K_j, V_j stay in SRAM, dK_j, dV_j accumulate in
+//                       registers, the CTA walks the Q tiles i:
+//                           S_ij^T  = K_j Q_i^T
+//                           P_ij^T  = exp(S_ij^T - m_i) / l_i
+//                           dV_j   += P_ij^T dO_i
+//                           dP_ij^T = V_j dO_i^T
+//                           dS_ij^T = P_ij^T o (dP_ij^T - D_i)
+//                           dK_j   += scale dS_ij^T Q_i
+//                           dQ_i   += scale dS_ij K_j   (float atomics into a workspace;
+//                                                        in grid order when deterministic)
+//                       Keys sit on the accumulator rows (each warp owns 16 keys),
+//                       so P^T and dS^T come out of the products in the layout
+//                       their next product reads. A head-dim chunk (DC columns of
+//                       dK, dV, dQ) per CTA bounds registers for large head dims;
+//                       S and dP are recomputed per chunk. Causal, the operands of
+//                       diagonal tile pairs are scanned for inf and NaN, and the
+//                       dQ, dK, dV tiles they may reach flagged for flash_repair.cu.
+//
+// Shared memory (elem_t unless noted, rows padded by PAD):
+//   s_K (B_C, DP), s_V (B_C, DP), s_Q (B_R, DP), s_dO (B_R, DP),
+//   s_dS (B_C, B_R)   P^T then dS^T,
+//   s_m, s_inv_l, s_D (B_R) acc_t.
+
+#include "copy.cuh"
+#include "epilogue.cuh"
+#include "layout.cuh"
+#include "mask.cuh"
+#include "mma_sm80.cuh"
+#include "nonfinite.cuh"
+#include "params.cuh"
+
+constexpr int DP = FLASH_DP;
+constexpr int B_R = FLASH_BR;
+constexpr int B_C = FLASH_BC;
+constexpr int DC = FLASH_DC;
+constexpr int NWARPS = FLASH_WARPS;
+constexpr int NTHREADS = NWARPS * WARP_SIZE;
+constexpr bool ORDERED = FLASH_ORDERED;
+constexpr int QKV_PITCH = DP + PAD;
+constexpr int DS_PITCH = B_R + PAD;
+constexpr int SMEM_BYTES = ((2 * B_C + 2 * B_R) * QKV_PITCH + B_C * DS_PITCH) * (int)sizeof(elem_t)
+                           + 3 * B_R * (int)sizeof(acc_t);
+
+// the dQ_i (B_R, DC) product is split over the warps: DQ_WM along rows, DQ_WN along columns
+constexpr int DQ_WM = B_R / 16;
+constexpr int DQ_WN = NWARPS / DQ_WM;
+constexpr int DQ_NT = DC / 8 / DQ_WN;
+
+static_assert(B_C == 16 * NWARPS, "each warp owns 16 key rows of a K/V tile");
+static_assert(NWARPS % DQ_WM == 0 && DQ_NT * 8 * DQ_WN == DC && DQ_NT % 2 == 0, "dQ warp split");
+static_assert(DP % DC == 0 && B_R % 16 == 0, "tile shapes");
+static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
+
+extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams p) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    elem_t* s_K = reinterpret_cast<elem_t*>(smem);   // (B_C, DP)
+    elem_t* s_V = s_K + B_C * QKV_PITCH;               // (B_C, DP)
+    elem_t* s_Q = s_V + B_C * QKV_PITCH;               // (B_R, DP)
+    elem_t* s_dO = s_Q + B_R * QKV_PITCH;              // (B_R, DP)
+    elem_t* s_dS = s_dO + B_R * QKV_PITCH;             // (B_C, B_R)
+    acc_t* s_m = reinterpret_cast<acc_t*>(s_dS + B_C * DS_PITCH);   // (B_R)
+    acc_t* s_inv_l = s_m + B_R;                        // (B_R)
+    acc_t* s_D = s_inv_l + B_R;                        // (B_R)
+
+    const Mask mask = p.mask;
+    const int Nq = mask.Nq, Nk = mask.Nk, D = p.D;
+    const bool vec = p.vec != 0, kv_atomic = p.kv_atomic != 0;
+    const acc_t scale = (acc_t)p.scale;
+    const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
+    const int g = lane / 4, t = lane % 4;
+    const int T_c = (Nk + B_C - 1) / B_C, T_r = (Nq + B_R - 1) / B_R;
+    const int n_chunks = (D + DC - 1) / DC;
+    const GridTile at = grid_tile(T_c * n_chunks, p.head_group);
+    const i64 bh = at.bh;
+    const int j = at.tile / n_chunks;                       // the most Q tiles first when causal
+    const int c0 = (at.tile % n_chunks) * DC;               // head-dim chunk of dK, dV, dQ
+    const int kv0 = j * B_C;
+
+    const BatchIndex bi = p.batch.split(bh);
+    const elem_t* q = p.q.at(bi);
+    const elem_t* k = p.k.at(bi);
+    const elem_t* v = p.v.at(bi);
+    const elem_t* dO = p.dO.at(bi);
+    const i64 q_sn = p.q.sn, k_sn = p.k.sn, v_sn = p.v.sn, do_sn = p.dO.sn;
+    acc_t* dq_acc = p.dq_acc.at(bi);
+    const acc_t* m_b = p.m_b + bh * Nq;
+    const acc_t* inv_l = p.inv_l + bh * Nq;
+    const acc_t* Dsum = p.Dsum + bh * Nq;
+
+    // load K_j, V_j from HBM into SRAM
+    load_tile<B_C, DP>(s_K, k + kv0 * k_sn, k_sn, min(B_C, Nk - kv0), D, vec, tid, NTHREADS);
+    load_tile<B_C, DP>(s_V, v + kv0 * v_sn, v_sn, min(B_C, Nk - kv0), D, vec, tid, NTHREADS);
+
+    const int key0 = kv0 + 16 * warp;                  // first key row of this warp
+    elem_t* s_dSw = s_dS + 16 * warp * DS_PITCH;       // (16, B_R) this warp's rows of P^T / dS^T
+    acc_t dK[DC / 8][4], dV[DC / 8][4];
+    zero_frag(dK);
+    zero_frag(dV);
+
+    const int i_first = mask.q_tile_first<B_R>(kv0);     // the Q tiles that see K_j: i_first .. T_r - 1
+    // Where a tile pair with masked pairs has an operand with an inf or NaN, its products may spread it
+    // to them (nonfinite.cuh): flag dQ_i and dK_j, dV_j for the repair. This thread's share of K_j,
+    // V_j at the first step, of Q_i, dO_i, D_i at each.
+    auto flag_pair = [&](int i) {
+        p.dq_flags[bh * T_r + i] = 1u;
+        p.kv_flags[bh * T_c + j] = 1u;
+    };
+    for (int i = i_first; i < T_r; ++i) {
+        const int q0 = i * B_R;
+        // load Q_i, dO_i, m_i, l_i, D_i from HBM into SRAM
+        __syncthreads();
+        load_tile<B_R, DP>(s_Q, q + q0 * q_sn, q_sn, min(B_R, Nq - q0), D, vec, tid, NTHREADS);
+        load_tile<B_R, DP>(s_dO, dO + q0 * do_sn, do_sn, min(B_R, Nq - q0), D, vec, tid, NTHREADS);
+        for (int r = tid; r < B_R; r += NTHREADS) {
+            const bool in = q0 + r < Nq;
+            s_m[r] = in ? m_b[q0 + r] : POS_INF;       // a ragged row gets P = 0
+            s_inv_l[r] = in ? inv_l[q0 + r] : (acc_t)0;
+            s_D[r] = in ? Dsum[q0 + r] : (acc_t)0;
+        }
+        __syncthreads();
+        if (mask.causal && i == i_first
+            && (rows_nonfinite(s_K, B_C, DP, QKV_PITCH, tid, NTHREADS)
+                || rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS)))
+            for (int ii = i_first; ii < T_r && mask.has_masked_pairs(ii * B_R, kv0, B_C); ++ii)
+                flag_pair(ii);
+        if (mask.has_masked_pairs(q0, kv0, B_C)
+            && (rows_nonfinite(s_Q, B_R, DP, QKV_PITCH, tid, NTHREADS)
+                || rows_nonfinite(s_dO, B_R, DP, QKV_PITCH, tid, NTHREADS) || values_nonfinite(s_D, B_R, tid, NTHREADS)))
+            flag_pair(i);
+
+        // S_ij^T = K_j Q_i^T                                               (16, B_R)
+        acc_t P[B_R / 8][4];
+        zero_frag(P);
+        warp_mma<B_R / 8, DP, false, false>(P, s_K + 16 * warp * QKV_PITCH, QKV_PITCH, s_Q, QKV_PITCH);
+
+        // P_ij^T = exp(scale S_ij^T - m_i) / l_i, the difference in natural units as in the forward; invisible -> 0
+        const bool full = mask.full(q0, key0, 16);   // every pair of this warp's keys and Q_i is visible
+#pragma unroll
+        for (int n = 0; n < B_R / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int qc = n * 8 + 2 * t + e % 2;    // query column inside the tile
+                const int kr = key0 + g + (e / 2) * 8;   // key row
+                P[n][e] = (!full && !mask.visible(q0 + qc, kr))
+                              ? (acc_t)0
+                              : exp2_acc((P[n][e] * scale - s_m[qc]) * (acc_t)LOG2E) * s_inv_l[qc];
+            }
+        store_frag_smem(s_dSw, DS_PITCH, P);
+        __syncwarp();
+
+        // dV_j += P_ij^T dO_i                                              (16, DC)
+        warp_mma<DC / 8, B_R, false, true>(dV, s_dSw, DS_PITCH, s_dO + c0, QKV_PITCH);
+
+        // dP_ij^T = V_j dO_i^T                                             (16, B_R)
+        acc_t dP[B_R / 8][4];
+        zero_frag(dP);
+        warp_mma<B_R / 8, DP, false, false>(dP, s_V + 16 * warp * QKV_PITCH, QKV_PITCH, s_dO, QKV_PITCH);
+
+        // dS_ij^T = P_ij^T o (dP_ij^T - D_i)
+#pragma unroll
+        for (int n = 0; n < B_R / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) P[n][e] *= dP[n][e] - s_D[n * 8 + 2 * t + e % 2];
+        __syncwarp();
+        store_frag_smem(s_dSw, DS_PITCH, P);
+        __syncwarp();
+
+        // dK_j += dS_ij^T Q_i   (scaled at the end)                        (16, DC)
+        warp_mma<DC / 8, B_R, false, true>(dK, s_dSw, DS_PITCH, s_Q + c0, QKV_PITCH);
+        // tile j adds the j-th term of dQ_i: every K/V tile before it reaches Q tile i too
+        unsigned* dq_turn = ORDERED ? p.dq_turns + ((bh * T_r + i) * n_chunks + c0 / DC) : nullptr;
+        if (ORDERED && tid == 0) wait_turn(dq_turn, j);
+        __syncthreads();   // every warp's rows of dS^T are in SRAM
+
+        // dQ_i += scale dS_ij K_j                                          (B_R, DC) over the warps
+        {
+            const int wm = warp % DQ_WM, wn = warp / DQ_WM;
+            const int col0 = c0 + wn * DQ_NT * 8;
+            acc_t dQ[DQ_NT][4];
+            zero_frag(dQ);
+            warp_mma<DQ_NT, B_C, true, true>(dQ, s_dS + wm * 16, DS_PITCH, s_K + col0, QKV_PITCH);
+#pragma unroll
+            for (int n = 0; n < DQ_NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = q0 + wm * 16 + g + (e / 2) * 8, col = col0 + n * 8 + 2 * t + e % 2;
+                    // a row that saw no key (1/l = 0; m = +inf may also be a seen row's) adds nothing,
+                    // not even 0 · NaN of a masked key
+                    if (row < Nq && col < D && s_inv_l[row - q0] != (acc_t)0)
+                        atomicAdd(dq_acc + (i64)row * D + col, scale * dQ[n][e]);
+                }
+        }
+        if (ORDERED) {
+            __syncthreads();
+            if (tid == 0) end_turn(dq_turn);
+        }
+    }
+
+    // dK_j, dV_j from registers to HBM; sums over the batch entries that share a K/V head in rank order
+    KvTurns turns{};
+    if (ORDERED && kv_atomic) {
+        turns = kv_turns(p, bi, (i64)j * n_chunks + c0 / DC, (i64)T_c * n_chunks);
+        if (tid == 0) {
+            wait_turn(turns.dk, turns.dk_rank);
+            wait_turn(turns.dv, turns.dv_rank);
+        }
+        __syncthreads();
+    }
+    store_dkv_rows(p, bi, dK, dV, key0, c0, scale);
+    if (ORDERED && kv_atomic) {
+        __syncthreads();
+        if (tid == 0) {
+            end_turn(turns.dk);
+            end_turn(turns.dv);
+        }
+    }
+}

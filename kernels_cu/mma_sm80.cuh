@@ -1,0 +1,160 @@
+// mma_sm80.cuh — warp tile products on the mma.sync fragment layout (sm_80 and later), and the
+// exact float32 / float64 FMA tiles on the same layout.
+//
+// Warp tiles follow the mma.sync m16n8k16 fragment layout for every dtype:
+// lane = 4*g + t owns rows (g, g+8) and columns (2t, 2t+1) of each 16x8
+// accumulator tile, `acc[n][0..3]` = {(g,2t), (g,2t+1), (g+8,2t), (g+8,2t+1)}.
+// float16/bfloat16 multiply on tensor cores (ldmatrix + mma.sync, float32
+// accumulate); float32 and float64 run the same tiles as exact FMA loops, so
+// the softmax, masking and store code is one code for all four dtypes.
+
+#pragma once
+
+#include "types.cuh"
+
+template <int NT>
+__device__ __forceinline__ void zero_frag(acc_t (&c)[NT][4]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[n][e] = (acc_t)0;
+}
+
+// ---------------------------------------------------------------------------
+// Warp tile products. A warp computes C (16, 8*NT) += A (16, K) * B (K, 8*NT)
+// with A and B in shared memory:
+//   A_T = false: A[r][k] = a[r * lda + k]       A_T = true: A[r][k] = a[k * lda + r]
+//   B_T = false: B[k][n] = b[n * ldb + k]       B_T = true: B[k][n] = b[k * ldb + n]
+// (B_T = false is "K stored row by row", the S = Q K^T case; B_T = true is
+// "V stored row by row", the O = P V case.)
+// ---------------------------------------------------------------------------
+#if FLASH_TENSOR_CORES
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const elem_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const elem_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#if FLASH_DTYPE == 0
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+template <int NT, int K, bool A_T, bool B_T>
+__device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
+                                         const elem_t* __restrict__ a, int lda,
+                                         const elem_t* __restrict__ b, int ldb) {
+    static_assert(NT % 2 == 0 && K % 16 == 0, "tensor-core warp tiles are 16 x 16k x 16n");
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int l8 = lane % 8, hi = (lane / 8) % 2, q = lane / 16;
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 16) {
+        unsigned af[4];   // A (16, 16) fragment
+        if (A_T) ldmatrix_x4_trans(af, a + (k0 + l8 + q * 8) * lda + hi * 8);
+        else     ldmatrix_x4(af, a + (l8 + hi * 8) * lda + k0 + q * 8);
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            unsigned bf[4];   // B (16, 16): columns n*8 .. n*8+15
+            if (B_T) ldmatrix_x4_trans(bf, b + (k0 + l8 + hi * 8) * ldb + n * 8 + q * 8);
+            else     ldmatrix_x4(bf, b + (n * 8 + l8 + q * 8) * ldb + k0 + hi * 8);
+            mma_16816(c[n], af, bf[0], bf[1]);
+            mma_16816(c[n + 1], af, bf[2], bf[3]);
+        }
+    }
+}
+
+// An accumulator tile (16, 8*NT) as m16n8k16 A fragments (16, 16) of elem_t:
+// two adjacent 16x8 C tiles make one A tile (the P~_ij of the forward stays in registers).
+template <int NT>
+__device__ __forceinline__ void frag_to_a(unsigned (&a)[NT / 2][4], const acc_t (&c)[NT][4]) {
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+        a[kk][0] = pack2(c[2 * kk][0], c[2 * kk][1]);
+        a[kk][1] = pack2(c[2 * kk][2], c[2 * kk][3]);
+        a[kk][2] = pack2(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+        a[kk][3] = pack2(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+    }
+}
+
+// A warp's (16, K) row block of a shared tile as m16n8k16 A fragments, for an operand reused across steps.
+template <int K>
+__device__ __forceinline__ void load_a_frags(unsigned (&a)[K / 16][4], const elem_t* __restrict__ s, int lda) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int l8 = lane % 8, hi = (lane / 8) % 2, q = lane / 16;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) ldmatrix_x4(a[kk], s + (l8 + hi * 8) * lda + kk * 16 + q * 8);
+}
+
+// C (16, 8*NT) += A (16, K) * B (K, 8*NT), A already in registers (frag_to_a, load_a_frags).
+template <int NT, int K, bool B_T>
+__device__ __forceinline__ void warp_mma_ra(acc_t (&c)[NT][4], const unsigned (&a)[K / 16][4],
+                                            const elem_t* __restrict__ b, int ldb) {
+    static_assert(NT % 2 == 0 && K % 16 == 0, "tensor-core warp tiles are 16 x 16k x 16n");
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int l8 = lane % 8, hi = (lane / 8) % 2, q = lane / 16;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk)
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            unsigned bf[4];
+            if (B_T) ldmatrix_x4_trans(bf, b + (kk * 16 + l8 + hi * 8) * ldb + n * 8 + q * 8);
+            else     ldmatrix_x4(bf, b + (n * 8 + l8 + q * 8) * ldb + kk * 16 + hi * 8);
+            mma_16816(c[n], a[kk], bf[0], bf[1]);
+            mma_16816(c[n + 1], a[kk], bf[2], bf[3]);
+        }
+}
+
+#else  // exact float32 / float64 FMA on the same fragment layout
+
+// Products are summed in blocks of K_BLOCK terms, each block's partial sum
+// then added to c: a two-level sum whose rounding error grows with
+// K_BLOCK + K / K_BLOCK rather than K, as a tensor core's k-steps do.
+constexpr int K_BLOCK = 16;
+
+template <int NT, int K, bool A_T, bool B_T>
+__device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
+                                         const elem_t* __restrict__ a, int lda,
+                                         const elem_t* __restrict__ b, int ldb) {
+    static_assert(K % K_BLOCK == 0, "FMA warp tiles sum K in blocks of K_BLOCK");
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, t = lane % 4;
+    for (int k0 = 0; k0 < K; k0 += K_BLOCK) {
+        acc_t part[NT][4];
+        zero_frag(part);
+#pragma unroll 4
+        for (int k = k0; k < k0 + K_BLOCK; ++k) {
+            const acc_t a0 = A_T ? a[k * lda + g] : a[g * lda + k];
+            const acc_t a1 = A_T ? a[k * lda + g + 8] : a[(g + 8) * lda + k];
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const int col = n * 8 + 2 * t;
+                const acc_t b0 = B_T ? b[k * ldb + col] : b[col * ldb + k];
+                const acc_t b1 = B_T ? b[k * ldb + col + 1] : b[(col + 1) * ldb + k];
+                part[n][0] = fma(a0, b0, part[n][0]);
+                part[n][1] = fma(a0, b1, part[n][1]);
+                part[n][2] = fma(a1, b0, part[n][2]);
+                part[n][3] = fma(a1, b1, part[n][3]);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) c[n][e] += part[n][e];
+    }
+}
+
+#endif

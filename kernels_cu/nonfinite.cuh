@@ -1,0 +1,79 @@
+// nonfinite.cuh — scans of shared tiles for inf and NaN (exact masked pairs).
+
+#pragma once
+
+#include "types.cuh"
+
+// Masked pairs and non-finite operands. A tile product forms a term for every
+// pair of its tile, a masked pair's as 0 · x, and 0 · inf or 0 · NaN is NaN
+// where the reference (a masked pair has no term) has none. So the kernels
+// scan the operand tiles of every tile with masked pairs (the causal diagonal
+// ones; ragged ends need nothing: rows and keys past them load as zeros), and
+// where one holds an inf or NaN they flag the output tiles its products reach.
+// flash_repair.cu then recomputes the flagged rows over their visible pairs
+// only. The scan reads tiles already in shared memory, the flags are plain
+// stores of 1 into a zeroed array, and finite inputs never take the repair.
+// Which tiles have masked pairs is the mask's answer (mask.cuh: Mask::has_masked_pairs).
+
+// A scan folds each value x into an accumulator as x · 0 + acc: 0 while every x is finite, NaN from
+// the first inf or NaN on. One FMA per 32-bit word of 16-bit values (f16x2 / bf16x2), per float,
+// per double.
+#if FLASH_TENSOR_CORES
+typedef unsigned scan_t;   // a pair of elem_t
+
+__device__ __forceinline__ void scan_word(scan_t& acc, unsigned w) {
+#if FLASH_DTYPE == 0
+    asm("fma.rn.f16x2 %0, %1, %2, %0;" : "+r"(acc) : "r"(w), "r"(0u));
+#else
+    asm("fma.rn.bf16x2 %0, %1, %2, %0;" : "+r"(acc) : "r"(w), "r"(0u));
+#endif
+}
+
+__device__ __forceinline__ void scan_chunk(scan_t& acc, uint4 x) {
+    scan_word(acc, x.x);
+    scan_word(acc, x.y);
+    scan_word(acc, x.z);
+    scan_word(acc, x.w);
+}
+
+__device__ __forceinline__ bool scan_nonfinite(scan_t acc) {   // either half NaN
+    return (acc & 0x7fffu) > (FLASH_DTYPE == 0 ? 0x7c00u : 0x7f80u)
+           || (acc >> 16 & 0x7fffu) > (FLASH_DTYPE == 0 ? 0x7c00u : 0x7f80u);
+}
+#else
+typedef acc_t scan_t;
+
+__device__ __forceinline__ void scan_chunk(scan_t& acc, uint4 x) {
+#if FLASH_DTYPE == 2
+    acc = fmaf(__uint_as_float(x.x), 0.f, acc);
+    acc = fmaf(__uint_as_float(x.y), 0.f, acc);
+    acc = fmaf(__uint_as_float(x.z), 0.f, acc);
+    acc = fmaf(__uint_as_float(x.w), 0.f, acc);
+#else
+    acc = fma(__hiloint2double((int)x.y, (int)x.x), 0.0, acc);
+    acc = fma(__hiloint2double((int)x.w, (int)x.z), 0.0, acc);
+#endif
+}
+
+__device__ __forceinline__ bool scan_nonfinite(scan_t acc) { return acc != acc; }
+#endif
+
+// This thread's share (of `threads`) of the question whether `rows` rows of `cols` elem_t (a
+// multiple of VEC), `pitch` elements apart in shared memory, hold an inf or NaN; the caller acts on
+// any thread's yes, with no vote (every thread that finds one raises the flag itself).
+__device__ __forceinline__ bool rows_nonfinite(const elem_t* s, int rows, int cols, int pitch, int tid, int threads) {
+    const int chunks = cols / VEC;
+    scan_t acc = 0;
+#pragma unroll 1
+    for (int c = tid; c < rows * chunks; c += threads)
+        scan_chunk(acc, *reinterpret_cast<const uint4*>(s + (c / chunks) * pitch + c % chunks * VEC));
+    return scan_nonfinite(acc);
+}
+
+// The same question of `n` acc_t values in shared memory
+__device__ __forceinline__ bool values_nonfinite(const acc_t* s, int n, int tid, int threads) {
+    acc_t acc = 0;
+#pragma unroll 1
+    for (int c = tid; c < n; c += threads) acc = fma(s[c], (acc_t)0, acc);
+    return acc != acc;
+}

@@ -1,0 +1,116 @@
+// types.cuh — element and accumulator types, numeric constants, conversions.
+//
+// Every kernel is compiled by NVRTC as one translation unit: cupyflash/_compile.py pastes each
+// local #include in place, once, so nothing here may #include a system header. Compile-time
+// parameters arrive as -D defines made by cupyflash/_tiles.py (TileConfig.defines):
+//
+//   FLASH_DTYPE   0 = float16, 1 = bfloat16, 2 = float32, 3 = float64
+//   FLASH_DP      head dim padded up to its bucket (multiple of 16)
+//   FLASH_BR      B_r, query rows per tile
+//   FLASH_BC      B_c, key rows per tile
+//   FLASH_WARPS   warps per CTA
+//   FLASH_DC      head-dim columns of one output chunk (divides FLASH_DP)
+//   FLASH_ORDERED the backward's sums in grid order (deterministic=True; layout.cuh, "Ordered sums")
+//   FLASH_SMEM_BYTES  the dynamic shared memory the host launches with; each kernel asserts its layout
+//   and the kernel's own (FLASH_Q_STAGES, FLASH_PRODUCER_REGS, FLASH_CONSUMER_REGS, FLASH_THREADS).
+
+#pragma once
+
+#ifndef FLASH_ORDERED
+#define FLASH_ORDERED 0
+#endif
+
+#define LOG2E 1.4426950408889634
+#define WARP_SIZE 32
+#define SMEM_PAD_BYTES 16   // one 16-byte row pad: ldmatrix and FMA reads hit distinct banks
+
+typedef long long i64;
+
+// ---------------------------------------------------------------------------
+// Element and accumulator types
+// ---------------------------------------------------------------------------
+#if FLASH_DTYPE == 0 || FLASH_DTYPE == 1
+typedef unsigned short elem_t;   // raw 16-bit storage; arithmetic is in float
+typedef float acc_t;
+#define FLASH_TENSOR_CORES 1
+#elif FLASH_DTYPE == 2
+typedef float elem_t;
+typedef float acc_t;
+#define FLASH_TENSOR_CORES 0
+#else
+typedef double elem_t;
+typedef double acc_t;
+#define FLASH_TENSOR_CORES 0
+#endif
+
+#define POS_INF ((acc_t)__int_as_float(0x7f800000))
+#define NEG_INF (-POS_INF)
+
+[[maybe_unused]] constexpr int VEC = 16 / sizeof(elem_t);               // elements in one 16-byte access
+[[maybe_unused]] constexpr int PAD = SMEM_PAD_BYTES / sizeof(elem_t);   // row pad of every shared tile
+
+__device__ __forceinline__ float bits_to_float(unsigned short h) {
+#if FLASH_DTYPE == 0
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#else
+    return __uint_as_float(((unsigned)h) << 16);
+#endif
+}
+
+// two floats -> two packed 16-bit values, round to nearest even; `lo` in the low half
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    unsigned r;
+#if FLASH_DTYPE == 0
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ acc_t to_acc(elem_t x) {
+#if FLASH_TENSOR_CORES
+    return bits_to_float(x);
+#else
+    return x;
+#endif
+}
+
+__device__ __forceinline__ elem_t from_acc(acc_t x) {
+#if FLASH_TENSOR_CORES
+    return (elem_t)(pack2(x, 0.f) & 0xffffu);
+#else
+    return x;
+#endif
+}
+
+__device__ __forceinline__ acc_t exp2_acc(acc_t x) {
+#if FLASH_DTYPE == 3
+    return exp2(x);
+#else
+    return exp2f(x);
+#endif
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+template <typename X> struct Pair;
+template <> struct Pair<float> { typedef float2 type; };
+template <> struct Pair<double> { typedef double2 type; };
+
+__device__ __forceinline__ void load_acc_pair(const acc_t* p, acc_t& a, acc_t& b) {
+    const typename Pair<acc_t>::type v = *reinterpret_cast<const typename Pair<acc_t>::type*>(p);
+    a = v.x;
+    b = v.y;
+}
+
+__device__ __forceinline__ void store_acc_pair(acc_t* p, acc_t a, acc_t b) {
+    typename Pair<acc_t>::type v;
+    v.x = a;
+    v.y = b;
+    *reinterpret_cast<typename Pair<acc_t>::type*>(p) = v;
+}
