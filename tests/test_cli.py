@@ -1,5 +1,6 @@
 """The command line: the demo (the README's main command), info, precompile and the benchmark verb."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -49,10 +50,13 @@ def test_bench_without_a_gpu_says_so_in_one_line():
     assert lines[0].startswith(("the benchmark needs a CUDA GPU", "the benchmark needs CuPy and a GPU")), lines
 
 
-def test_bench_verb_reaches_the_benchmark():
+def test_bench_verb_reaches_the_benchmark_or_names_the_extra_it_needs():
     done = run_cli("bench", "--help")
-    assert done.returncode == 0, done.stderr
-    assert "--seqlens" in done.stdout
+    if importlib.util.find_spec("cupy") is None:   # the benchmark imports CuPy (a CPU-only install)
+        assert done.returncode == 2 and "[cuda12,bench]" in done.stderr, done.stdout + done.stderr
+    else:
+        assert done.returncode == 0, done.stderr
+        assert "--seqlens" in done.stdout
 
 
 def test_info_names_versions_and_the_gpu_or_its_absence():
