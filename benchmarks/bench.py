@@ -25,13 +25,15 @@ Systems, timed in one process on the same inputs:
 
 The default run is the sweep, then the floor check (cupyflash / naive forward
 at N=4096, D=128, B=4, H=16, fp16 must be >= 3.5x) and the long-sequence memory
-check (cupyflash forward at N=65536). It writes results.json, results.md and
-results.png (when matplotlib imports) into --out-dir.
+check (cupyflash forward at N=65536). It writes bench_results.json, bench_results.md and
+results.png (when matplotlib imports) into --out-dir; RESULTS.md next to this script is the
+hand-kept record of runs, never written by it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -92,6 +94,9 @@ GB = 1e9
 TERA = 1e12
 MS_PER_S = 1e3
 NOTE_CHARS = 200                            # longest error message kept in a record
+# What a run writes into --out-dir: raw records, their tables, the plot (the README shows the
+# committed results.png; the other two are not kept in git)
+OUTPUT_NAMES = ("bench_results.json", "bench_results.md", "results.png")
 
 FLASH = "cupyflash-v2"          # the fast path: ratio columns compare it with every other system
 FLOOR_SYSTEM = "cupyflash-v1"   # issue #2's floor is a V1 promise
@@ -152,15 +157,26 @@ class Unavailable(Exception):
 # Preparation (a first forward, a DLPack view, a mask) happens here, untimed.
 
 
+@contextlib.contextmanager
+def hopper_kernels(enabled: bool):
+    """Run the block with the Hopper kernels switched on or off (``_launch.USE_WGMMA``), then restore it."""
+    saved = _launch.USE_WGMMA
+    _launch.USE_WGMMA = enabled
+    try:
+        yield
+    finally:
+        _launch.USE_WGMMA = saved
+
+
 def cupyflash_runs(schedule: str, x: Inputs, *, wgmma: bool = True, deterministic: bool = False) -> dict:
     def forward():
-        _launch.USE_WGMMA = wgmma
-        return cupyflash.flash_attention_forward(x.q, x.k, x.v, causal=x.causal, schedule=schedule)
+        with hopper_kernels(wgmma):
+            return cupyflash.flash_attention_forward(x.q, x.k, x.v, causal=x.causal, schedule=schedule)
 
     def backward_from(o, m, l):
-        _launch.USE_WGMMA = wgmma
-        return cupyflash.flash_attention_backward(x.do, x.q, x.k, x.v, o, m, l, causal=x.causal, schedule=schedule,
-                                                  deterministic=deterministic)
+        with hopper_kernels(wgmma):
+            return cupyflash.flash_attention_backward(x.do, x.q, x.k, x.v, o, m, l, causal=x.causal,
+                                                      schedule=schedule, deterministic=deterministic)
 
     saved = forward()       # o, m, l for the timed backward
     return {"fwd": forward, "bwd": lambda: backward_from(*saved), "fwd+bwd": lambda: backward_from(*forward())}
@@ -592,10 +608,11 @@ def write_plot(records: list, path: Path):
 def write_outputs(out_dir: Path, meta: dict, records: list, floor, long):
     out_dir.mkdir(parents=True, exist_ok=True)
     results = dict(metadata=meta, records=records, floor=floor, long_sequence=long)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out_dir / "results.md").write_text(markdown(meta, records, floor, long))
-    write_plot(records, out_dir / "results.png")
-    print(f"wrote {out_dir / 'results.json'}, {out_dir / 'results.md'}", flush=True)
+    json_path, md_path, plot_path = (out_dir / name for name in OUTPUT_NAMES)
+    json_path.write_text(json.dumps(results, indent=1) + "\n")
+    md_path.write_text(markdown(meta, records, floor, long))
+    write_plot(records, plot_path)
+    print(f"wrote {json_path}, {md_path}", flush=True)
 
 
 # ---------------------------------------------------------------------------
@@ -621,7 +638,7 @@ def parse_args(argv=None):
                              f"D={FLOOR_CONFIG.D}, B={FLOOR_CONFIG.B}, H={FLOOR_CONFIG.H}, fp16 (with --long: both)")
     parser.add_argument("--no-long", action="store_true", help="leave the long-sequence check out of a sweep")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" if CHECKOUT else Path("benchmarks"),
-                        help="where results.{json,md,png} go (default benchmarks/ of the checkout, or of the "
+                        help=f"where {', '.join(OUTPUT_NAMES)} go (default benchmarks/ of the checkout, or of the "
                              "working directory when installed); any run overwrites them")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:

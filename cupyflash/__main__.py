@@ -14,7 +14,8 @@ now (``cupyflash.precompile``), e.g. when a container image is built on a GPU
 machine; ``--kernels``, ``--dtypes``, ``--head-dims`` choose which.
 
 ``bench``: the side-by-side benchmark, ``benchmarks/bench.py`` (the wheel
-carries it), with its own options (``python -m cupyflash bench --help``).
+carries it), with its own options (``python -m cupyflash bench --help``). Without CuPy or a
+usable GPU it says so in one line and exits 2, as ``precompile`` does.
 """
 
 from __future__ import annotations
@@ -34,15 +35,20 @@ import cupyflash
 from cupyflash import _compile, _tiles, reference
 
 
-def _gpu():
+def _gpu_or_why():
+    """(cupy, None) where a CUDA GPU can be used, else (None, why not)."""
     try:
         import cupy
 
         if cupy.cuda.runtime.getDeviceCount() > 0:
-            return cupy
-    except Exception:  # no cupy or no usable driver/device
-        pass
-    return None
+            return cupy, None
+        return None, "no CUDA device"
+    except Exception as error:  # no cupy or no usable driver/device
+        return None, str(error) or type(error).__name__
+
+
+def _gpu():
+    return _gpu_or_why()[0]
 
 
 def _rel(got, ref) -> float:
@@ -167,12 +173,32 @@ def bench(argv) -> int:
     if importlib.util.find_spec("cupy") is None:   # the benchmark runs on the GPU
         print(f"the benchmark needs CuPy and a GPU: {_compile.install_hint(',bench')}", file=sys.stderr)
         return 2
+    if not {"-h", "--help"} & set(argv):
+        cupy, why = _gpu_or_why()
+        if cupy is None:
+            print(f"the benchmark needs a CUDA GPU, and none can be used here: {why}", file=sys.stderr)
+            return 2
     sys.argv = [str(script), *argv]
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as stop:
         return stop.code if isinstance(stop.code, int) else 0
     return 0
+
+
+def _in_range(low, high=None):
+    """An argparse type: an int in [low, high] (no upper bound when ``high`` is None)."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bounds = f"at least {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    return parse
 
 
 def main(argv=None) -> int:
@@ -185,13 +211,15 @@ def main(argv=None) -> int:
         return info()
     parser = argparse.ArgumentParser(prog="python -m cupyflash", description=__doc__.splitlines()[0])
     parser.add_argument("command", nargs="?", default="demo", choices=["demo", "info", "precompile", "bench"])
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seqlen", type=int, default=None, help="default 1024 on a GPU, 256 on the CPU")
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--batch", type=_in_range(1), default=2, help="at least 1 (default %(default)s)")
+    parser.add_argument("--heads", type=_in_range(1), default=4, help="at least 1 (default %(default)s)")
+    parser.add_argument("--seqlen", type=_in_range(1), default=None,
+                        help="at least 1 (default 1024 on a GPU, 256 on the CPU)")
+    parser.add_argument("--head-dim", type=_in_range(1, _tiles.MAX_HEAD_DIM), default=64,
+                        help=f"1 to {_tiles.MAX_HEAD_DIM} (default %(default)s)")
     parser.add_argument("--causal", action="store_true")
     args = parser.parse_args(argv)
-    seqlen = args.seqlen or (1024 if _gpu() is not None else 256)
+    seqlen = args.seqlen if args.seqlen is not None else (1024 if _gpu() is not None else 256)
     return demo(args.batch, args.heads, seqlen, args.head_dim, args.causal)
 
 

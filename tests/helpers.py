@@ -1,8 +1,16 @@
-"""Test helpers: GPU detection, a poisoned memory pool, error measures and tolerances."""
+"""Test helpers: dtypes, GPU detection and the ``gpu`` marker, inputs (random, poisoned with inf/NaN),
+a memory pool poisoned with NaN, and the contract's judgement of a forward call.
+
+Tolerances live in tests/tolerances.py, hypothesis strategies in tests/strategies.py.
+"""
+
+import math
 
 import ml_dtypes
 import numpy
 import pytest
+
+from tolerances import assert_non_finite_like, on_host
 
 # The four dtypes the API takes
 FLOAT16 = numpy.dtype(numpy.float16)
@@ -11,6 +19,10 @@ FLOAT32 = numpy.dtype(numpy.float32)
 FLOAT64 = numpy.dtype(numpy.float64)
 FLOAT_DTYPES = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
 DTYPE_BY_NAME = {dt.name: dt for dt in FLOAT_DTYPES}
+UNSUPPORTED_DTYPES = (numpy.dtype(numpy.int32), numpy.dtype(numpy.int64), numpy.dtype(numpy.bool_),
+                      numpy.dtype(numpy.complex64), numpy.dtype(ml_dtypes.float8_e4m3fn),
+                      numpy.dtype(numpy.longdouble), numpy.dtype(object))
+MAX_HEAD_DIM = 256   # README, Semantics: any head dim 1 <= D <= 256
 
 
 def _gpu_available() -> bool:
@@ -23,7 +35,17 @@ def _gpu_available() -> bool:
 
 
 HAVE_GPU = _gpu_available()
-requires_gpu = pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU")
+# Every GPU test carries both marks: `-m gpu` selects the GPU tests, `-m "not gpu"` leaves them out,
+# and without a GPU they skip. A module of GPU tests says `pytestmark = requires_gpu`; one test, `@gpu_test`.
+requires_gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU")]
+
+
+def gpu_test(test):
+    """``requires_gpu`` on one test."""
+    for mark in requires_gpu:
+        test = mark(test)
+    return test
+
 
 POISON_BYTES = 256 << 20
 
@@ -32,6 +54,14 @@ def random_inputs(rng, dtype, q_shape, kv_shape, spread=1.0):
     """q, k, v (NumPy) of standard-normal values times ``spread``; ``dtype`` a dtype or its name."""
     cast = DTYPE_BY_NAME.get(dtype, dtype)
     return [(spread * rng.standard_normal(s)).astype(cast) for s in (q_shape, kv_shape, kv_shape)]
+
+
+_rng = numpy.random.default_rng(20240611)
+
+
+def random_array(shape, dtype=FLOAT32):
+    """Standard-normal values of ``shape`` cast to ``dtype`` (any dtype numpy can cast to)."""
+    return _rng.standard_normal(shape).astype(dtype)
 
 
 def to_gpu(*arrays):
@@ -48,100 +78,6 @@ def poison_pool():
     pool.free_all_blocks()
     junk = cupy.full(POISON_BYTES // 4, cupy.nan, dtype=cupy.float32)
     del junk  # the NaN-filled block returns to the pool and is carved up by the next allocations
-
-
-def rel_err(got, ref) -> float:
-    """Relative Frobenius error ||got - ref|| / ||ref|| over finite entries; inf if the non-finite entries differ."""
-    got = numpy.asarray(got, dtype=numpy.float64)
-    ref = numpy.asarray(ref, dtype=numpy.float64)
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    finite = numpy.isfinite(ref)
-    if not numpy.array_equal(numpy.isfinite(got), finite) or not numpy.array_equal(got[~finite], ref[~finite]):
-        return numpy.inf
-    denom = numpy.linalg.norm(ref[finite])
-    diff = numpy.linalg.norm(got[finite] - ref[finite])
-    return float(diff / denom) if denom > 0 else float(diff)
-
-
-# Ceilings on the relative error against float64 (issue #2): unless the naive
-# same-precision attention is itself worse, no output may exceed these.
-FWD_CEILING = {"float16": 2e-3, "bfloat16": 1.5e-2, "float32": 1e-5, "float64": 1e-10}
-BWD_CEILING = {"float16": 5e-3, "bfloat16": 3e-2, "float32": 1e-4, "float64": 1e-9}
-M_CEILING = {"float16": 1e-5, "bfloat16": 1e-5, "float32": 1e-5, "float64": 1e-10}
-L_CEILING = {"float16": 1e-3, "bfloat16": 1e-3, "float32": 1e-5, "float64": 1e-10}
-# Where both errors sit at the accumulator's rounding level, "twice naive" is
-# noise: allow a few units of roundoff of the accumulator on top of it.
-ROUNDOFF_SLACK = {"float16": 16 * 2.0**-24, "bfloat16": 16 * 2.0**-24, "float32": 16 * 2.0**-24,
-                  "float64": 16 * 2.0**-53}
-
-
-def assert_twice_naive(name, got, ref, naive, dtype_name, ceilings):
-    """FlashAttention's rule: error at most twice a naive same-precision attention's, and under the ceiling.
-
-    For float64 the naive same-precision attention *is* the float64 reference
-    (its error is 0), so only the ceiling applies.
-    """
-    err, base = rel_err(got, ref), rel_err(naive, ref)
-    if dtype_name != "float64":
-        assert err <= 2 * base + ROUNDOFF_SLACK[dtype_name], f"{name}: error {err:.3e} > 2 x naive {base:.3e}"
-    assert err <= max(ceilings[dtype_name], base), f"{name}: error {err:.3e} over ceiling {ceilings[dtype_name]:.0e}"
-
-
-# unit roundoff of each input dtype (the precision a 16-bit product is rounded to)
-UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
-ZERO_NOISE_ULPS = 16
-EXACTLY_ZERO = 2.0**-26   # ||ref|| below this fraction of its terms: zero in exact arithmetic
-
-
-def _softmax_rows(q, k, causal, scale):
-    """P (float64) of the reference semantics; rows that see no key are 0."""
-    S = scale * (q @ numpy.swapaxes(k, -1, -2))
-    Nq, Nk = S.shape[-2:]
-    if causal:
-        visible = numpy.arange(Nk)[None, :] <= numpy.arange(Nq)[:, None] + (Nk - Nq)
-        S = numpy.where(visible, S, -numpy.inf)
-    m = S.max(axis=-1, keepdims=True)
-    P = numpy.exp(S - numpy.where(numpy.isfinite(m), m, 0))
-    denom = P.sum(axis=-1, keepdims=True)
-    return P / numpy.where(denom > 0, denom, 1)
-
-
-def gradient_magnitudes(do, q, k, v, causal, scale):
-    """||dq||, ||dk||, ||dv|| computed from the absolute values of their terms (no cancellation)."""
-    do, q, k, v = (numpy.asarray(x, numpy.float64) for x in (do, q, k, v))
-    P = _softmax_rows(q, k, causal, scale)
-    o = P @ v
-    dS_bound = P * (numpy.abs(do) @ numpy.swapaxes(numpy.abs(v), -1, -2)
-                    + numpy.abs((do * o).sum(-1, keepdims=True)))
-    mags = (scale * dS_bound @ numpy.abs(k), scale * numpy.swapaxes(dS_bound, -1, -2) @ numpy.abs(q),
-            numpy.swapaxes(P, -1, -2) @ numpy.abs(do))
-    return [float(numpy.linalg.norm(m)) for m in mags]
-
-
-def assert_gradient(name, got, ref, naive, magnitude, dtype_name):
-    """The twice-naive rule for a gradient; one that is zero in exact arithmetic must be rounding noise.
-
-    With one visible key per row (Nk = 1, say) the softmax is constant and dq, dk
-    vanish identically: their relative error is noise over noise, so they are held
-    to ZERO_NOISE_ULPS units of roundoff of their terms' size instead.
-    """
-    ref64 = numpy.asarray(ref, numpy.float64)
-    if numpy.linalg.norm(ref64) <= EXACTLY_ZERO * magnitude:
-        err = float(numpy.linalg.norm(numpy.asarray(got, numpy.float64) - ref64))
-        bound = ZERO_NOISE_ULPS * UNIT_ROUNDOFF[dtype_name] * magnitude
-        assert err <= bound, f"{name}: vanishing gradient off by {err:.3e} > {bound:.3e}"
-        return
-    assert_twice_naive(name, got, ref, naive, dtype_name, BWD_CEILING)
-
-
-def assert_under(name, got, ref, ceiling):
-    err = rel_err(got, ref)
-    assert err <= ceiling, f"{name}: error {err:.3e} > {ceiling:.0e}"
-
-
-# Non-finite inputs (README, Semantics): planted values, and the check of an output against the reference.
-# Where both are finite: within this much of the largest finite reference value.
-NON_FINITE_RTOL = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-4, "float64": 1e-9}
 
 
 # Batch shapes (q, k and v) of the poisoned inputs: every head its own, k and v shared by the two
@@ -170,21 +106,6 @@ def poisoned_inputs(rng, dtype, case, head_dim=64, layout="own"):
     return q, k, v, do
 
 
-def _on_host(x):
-    return (x.get() if hasattr(x, "get") else x).astype(numpy.float64)
-
-
-def assert_non_finite_like(name, got, ref, dtype):
-    """got is non-finite exactly where the reference is, and close where both are finite."""
-    got, ref = _on_host(got), numpy.asarray(ref, numpy.float64)
-    bad, ref_bad = ~numpy.isfinite(got), ~numpy.isfinite(ref)
-    assert (bad | ~ref_bad).all(), f"{name}: finite where the reference is not"
-    assert numpy.array_equal(bad, ref_bad), f"{name}: {int((bad & ~ref_bad).sum())} extra non-finite"
-    both = ~bad & ~ref_bad
-    scale = max(numpy.abs(ref[both]).max(initial=0), 1e-30)
-    assert numpy.abs(got[both] - ref[both]).max(initial=0) <= NON_FINITE_RTOL[dtype] * scale, name
-
-
 def assert_non_finite_rules(dtype, causal, case, to_device=lambda *arrays: arrays, head_dim=64, layout="own",
                             **options):
     """Forward and backward of ``poisoned_inputs`` (arrays through ``to_device``, calls with ``options``)
@@ -204,6 +125,50 @@ def assert_non_finite_rules(dtype, causal, case, to_device=lambda *arrays: array
     for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert_non_finite_like(name, got, ref, dtype)
     if causal:
-        o, m, l, dq = (_on_host(x) for x in (*out, grads[0]))
+        o, m, l, dq = (on_host(x) for x in (*out, grads[0]))
         assert not o[..., :40, :].any() and (m[..., :40] == -numpy.inf).all() and not l[..., :40].any()
         assert not dq[..., :40, :].any()
+
+
+# ---------------------------------------------------------------------------
+# The contract of a forward call (README, Semantics and Errors)
+
+
+def _finite_as_float(number):
+    """Whether ``number`` has a finite float value (an int beyond the float range has none)."""
+    try:
+        return math.isfinite(float(number))
+    except OverflowError:
+        return False
+
+
+def forward_contract_errors(q, k, v, causal, softmax_scale):
+    """The error classes the contract allows for this forward call; empty when it must succeed."""
+    arrays = {"q": q, "k": k, "v": v}
+    if not all(isinstance(x, numpy.ndarray) for x in arrays.values()):
+        return {TypeError}
+    errors = set()
+    dtypes = {x.dtype for x in arrays.values()}
+    if len(dtypes) > 1 or not dtypes <= set(FLOAT_DTYPES):
+        errors.add(TypeError)
+    if not isinstance(causal, (bool, numpy.bool_)):
+        errors.add(TypeError)
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, (bool, numpy.bool_)) or not isinstance(
+                softmax_scale, (int, float, numpy.integer, numpy.floating)):
+            errors.add(TypeError)
+        elif not _finite_as_float(softmax_scale):
+            errors.add(ValueError)
+    if any(x.ndim < 2 for x in arrays.values()):
+        errors.add(ValueError)
+    else:
+        head_dims = {x.shape[-1] for x in arrays.values()}
+        try:
+            numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+            broadcasts = True
+        except ValueError:
+            broadcasts = False
+        if (k.shape[-2] != v.shape[-2] or len(head_dims) > 1 or not 1 <= q.shape[-1] <= MAX_HEAD_DIM
+                or not broadcasts):
+            errors.add(ValueError)
+    return errors

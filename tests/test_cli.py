@@ -1,5 +1,6 @@
 """The command line: the demo (the README's main command), info, precompile and the benchmark verb."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -7,7 +8,8 @@ from pathlib import Path
 import pytest
 
 import cupyflash
-from helpers import HAVE_GPU
+from cupyflash._tiles import MAX_HEAD_DIM
+from helpers import HAVE_GPU, gpu_test
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,10 +27,36 @@ def test_demo_checks_itself_against_the_reference():
         assert "no CUDA GPU found: running the NumPy path" in done.stdout
 
 
-def test_bench_verb_reaches_the_benchmark():
+@pytest.mark.parametrize("option, value, says", [
+    ("--seqlen", "0", "--seqlen: must be at least 1, got 0"),
+    ("--head-dim", str(MAX_HEAD_DIM + 1), f"--head-dim: must be from 1 to {MAX_HEAD_DIM}, got {MAX_HEAD_DIM + 1}"),
+    ("--head-dim", "0", f"--head-dim: must be from 1 to {MAX_HEAD_DIM}, got 0"),
+    ("--batch", "0", "--batch: must be at least 1, got 0"),
+    ("--heads", "-2", "--heads: must be at least 1, got -2"),
+    ("--seqlen", "many", "--seqlen: not an integer: 'many'"),
+])
+def test_demo_refuses_impossible_sizes_in_one_line(option, value, says):
+    done = run_cli("demo", option, value)
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    assert done.stderr.splitlines()[-1] == f"python -m cupyflash: error: argument {says}"
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="a GPU is present: the benchmark would run")
+def test_bench_without_a_gpu_says_so_in_one_line():
+    done = run_cli("bench", "--quick", "--systems", "cupyflash-v2", "--no-long", "--out-dir", "/nonexistent/dir")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and done.stdout == "", done.stdout + done.stderr
+    assert lines[0].startswith(("the benchmark needs a CUDA GPU", "the benchmark needs CuPy and a GPU")), lines
+
+
+def test_bench_verb_reaches_the_benchmark_or_names_the_extra_it_needs():
     done = run_cli("bench", "--help")
-    assert done.returncode == 0, done.stderr
-    assert "--seqlens" in done.stdout
+    if importlib.util.find_spec("cupy") is None:   # the benchmark imports CuPy (a CPU-only install)
+        assert done.returncode == 2 and "[cuda12,bench]" in done.stderr, done.stdout + done.stderr
+    else:
+        assert done.returncode == 0, done.stderr
+        assert "--seqlens" in done.stdout
 
 
 def test_info_names_versions_and_the_gpu_or_its_absence():
@@ -52,7 +80,7 @@ def test_precompile_compiles_chosen_specialisations_or_says_what_it_needs():
         assert "needs a CUDA GPU" in done.stderr or "needs CuPy" in done.stderr
 
 
-@pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU")
+@gpu_test
 def test_precompile_of_bfloat16_under_an_old_cupy_names_the_version_needed(monkeypatch):
     import cupy
 

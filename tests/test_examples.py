@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers import HAVE_GPU
+from helpers import requires_gpu
+
+pytestmark = requires_gpu
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def peer_with_cuda(name: str) -> bool:
-    if not HAVE_GPU or importlib.util.find_spec(name) is None:
+    if importlib.util.find_spec(name) is None:
         return False
     check = {"torch": "import torch; assert torch.cuda.is_available()",
              "jax": "import jax; assert any(d.platform == 'gpu' for d in jax.devices())"}[name]

@@ -10,27 +10,15 @@ import threading
 import numpy
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import cupyflash
 from cupyflash import reference
-from helpers import DTYPE_BY_NAME, assert_non_finite_rules, random_inputs, requires_gpu, to_gpu
-from test_validation import forward_calls, forward_contract_errors
+from helpers import (DTYPE_BY_NAME, assert_non_finite_rules, forward_contract_errors, random_inputs, requires_gpu,
+                     to_gpu)
+from strategies import gpu_forward_calls
+from tolerances import ORDER_RTOL, assert_close, fuzz_tolerance
 
 pytestmark = requires_gpu
-
-# |got - ref| <= TOL * (1 + |ref|) per element, for inputs already in the dtype (the reference sees
-# the same rounded values): the kernels accumulate in float32 (float64 for float64)
-TOL = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 2e-5, "float64": 1e-12}
-
-
-def assert_close(name, got, ref, dtype_name):
-    got = numpy.asarray(got, numpy.float64)
-    ref = numpy.asarray(ref, numpy.float64)
-    assert got.shape == ref.shape, name
-    same_inf = numpy.isinf(ref) & (got == ref)
-    err = numpy.where(same_inf, 0.0, numpy.abs(got - ref) / (1 + numpy.abs(ref)))
-    assert not numpy.isnan(err).any() and err.max(initial=0) <= TOL[dtype_name], f"{name}: {err.max(initial=0):.2e}"
 
 
 def check_forward_against_reference(q, k, v, outputs, causal=False):
@@ -241,10 +229,6 @@ def test_forward_is_bitwise_reproducible(schedule, dtype):
             assert a.tobytes() == b.tobytes()
 
 
-# the gradients of two summation orders: a rounding of the output dtype apart (accumulator's for 32/64-bit)
-ORDER_RTOL = {"float16": 2.0**-9, "bfloat16": 2.0**-6, "float32": 1e-5, "float64": 1e-13}
-
-
 @pytest.mark.parametrize("schedule", ["v1", "v2"])
 @pytest.mark.parametrize("dtype, D", [("float16", 64), ("bfloat16", 128), ("float16", 62), ("float16", 200),
                                       ("float32", 64), ("float64", 40)])
@@ -417,15 +401,8 @@ def test_arrays_on_another_device_run_there_and_mixed_devices_are_refused():
 
 
 # ---------------------------------------------------------------------------
-# Fuzzing the GPU path: the CPU suite's arbitrary calls (tests/test_validation.py), on CuPy arrays,
-# some as strided views
-
-
-@st.composite
-def gpu_forward_calls(draw):
-    q, k, v, causal, scale = draw(forward_calls())
-    views = [draw(st.sampled_from(["plain", "offset", "sliced"])) for _ in range(3)]
-    return q, k, v, causal, scale, views
+# Fuzzing the GPU path: the arbitrary calls test_validation.py makes on the CPU (strategies.forward_calls),
+# on CuPy arrays, some as strided views
 
 
 def to_device(x, view):
@@ -448,19 +425,6 @@ def to_device(x, view):
     wide = cupy.zeros((*y.shape[:-1], y.shape[-1] + 3), y.dtype)
     wide[..., : y.shape[-1]] = y
     return wide[..., : y.shape[-1]]
-
-
-ACC_ROUNDOFF = {"float16": 2.0**-24, "bfloat16": 2.0**-24, "float32": 2.0**-24, "float64": 2.0**-53}
-IN_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24, "float64": 2.0**-53}
-
-
-def fuzz_tolerance(q, k, scale, name):
-    """Per-element bound for o, m, l of a drawn call: output rounding plus the accumulator's rounding of
-    scores as large as |scale| max|q| max|k| D (drawn scales reach 100)."""
-    D = q.shape[-1]
-    scale = 1 / math.sqrt(D) if scale is None else abs(float(scale))
-    logits = scale * float(numpy.abs(q).max(initial=0)) * float(numpy.abs(k).max(initial=0)) * D
-    return 4 * IN_ROUNDOFF[name] + 8 * D * ACC_ROUNDOFF[name] * (1 + logits)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,22 +12,19 @@ TypeError, and which of the two when the contract decides it.
 import math
 import re
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import cupyflash
 from cupyflash import flash_attention, flash_attention_backward, flash_attention_forward
-from helpers import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, FLOAT_DTYPES, assert_non_finite_rules
+from helpers import (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, FLOAT_DTYPES, MAX_HEAD_DIM, UNSUPPORTED_DTYPES,
+                     assert_non_finite_rules, forward_contract_errors, gpu_test, random_array)
+from strategies import backward_calls, forward_calls
+from tolerances import VIEW_RTOL
 
 # Valid calls on random data emit no warning; an overflow or 0/0 would be a bug.
 pytestmark = pytest.mark.filterwarnings("error")
-
-UNSUPPORTED_DTYPES = (np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_), np.dtype(np.complex64),
-                      np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.longdouble), np.dtype(object))
-MAX_HEAD_DIM = 256
 
 # A well-formed multi-head problem: q (B, H, Nq, D), k and v (B, H, Nk, D).
 Q_SHAPE = (2, 3, 5, 8)
@@ -37,17 +34,9 @@ STATS_SHAPE = Q_SHAPE[:-1]  # (*batch, Nq)
 
 FORWARD_ENTRY_POINTS = ("flash_attention_forward", "flash_attention", "flash_attention_backward")
 
-_rng = np.random.default_rng(20240611)
-
-
 # ---------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------
-
-def random_array(shape, dtype=FLOAT32):
-    """Standard-normal values of ``shape`` cast to ``dtype`` (any dtype numpy can cast to)."""
-    return _rng.standard_normal(shape).astype(dtype)
-
 
 def statistics_dtype(dtype):
     """The documented dtype of m and l: float64 for float64 inputs, else float32."""
@@ -96,16 +85,6 @@ def valid_backward_arguments(dtype=FLOAT32):
     m = random_array(STATS_SHAPE, statistics_dtype(dtype))
     l = 1 + np.abs(random_array(STATS_SHAPE, statistics_dtype(dtype)))
     return do, q, k, v, o, m, l
-
-
-def cupy_array_or_skip(shape, dtype=FLOAT32):
-    """A CuPy array, or skip the test where CuPy is missing or cannot allocate (no GPU)."""
-    try:
-        import cupy
-
-        return cupy.zeros(shape, dtype)
-    except Exception as error:  # ImportError, or CUDARuntimeError without a GPU/driver
-        pytest.skip(f"cannot create a CuPy array here: {type(error).__name__}: {error}")
 
 
 @pytest.fixture
@@ -186,11 +165,14 @@ def test_non_array_backward_input_raises_type_error(argument, as_non_array, type
         flash_attention_backward(*arguments.values())
 
 
+@gpu_test
 @pytest.mark.usefixtures("computation_forbidden")
 @pytest.mark.parametrize("argument", BACKWARD_ARGUMENTS)
 def test_mixing_numpy_and_cupy_raises_type_error(argument):
+    import cupy
+
     arguments = dict(zip(BACKWARD_ARGUMENTS, valid_backward_arguments()))
-    arguments[argument] = cupy_array_or_skip(arguments[argument].shape, arguments[argument].dtype)
+    arguments[argument] = cupy.zeros(arguments[argument].shape, arguments[argument].dtype)
     pattern = message_naming([argument], ["cupy", "numpy"])
     with pytest.raises(TypeError, match=pattern):
         flash_attention_backward(*arguments.values())
@@ -554,143 +536,6 @@ def test_inputs_are_never_modified(q_shape, kv_shape, causal, dtype):
 # Arbitrary calls: documented outputs, or ValueError / TypeError
 # ---------------------------------------------------------------------------
 
-def _finite_as_float(number):
-    """Whether ``number`` has a finite float value (an int beyond the float range has none)."""
-    try:
-        return math.isfinite(float(number))
-    except OverflowError:
-        return False
-
-
-def forward_contract_errors(q, k, v, causal, softmax_scale):
-    """The error classes the contract allows for this forward call; empty when it must succeed."""
-    arrays = {"q": q, "k": k, "v": v}
-    if not all(isinstance(x, np.ndarray) for x in arrays.values()):
-        return {TypeError}
-    errors = set()
-    dtypes = {x.dtype for x in arrays.values()}
-    if len(dtypes) > 1 or not dtypes <= set(FLOAT_DTYPES):
-        errors.add(TypeError)
-    if not isinstance(causal, (bool, np.bool_)):
-        errors.add(TypeError)
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.integer,
-                                                                                         np.floating)):
-            errors.add(TypeError)
-        elif not _finite_as_float(softmax_scale):
-            errors.add(ValueError)
-    if any(x.ndim < 2 for x in arrays.values()):
-        errors.add(ValueError)
-    else:
-        head_dims = {x.shape[-1] for x in arrays.values()}
-        try:
-            np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-            broadcasts = True
-        except ValueError:
-            broadcasts = False
-        if (k.shape[-2] != v.shape[-2] or len(head_dims) > 1 or not 1 <= q.shape[-1] <= MAX_HEAD_DIM
-                or not broadcasts):
-            errors.add(ValueError)
-    return errors
-
-
-@st.composite
-def broadcastable_batch_dims(draw, batch):
-    """Batch dims that broadcast to ``batch``: ``batch`` itself, some dims set to 1, or leading dims dropped."""
-    kind = draw(st.sampled_from(["same", "stretched", "shorter"]))
-    if kind == "same":
-        return tuple(batch)
-    if kind == "stretched":
-        return tuple(1 if draw(st.booleans()) else n for n in batch)
-    return tuple(batch[draw(st.integers(0, len(batch))):])
-
-
-VIEWS = ("contiguous", "contiguous", "batch axes swapped", "reversed", "column slice", "every other column")
-
-
-def strided_copy(x, view):
-    """``x``'s values in a view of another layout: batch axes swapped, rows reversed (a negative
-    stride), a slice of wider rows, or every other column of a twice-as-wide array."""
-    if view == "contiguous" or x.ndim < 2 or (view == "batch axes swapped" and x.ndim < 4):
-        return x
-    if view == "batch axes swapped":
-        return np.ascontiguousarray(x.swapaxes(0, 1)).swapaxes(0, 1)
-    if view == "reversed":
-        return x[..., ::-1, :].copy()[..., ::-1, :]
-    if view == "column slice":
-        wide = np.zeros((*x.shape[:-1], x.shape[-1] + 3), x.dtype)
-        wide[..., : x.shape[-1]] = x
-        return wide[..., : x.shape[-1]]
-    return np.repeat(x, 2, axis=-1)[..., ::2]
-
-
-FORWARD_FAULTS = ("unsupported dtype", "mixed dtypes", "non-array", "rank below 2", "head dim mismatch",
-                  "key count mismatch", "free batch dims", "head dim out of range", "non-bool causal",
-                  "non-number scale", "non-finite scale")
-
-
-@st.composite
-def forward_calls(draw):
-    """Arguments ``(q, k, v, causal, softmax_scale)`` of a forward call: valid, or with up to two faults.
-
-    A valid call has broadcastable batch dims (MHA, GQA/MQA, rank 2, zero-size),
-    Nq, Nk in [0, 4], D in [1, 256], one supported dtype, any layout (``VIEWS``), and a bool ``causal``
-    and a finite real (or no) scale; each fault of ``FORWARD_FAULTS`` breaks one
-    of these. Whether a call is valid is judged by ``forward_contract_errors``,
-    not by the fault's name (free batch dims may happen to broadcast).
-    """
-    n_faults = draw(st.sampled_from([0, 0, 0, 1, 1, 1, 2]))
-    faults = set(draw(st.lists(st.sampled_from(FORWARD_FAULTS), min_size=n_faults, max_size=n_faults,
-                               unique=True)))
-    arrays = ("q", "k", "v")
-
-    batch = draw(st.lists(st.integers(0, 3), max_size=3))
-    n_q, n_k = draw(st.integers(0, 4)), draw(st.integers(0, 4))
-    head_dim = draw(st.sampled_from([1, 2, 3, 8, MAX_HEAD_DIM]))
-    if "head dim out of range" in faults:
-        head_dim = draw(st.sampled_from([0, MAX_HEAD_DIM + 1]))
-    shapes = {"q": [*draw(broadcastable_batch_dims(batch)), n_q, head_dim],
-              "k": [*draw(broadcastable_batch_dims(batch)), n_k, head_dim],
-              "v": [*draw(broadcastable_batch_dims(batch)), n_k, head_dim]}
-    if "head dim mismatch" in faults:
-        shapes[draw(st.sampled_from(arrays))][-1] += draw(st.integers(1, 3))
-    if "key count mismatch" in faults:
-        shapes[draw(st.sampled_from(["k", "v"]))][-2] += draw(st.integers(1, 3))
-    if "free batch dims" in faults:
-        name = draw(st.sampled_from(arrays))
-        shapes[name][:-2] = draw(st.lists(st.integers(0, 3), max_size=3))
-    if "rank below 2" in faults:
-        name = draw(st.sampled_from(arrays))
-        shapes[name] = draw(st.sampled_from([[], shapes[name][-1:]]))
-
-    dtype = draw(st.sampled_from(FLOAT_DTYPES))
-    if "unsupported dtype" in faults:
-        dtype = draw(st.sampled_from(UNSUPPORTED_DTYPES))
-    dtypes = dict.fromkeys(arrays, dtype)
-    if "mixed dtypes" in faults:
-        dtypes[draw(st.sampled_from(arrays))] = draw(st.sampled_from(FLOAT_DTYPES + UNSUPPORTED_DTYPES))
-    values = {name: strided_copy(random_array(tuple(shapes[name]), dtypes[name]), draw(st.sampled_from(VIEWS)))
-              for name in arrays}
-    if "non-array" in faults:
-        name = draw(st.sampled_from(arrays))
-        values[name] = values[name].tolist()
-
-    causal = draw(st.sampled_from([False, True, np.bool_(False), np.bool_(True)]))
-    if "non-bool causal" in faults:
-        causal = draw(st.sampled_from([0, 1, 1.0, None, "yes", np.int8(1)]))
-    softmax_scale = draw(st.one_of(st.none(), st.floats(-100, 100), st.integers(-5, 5),
-                                   st.sampled_from([np.float32(0.5), np.float16(2), np.int64(3)])))
-    if "non-number scale" in faults:
-        softmax_scale = draw(st.sampled_from(["0.5", [1.0], True, np.bool_(False), 1j, np.complex128(0.5 + 1j)]))
-    if "non-finite scale" in faults:
-        softmax_scale = draw(st.sampled_from([math.inf, -math.inf, math.nan, np.float32("inf"), 10**400]))
-    return values["q"], values["k"], values["v"], causal, softmax_scale
-
-
-# strided and contiguous inputs may take different BLAS paths: a rounding apart in the output dtype
-VIEW_RTOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5, "float64": 1e-12}
-
-
 @settings(max_examples=100, deadline=None)
 @given(call=forward_calls())
 def test_any_forward_call_succeeds_as_documented_or_raises_value_or_type_error(call):
@@ -708,45 +553,8 @@ def test_any_forward_call_succeeds_as_documented_or_raises_value_or_type_error(c
     same = flash_attention_forward(*(np.ascontiguousarray(x) for x in (q, k, v)), causal=causal,
                                    softmax_scale=softmax_scale)
     for got, want in zip(outputs, same):
-        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=VIEW_RTOL[q.dtype.name],
-                                   atol=VIEW_RTOL[q.dtype.name])
-
-
-@st.composite
-def backward_calls(draw):
-    """A valid forward problem and its backward arguments, with at most one of do, o, m, l made wrong.
-
-    Returns ``(arguments, error)``: the seven backward arguments and the error the
-    contract demands (None when nothing was made wrong).
-    """
-    dtype = draw(st.sampled_from(FLOAT_DTYPES))
-    batch = tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
-    kv_batch = tuple(1 if draw(st.booleans()) else n for n in batch)
-    n_q, n_k, d = draw(st.integers(0, 4)), draw(st.integers(0, 4)), draw(st.sampled_from([1, 8, 16]))
-    q, k, v = (random_array((*batch, n_q, d), dtype), random_array((*kv_batch, n_k, d), dtype),
-               random_array((*kv_batch, n_k, d), dtype))
-    o, m, l = flash_attention_forward(q, k, v)
-    arguments = {"do": random_array(o.shape, dtype), "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}
-
-    fault = draw(st.sampled_from([None, None, "shape", "dtype", "non-array"]))
-    if fault is None:
-        return arguments, None
-    name = draw(st.sampled_from(["do", "o", "m", "l"]))
-    x = arguments[name]
-    if fault == "shape":
-        if x.ndim and draw(st.booleans()):
-            axis = draw(st.integers(0, x.ndim - 1))
-            bad_shape = tuple(n + 1 if a == axis else n for a, n in enumerate(x.shape))
-        else:
-            bad_shape = (*x.shape, 1)
-        arguments[name] = random_array(bad_shape, x.dtype)
-        return arguments, ValueError
-    if fault == "dtype":
-        other = [dt for dt in FLOAT_DTYPES + UNSUPPORTED_DTYPES[:3] if dt != x.dtype]
-        arguments[name] = random_array(x.shape, draw(st.sampled_from(other)))
-        return arguments, TypeError
-    arguments[name] = x.tolist()
-    return arguments, TypeError
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=VIEW_RTOL[q.dtype],
+                                   atol=VIEW_RTOL[q.dtype])
 
 
 @settings(max_examples=100, deadline=None)
