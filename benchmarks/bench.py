@@ -23,6 +23,12 @@ Systems, timed in one process on the same inputs:
   torch-cudnn   torch SDPA, cuDNN backend   } torch.cuda are available;
                 inputs shared zero-copy through DLPack
 
+Host cost (``--host``, also part of the default run): at small shapes (HOST_SHAPES, float16,
+causal) cupyflash's and torch flash's forward and backward, timed three ways: wall time per call
+of HOST_CALLS back-to-back calls (the host cost once it exceeds the GPU's), one call between two
+CUDA events after a synchronisation (a call as a user meets it, launch latency included), and the
+queued median of the sweep (events around each of back-to-back calls).
+
 The default run is the sweep, then the floor check (cupyflash / naive forward
 at N=4096, D=128, B=4, H=16, fp16 must be >= 3.5x) and the long-sequence memory
 check (cupyflash forward at N=65536). It writes bench_results.json, bench_results.md and
@@ -84,6 +90,12 @@ REPEATS = 20
 NAIVE_BYTES_PER_SCORE = 4 + 2 + 2           # float32 S, 16-bit S, 16-bit P
 NAIVE_MEMORY_FRACTION = 0.6                 # of the free GPU memory
 FLOAT32_BYTES = 4
+
+# host cost: (B, H, N, D) shapes, back-to-back calls per wall-time figure, single calls per median
+HOST_SHAPES = ((1, 1, 64, 64), (4, 8, 256, 64))
+HOST_CALLS = 2000
+HOST_SINGLE = 200
+US_PER_S = 1e6
 
 FLOOR_RATIO = 3.5                           # cupyflash / naive forward speed the issue asks for
 LONG_WARMUP = 1
@@ -170,16 +182,23 @@ def hopper_kernels(enabled: bool):
 
 def cupyflash_runs(schedule: str, x: Inputs, *, wgmma: bool = True, deterministic: bool = False) -> dict:
     def forward():
-        with hopper_kernels(wgmma):
-            return cupyflash.flash_attention_forward(x.q, x.k, x.v, causal=x.causal, schedule=schedule)
+        return cupyflash.flash_attention_forward(x.q, x.k, x.v, causal=x.causal, schedule=schedule)
 
     def backward_from(o, m, l):
-        with hopper_kernels(wgmma):
-            return cupyflash.flash_attention_backward(x.do, x.q, x.k, x.v, o, m, l, causal=x.causal,
-                                                      schedule=schedule, deterministic=deterministic)
+        return cupyflash.flash_attention_backward(x.do, x.q, x.k, x.v, o, m, l, causal=x.causal,
+                                                  schedule=schedule, deterministic=deterministic)
 
+    if not wgmma:   # the portable kernels where the Hopper ones would run: switched for each call alone
+        forward, backward_from = (_portable(f) for f in (forward, backward_from))
     saved = forward()       # o, m, l for the timed backward
     return {"fwd": forward, "bwd": lambda: backward_from(*saved), "fwd+bwd": lambda: backward_from(*forward())}
+
+
+def _portable(call):
+    def run(*args):
+        with hopper_kernels(False):
+            return call(*args)
+    return run
 
 
 def cublas_matmul(a, b, *, transpose_b=False):
@@ -476,6 +495,62 @@ def long_text(r: dict) -> str:
             f"(GPU memory {r['gpu_bytes'] / GB:.1f} GB)")
 
 
+def host_cost_check(systems) -> list:
+    """Per-call cost at HOST_SHAPES (float16, causal) of the forward and backward of ``systems``
+    (cupyflash-v2 and torch-flash where present): wall, single and queued microseconds."""
+    records = []
+    for B, H, N, D in HOST_SHAPES:
+        cfg = Config("fp16", D, N, True, B, H)
+        x = make_inputs(cfg, SEED)
+        for system in systems:
+            try:
+                runs = system.runs(x)
+            except Unavailable as error:
+                records.append(dict(system=system.name, shape=(B, H, N, D), note=str(error)))
+                continue
+            clock = system.clock()
+            for mode in ("fwd", "bwd"):
+                run = runs[mode]
+                for _ in range(WARMUP * 10):
+                    run()
+                device_synchronize()
+                started = time.perf_counter()
+                for _ in range(HOST_CALLS):
+                    run()
+                device_synchronize()
+                wall = (time.perf_counter() - started) / HOST_CALLS * US_PER_S
+                singles = []
+                for _ in range(HOST_SINGLE):
+                    start, stop = clock.new_event(), clock.new_event()
+                    device_synchronize()
+                    start.record()
+                    run()
+                    stop.record()
+                    stop.synchronize()
+                    singles.append(clock.elapsed_ms(start, stop) * 1e3)
+                queued = median_ms(run, clock, WARMUP, REPEATS) * 1e3
+                records.append(dict(system=system.name, shape=(B, H, N, D), mode=mode, wall_us=wall,
+                                    single_us=statistics.median(singles), queued_us=queued))
+                print(f"host cost {system.name:<12} {mode} (B, H, N, D) = {(B, H, N, D)}: {wall:6.1f} us per "
+                      f"back-to-back call, {records[-1]['single_us']:6.1f} us single, {queued:6.1f} us queued",
+                      flush=True)
+        del x
+        free_memory()
+    return records
+
+
+def host_text(records) -> list:
+    lines = ["| system | mode | (B, H, N, D) | wall per call, back-to-back (us) | single call (us) | queued (us) |",
+             "|---|---|---|---:|---:|---:|"]
+    for r in records:
+        if "note" in r:
+            lines.append(f"| {r['system']} | — | {r['shape']} | {r['note']} | | |")
+        else:
+            lines.append(f"| {r['system']} | {r['mode']} | {tuple(r['shape'])} | {r['wall_us']:.1f} | "
+                         f"{r['single_us']:.1f} | {r['queued_us']:.1f} |")
+    return lines
+
+
 # ---------------------------------------------------------------------------
 # Outputs
 
@@ -520,7 +595,7 @@ def fmt(value, spec=".1f", suffix="") -> str:
     return "—" if value is None else f"{value:{spec}}{suffix}"
 
 
-def markdown(meta: dict, records: list, floor, long) -> str:
+def markdown(meta: dict, records: list, floor, long, host=None) -> str:
     lines = ["# cupyflash benchmark", "",
              f"GPU {meta['gpu']}, {meta['date']}, commit {meta['commit'] or 'unknown'}; cupy {meta['cupy']}, "
              f"torch {meta['torch']}; warm-up {meta['warmup']}, median of {meta['repeats']} timed runs.", "",
@@ -528,6 +603,8 @@ def markdown(meta: dict, records: list, floor, long) -> str:
              "4·B·H·N²·D (halved when causal), backward 2.5x, fwd+bwd 3.5x. CUDA events.", ""]
     if meta["torch_note"]:
         lines += [f"torch systems not run: {meta['torch_note']}.", ""]
+    if host:
+        lines += ["## Host cost (float16, causal)", "", *host_text(host), ""]
     if floor:
         lines += ["## Floor", "", floor_text(floor), ""]
     if long and "error" in long:
@@ -605,12 +682,12 @@ def write_plot(records: list, path: Path):
     plt.close(fig)
 
 
-def write_outputs(out_dir: Path, meta: dict, records: list, floor, long):
+def write_outputs(out_dir: Path, meta: dict, records: list, floor, long, host=None):
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = dict(metadata=meta, records=records, floor=floor, long_sequence=long)
+    results = dict(metadata=meta, records=records, floor=floor, long_sequence=long, host_cost=host)
     json_path, md_path, plot_path = (out_dir / name for name in OUTPUT_NAMES)
     json_path.write_text(json.dumps(results, indent=1) + "\n")
-    md_path.write_text(markdown(meta, records, floor, long))
+    md_path.write_text(markdown(meta, records, floor, long, host))
     write_plot(records, plot_path)
     print(f"wrote {json_path}, {md_path}", flush=True)
 
@@ -637,6 +714,8 @@ def parse_args(argv=None):
                         help=f"run only the floor check, {FLOOR_SYSTEM} and naive forward at N={FLOOR_CONFIG.N}, "
                              f"D={FLOOR_CONFIG.D}, B={FLOOR_CONFIG.B}, H={FLOOR_CONFIG.H}, fp16 (with --long: both)")
     parser.add_argument("--no-long", action="store_true", help="leave the long-sequence check out of a sweep")
+    parser.add_argument("--host", action="store_true", help=f"run only the host-cost check at {HOST_SHAPES}")
+    parser.add_argument("--no-host", action="store_true", help="leave the host-cost check out of a sweep")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" if CHECKOUT else Path("benchmarks"),
                         help=f"where {', '.join(OUTPUT_NAMES)} go (default benchmarks/ of the checkout, or of the "
                              "working directory when installed); any run overwrites them")
@@ -664,7 +743,7 @@ def main(argv=None):
         print(f"{torch_note}: running {', '.join(s.name for s in systems if not s.needs_torch)} only", flush=True)
         systems = [s for s in systems if not s.needs_torch]
 
-    sweep = not (args.floor or args.long)
+    sweep = not (args.floor or args.long or args.host)
     records = []
     if args.floor:
         floor_systems = [s for s in SYSTEMS if s.name in (FLOOR_SYSTEM, "naive")]
@@ -682,7 +761,11 @@ def main(argv=None):
             long = dict(error=short(error))
         print(long_text(long), flush=True)
 
-    write_outputs(args.out_dir, metadata(args.warmup, args.repeats, torch_note), records, floor, long)
+    host = None
+    if args.host or (sweep and not args.no_host):
+        host = host_cost_check([s for s in systems if s.name in (FLASH, "torch-flash")])
+
+    write_outputs(args.out_dir, metadata(args.warmup, args.repeats, torch_note), records, floor, long, host)
     print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
 
 

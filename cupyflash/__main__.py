@@ -144,7 +144,7 @@ def info() -> int:
 def precompile(argv) -> int:
     parser = argparse.ArgumentParser(prog="python -m cupyflash precompile",
                                      description="compile specialisations for this GPU into CuPy's kernel cache")
-    parser.add_argument("--kernels", nargs="+", help="e.g. fwd_v2_sm90 bwd_sm90 (default: all that run here)")
+    parser.add_argument("--kernels", nargs="+", help="e.g. fwd_sm90 bwd_sm90 (default: all that run here)")
     parser.add_argument("--dtypes", nargs="+", help="float16 bfloat16 float32 float64 (default: all)")
     parser.add_argument("--head-dims", nargs="+", type=int, help="head dims to serve (default: every bucket)")
     args = parser.parse_args(argv)

@@ -106,9 +106,10 @@ BFLOAT16_CUPY = 14   # the first CuPy major version that holds bfloat16 (ml_dtyp
 
 
 def install_hint(extras: str = "") -> str:
-    """How to install cupyflash with CuPy, plus ``extras`` (e.g. ``',bench'``)."""
-    return (f"from a checkout, python -m pip install -e \".[cuda13{extras}]\" (CUDA 13) or \".[cuda12{extras}]\" "
-            f"(CUDA 12); or pip install a built wheel with the same extra")
+    """How to install cupyflash with CuPy, plus ``extras`` (e.g. ``',bench'``): from a checkout or a
+    built wheel, as no package index serves cupyflash yet."""
+    return (f'from a checkout: python -m pip install -e ".[cuda13{extras}]" (CUDA 13) or ".[cuda12{extras}]" '
+            f'(CUDA 12); from a built wheel: python -m pip install "cupyflash-<version>-py3-none-any.whl[cuda13{extras}]"')
 
 
 def holds_bfloat16(cupy) -> bool:

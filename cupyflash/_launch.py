@@ -133,7 +133,7 @@ def device_tiles(kernel: str, head_dim: int, dtype) -> TileConfig:
     return choose_tiles(kernel, head_dim, dtype, current_limits().smem_block)
 
 
-# A group of heads whose tensors take at most this share of L2 runs side by side (flash_common.cuh: grid_tile)
+# A group of heads whose tensors take at most this share of L2 runs side by side (layout.cuh: grid_tile)
 L2_SHARE = 0.5
 
 

@@ -87,8 +87,8 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     online softmax, O/m/l carried in HBM between outer steps), or
     ``kernels_cu/flash_fwd_v2.cu``, the FlashAttention-2 loop order; on sm_90
     GPUs V2 of float16/bfloat16 (with ``softmax_scale > 0``) runs
-    ``kernels_cu/flash_fwd_v2_sm90.cu``, the same schedule on Hopper's
-    warpgroup MMA with warp specialisation. All accumulate in float32 (float64
+    ``kernels_cu/flash_fwd_sm90.cu``, the same schedule on Hopper's
+    warpgroup MMA with FlashAttention-3's warp specialisation. All accumulate in float32 (float64
     for float64) and use tensor cores for 16-bit inputs. Extra memory is O(N).
     NumPy inputs run the blocked Algorithm 1 on the CPU. Inputs are never
     modified.
@@ -225,11 +225,11 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     softmax_scale : float, optional
         As in the forward.
     schedule : {'auto', 'v1', 'v2'}, optional
-        'v1' runs the V1 recomputation kernel (below); 'v2' and 'auto' run
-        the Hopper warpgroup-MMA kernel for float16/bfloat16 with D <= 128 on
-        sm_90 GPUs, and the V1 kernel everywhere else. Both walk the same loop
-        order (K/V tiles outer, dQ accumulated with atomics), already
-        FlashAttention-2's, and return the same gradients up to rounding.
+        'v1' runs the portable recomputation kernel (below); 'v2' and 'auto'
+        run the Hopper warpgroup-MMA kernel for float16/bfloat16 with
+        D <= 128 on sm_90 GPUs, and the portable kernel everywhere else. Both
+        walk FlashAttention-2's loop order (K/V tiles outer, dQ accumulated
+        with atomics) and return the same gradients up to rounding.
     deterministic : bool, optional
         Bitwise-identical gradients run to run. The CTAs that add into one
         sum (``dQ_i`` over the K/V tiles; ``dK_j``, ``dV_j`` over the query
@@ -255,8 +255,9 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
 
     Notes
     -----
-    The V1 recomputation backward (``kernels_cu/flash_bwd_v1.cu``): first
-    ``D_i = rowsum(dO_i ∘ O_i)``; then one CTA per K/V tile recomputes
+    The recomputation backward (``kernels_cu/flash_bwd.cu``, FlashAttention-2's
+    loop order): first ``D_i = rowsum(dO_i ∘ O_i)`` (``kernels_cu/flash_bwd_prep.cu``);
+    then one CTA per K/V tile recomputes
     ``P_ij = exp(S_ij − m_i) / l_i`` from the saved statistics, accumulates
     ``dK_j``, ``dV_j`` on chip and ``dQ_i`` in a float32 (float64) buffer.
     No N×N matrix is materialised. The Hopper kernel

@@ -68,7 +68,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
     acc_t* s_inv_l = s_m + B_R;                        // (B_R)
     acc_t* s_D = s_inv_l + B_R;                        // (B_R)
 
-    const Mask mask = p.mask;
+    const Mask& mask = p.mask;
     const int Nq = mask.Nq, Nk = mask.Nk, D = p.D;
     const bool vec = p.vec != 0, kv_atomic = p.kv_atomic != 0;
     const acc_t scale = (acc_t)p.scale;

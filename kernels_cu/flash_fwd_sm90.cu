@@ -131,7 +131,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
     unsigned* s_index = reinterpret_cast<unsigned*>(v_empty + STAGES);   // (Q_STAGES, 2) the tile of each Q_i
     unsigned* s_claim = s_index + 2 * Q_STAGES;                          // producer thread 0's next tile
 
-    const Mask mask = p.mask;
+    const Mask& mask = p.mask;
     const int Nq = mask.Nq, Nk = mask.Nk, D = p.D;
     const bool vec = p.vec != 0;
     const int tid = threadIdx.x;

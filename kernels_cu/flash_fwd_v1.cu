@@ -63,7 +63,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
     elem_t* s_Q = s_V + B_C * QKV_PITCH;               // (B_R, DP)
     elem_t* s_P = s_Q + B_R * QKV_PITCH;               // (B_R, B_C)
 
-    const Mask mask = p.mask;
+    const Mask& mask = p.mask;
     const int Nq = mask.Nq, Nk = mask.Nk, D = p.D, n_splits = p.n_splits;
     const bool vec = p.vec != 0;
     const acc_t scale = (acc_t)p.scale;

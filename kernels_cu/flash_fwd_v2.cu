@@ -64,7 +64,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
     elem_t* s_Q = reinterpret_cast<elem_t*>(smem);    // (B_R, DP)
     elem_t* s_KV = s_Q + B_R * QKV_PITCH;               // (STAGES, 2, B_C, DP)
 
-    const Mask mask = p.mask;
+    const Mask& mask = p.mask;
     const int Nq = mask.Nq, Nk = mask.Nk, D = p.D;
     const bool vec = p.vec != 0;
     const acc_t scale = (acc_t)p.scale;

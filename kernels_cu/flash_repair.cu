@@ -143,7 +143,7 @@ __device__ __forceinline__ Sharers sharers_of(i64 bh, const Batch& batch, const 
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_repair(const FwdParams p) {
-    const Mask mask = p.mask;
+    const Mask& mask = p.mask;
     const int Nq = mask.Nq, D = p.D, tile_rows = p.tile_rows;
     const acc_t scale = (acc_t)p.scale;
     const int warp = threadIdx.x / WARP_SIZE;
@@ -186,7 +186,7 @@ __device__ __forceinline__ EntryRows entry_rows(const BwdParams& p, i64 bh) {
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_repair(const BwdParams p) {
-    const Mask mask = p.mask;
+    const Mask& mask = p.mask;
     const int Nq = mask.Nq, Nk = mask.Nk, D = p.D, tile_r = p.tile_r, tile_c = p.tile_c;
     const acc_t scale = (acc_t)p.scale;
     const i64 BH = p.batch.count;

@@ -347,12 +347,12 @@ def test_v2_runs_the_hopper_kernels_on_sm90():
     from cupyflash import _launch
 
     hopper = cupy.cuda.Device().compute_capability == "90"
-    assert _launch.forward_kernel("v2", ml_dtypes.bfloat16) == ("fwd_v2_sm90" if hopper else "fwd_v2")
+    assert _launch.forward_kernel("v2", ml_dtypes.bfloat16) == ("fwd_sm90" if hopper else "fwd_v2")
     assert _launch.forward_kernel("v2", numpy.float32) == "fwd_v2"
     assert _launch.forward_kernel("v1", numpy.float16) == "fwd_v1"
-    assert _launch.backward_kernel("v2", numpy.float16, 128) == ("bwd_sm90" if hopper else "bwd_v1")
-    assert _launch.backward_kernel("auto", numpy.float16, 200) == "bwd_v1"
-    assert _launch.backward_kernel("v1", ml_dtypes.bfloat16, 64) == "bwd_v1"
+    assert _launch.backward_kernel("v2", numpy.float16, 128) == ("bwd_sm90" if hopper else "bwd")
+    assert _launch.backward_kernel("auto", numpy.float16, 200) == "bwd"
+    assert _launch.backward_kernel("v1", ml_dtypes.bfloat16, 64) == "bwd"
 
 
 def test_gpu_and_numpy_paths_agree():

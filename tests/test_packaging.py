@@ -48,7 +48,7 @@ def test_a_fresh_environment_without_cupy_imports_it_anywhere(wheel, tmp_path):
 import numpy, cupyflash
 from cupyflash import _compile
 assert 'site-packages' in str(_compile.kernel_dir()), _compile.kernel_dir()
-assert _compile.kernel_source('fwd_v2_sm90').startswith('//')
+assert _compile.kernel_source('fwd_sm90').startswith('//')
 q = numpy.random.default_rng(0).standard_normal((2, 5, 8)).astype(numpy.float32)
 o, m, l = cupyflash.flash_attention_forward(q, q, q, causal=True)
 assert o.shape == (2, 5, 8)
