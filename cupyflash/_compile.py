@@ -3,9 +3,9 @@
 Sources live in ``kernels_cu/``: one ``.cu`` file per kernel family (``_tiles.KERNELS``) and
 headers by concern (types, parameters, mask, layout, copies, mma, sm90, softmax, non-finite
 scans, epilogue). ``kernel_source`` pastes every local ``#include`` in place, recursively and once
-each, and appends the parameter structs' layout checks (``_params.layout_checks``): the
-translation unit NVRTC compiles is one string, so CuPy's on-disk cache (keyed on the source text
-and the options) sees every edit of every header.
+each: the translation unit NVRTC compiles is one string, so CuPy's on-disk cache (keyed on the
+source text and the options) sees every edit of every header. ``compile_for_arch`` (no GPU; the
+compile test) also appends the parameter structs' layout checks (``_params.layout_checks``).
 
 Compiling is slow (0.5-3 s a specialisation), so ``precompile`` and ``compile_all`` spread it over
 the machine's cores in worker processes.
@@ -54,10 +54,8 @@ def _expand(folder: Path, name: str, seen: set) -> str:
 
 @lru_cache(maxsize=None)
 def kernel_source(kernel: str) -> str:
-    """The whole translation unit of ``kernel``'s family: its file, every header it pulls in, and the
-    parameter structs' layout checks."""
-    headers: set = set()
-    return _expand(kernel_dir(), KERNELS[kernel].source, headers) + "\n" + layout_checks()
+    """The whole translation unit of ``kernel``'s family: its file and every header it pulls in."""
+    return _expand(kernel_dir(), KERNELS[kernel].source, set())
 
 
 def included_headers(kernel: str) -> list[str]:
@@ -242,7 +240,8 @@ def compile_for_arch(cfg: TileConfig, arch: str, *, verbose: bool = False) -> tu
         options.append(f"-arch={arch}")
     if verbose:
         options.append("--ptxas-options=-v")
-    prog = nvrtc.createProgram(kernel_source(cfg.kernel), cfg.spec.source, [], [])
+    source = kernel_source(cfg.kernel) + ("\n" + layout_checks() if nvrtc_has_offsetof() else "")
+    prog = nvrtc.createProgram(source, cfg.spec.source, [], [])
     try:
         try:
             nvrtc.compileProgram(prog, options)
@@ -253,15 +252,36 @@ def compile_for_arch(cfg: TileConfig, arch: str, *, verbose: bool = False) -> tu
         nvrtc.destroyProgram(prog)
 
 
+@lru_cache(maxsize=None)
+def nvrtc_has_offsetof() -> bool:
+    """This NVRTC takes ``__builtin_offsetof`` in a constant expression (older ones do not: there the
+    GPU tests check the layout with ``_params.layout_probe``)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram("struct S { int a; long long b; };\n"
+                               "static_assert(__builtin_offsetof(S, b) == 8, \"\");\n", "probe.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, list(BASE_OPTIONS))
+        return True
+    except nvrtc.NVRTCError:
+        return False
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 def _compile_logged(job):
     cfg, arch = job
-    cubin, log = compile_for_arch(cfg, arch, verbose=True)
+    try:
+        cubin, log = compile_for_arch(cfg, arch, verbose=True)
+    except RuntimeError as error:   # NVRTC rejected it: the log says why
+        return b"", str(error)
     return cubin[:4], log
 
 
 def compile_all(jobs, workers=None) -> list[tuple[bytes, str]]:
     """``compile_for_arch(cfg, arch, verbose=True)`` of every ``(cfg, arch)`` in ``jobs``, in worker
-    processes (no GPU needed): the first four bytes of each cubin and its log, in order."""
+    processes (no GPU needed): the first four bytes of each cubin (empty where NVRTC failed) and the
+    log, in order."""
     jobs = list(jobs)
     workers = default_workers() if workers is None else workers
     if workers <= 1 or len(jobs) <= 1:

@@ -282,6 +282,25 @@ class Workspace:
         return buffer, base
 
 
+def new_arrays(specs, offsets, nbytes):
+    """Arrays of ``specs`` ((shape, dtype) pairs) at byte ``offsets`` of one new allocation of
+    ``nbytes``: a call's outputs cost one allocation from CuPy's pool, not one each."""
+    import cupy
+
+    block = cupy.empty((nbytes,), numpy.uint8).data
+    return [cupy.ndarray(shape, dtype, memptr=block + off) for (shape, dtype), off in zip(specs, offsets)]
+
+
+def array_offsets(specs) -> tuple[tuple, int]:
+    """Byte offsets of ``specs`` ((shape, dtype) pairs) packed one after another, each
+    ``WORKSPACE_ALIGN``-aligned, and the bytes they take."""
+    offsets, at = [], 0
+    for shape, dtype in specs:
+        offsets.append(at)
+        at += -(-math.prod(shape) * numpy.dtype(dtype).itemsize // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+    return tuple(offsets), max(at, 1)
+
+
 def workspace_layout(parts) -> Workspace:
     """The ``Workspace`` of ``parts``, (bytes, zeroed) pairs; ``offsets`` follows their order."""
     def size(n):
@@ -323,9 +342,8 @@ class ForwardPlan:
     grid: int
     threads: int
     smem_bytes: int
-    dtype: numpy.dtype
-    acc: numpy.dtype          # of m, l and V1's running O_i
-    o_shape: tuple            # (*batch, Nq, D)
+    outputs: tuple           # ((shape, dtype) of o, m, l)
+    output_offsets: tuple     # their byte offsets in one allocation (array_offsets), and its bytes
     params: Params            # FwdParams
     workspace: Workspace      # V1's running O_i (when more than one K/V tile), the tile counter, the repair flags
     parts: tuple              # offsets into the workspace of those three (None: not used)
@@ -334,15 +352,8 @@ class ForwardPlan:
 
     def __call__(self, q, k, v, out=None):
         """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given."""
-        import cupy
-
         with _on_device(self.device):
-            if out is None:
-                o = cupy.empty(self.o_shape, self.dtype)
-                m = cupy.empty(self.o_shape[:-1], self.acc)
-                l = cupy.empty(self.o_shape[:-1], self.acc)
-            else:
-                o, m, l = out
+            o, m, l = new_arrays(self.outputs, *self.output_offsets) if out is None else out
             buffer, base = self.workspace.allocate(workspace_allocator())
             at = tuple(0 if off is None else base + off for off in self.parts)
             args = (self.params.with_pointers((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, m.data.ptr,
@@ -400,8 +411,9 @@ def forward_plan(q, k, v, *, schedule: str, causal: bool, scale: float, batch_sh
                     mask=(Nq, Nk, int(causal)), D=D, vec=int(_vector_ok((q, k, v), D)),
                     head_group=head_group(BH, 2 * Nk * D * q.itemsize), n_splits=n_splits, tile_rows=cfg.block_r,
                     scale=float(acc.type(scale)))
+    outputs = (((*batch_shape, Nq, D), q.dtype), ((*batch_shape, Nq), acc), ((*batch_shape, Nq), acc))
     return ForwardPlan(kernel=kernel, device=q.data.device_id, grid=_launch_grid(grid), threads=cfg.threads,
-                       smem_bytes=cfg.smem_bytes, dtype=q.dtype, acc=acc, o_shape=(*batch_shape, Nq, D),
+                       smem_bytes=cfg.smem_bytes, outputs=outputs, output_offsets=array_offsets(outputs),
                        params=params, workspace=space, parts=offsets, repair=repair, repair_grid=repair_grid)
 
 
@@ -429,8 +441,8 @@ class BackwardPlan:
     convert: object           # cupy.RawKernel flash_convert, or None (the gradients are the sums)
     repair: object            # cupy.RawKernel flash_bwd_repair, or None
     device: int
-    dtype: numpy.dtype
-    grad_shapes: tuple        # shapes of q, k, v
+    grads: tuple              # ((shape, dtype) of dq, dk, dv): the shapes of q, k, v
+    grad_offsets: tuple       # their byte offsets in one allocation (array_offsets), and its bytes
     summed: int               # gradients that are sums: 1 (dq) or 3 (dq, dk, dv: kv_atomic)
     params: Params            # BwdParams
     workspace: Workspace
@@ -443,14 +455,12 @@ class BackwardPlan:
     convert_grid: tuple
 
     def __call__(self, do, q, k, v, o, m, l, out=None):
-        import cupy
-
         with _on_device(self.device):
             # every buffer first: a call that does not fit raises OutOfMemoryError before any launch
             workspace = workspace_allocator()
             m, l = (x if x.flags.c_contiguous else _copy_into(workspace(x.shape, x.dtype), x) for x in (m, l))
             buffer, base = self.workspace.allocate(workspace)
-            grads = tuple(cupy.empty(s, self.dtype) for s in self.grad_shapes) if out is None else out
+            grads = new_arrays(self.grads, *self.grad_offsets) if out is None else out
             at = dict(zip(BWD_PARTS, (0 if off is None else base + off for off in self.parts)))
             if self.convert is None:   # the gradients of the accumulator dtype are the sums themselves
                 for g in grads[:self.summed]:
@@ -494,7 +504,7 @@ def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, 
     T_r, T_c = -(-Nq // main_cfg.block_r), -(-Nk // main_cfg.block_c)
     n_chunks = -(-D // main_cfg.d_chunk)
     converted = q.dtype != acc   # the sums are workspaces, converted at the end
-    grads = (q, k, v)
+    grads = tuple((x.shape, q.dtype) for x in (q, k, v))
     # deterministic: a counter per sum that several CTAs add into (layout.cuh, "Ordered sums")
     turns = (BH * T_r * n_chunks,) if deterministic else (0,)
     turns += tuple(math.prod(x.shape[:-2]) * T_c * n_chunks if deterministic and kv_atomic else 0 for x in (k, v))
@@ -532,7 +542,7 @@ def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, 
                     scale=float(acc.type(scale)))
     return BackwardPlan(
         prep=prep["flash_bwd_prep"], main=main, convert=prep["flash_convert"] if converted else None, repair=repair,
-        device=q.data.device_id, dtype=q.dtype, grad_shapes=tuple(x.shape for x in grads),
+        device=q.data.device_id, grads=grads, grad_offsets=array_offsets(grads),
         summed=3 if kv_atomic else 1, params=params, workspace=space, parts=offsets,
         prep_grid=_launch_grid(-(-rows // device_tiles("bwd_prep", D, q.dtype).block_r)),
         main_grid=_launch_grid(BH * T_c * n_chunks), main_threads=main_cfg.threads,

@@ -2,9 +2,12 @@
 
 Each kernel family takes one struct by value: ``FwdParams`` (the forward kernels and their
 repair) and ``BwdParams`` (the backward's preparation, main, repair and conversion kernels).
-This module is their one mirror on the host. ``layout_checks`` turns the mirror into
-``static_assert``s of ``sizeof`` and of every field's offset, which ``_compile`` appends to every
-kernel source: a mirror that drifts from the header fails to compile, on any machine, GPU or not.
+This module is their one mirror on the host, checked against the device side twice:
+``layout_checks`` turns it into ``static_assert``s of ``sizeof`` and of every field's offset, which
+``_compile.compile_for_arch`` appends to every source it compiles (CI compiles every
+specialisation so, with no GPU: a drifted mirror fails to compile), and ``layout_probe`` is a tiny
+kernel that writes the device's sizes and offsets, which the GPU tests compare with the mirror
+(for NVRTCs without ``__builtin_offsetof``).
 
 A plan fills a :class:`Params` once (strides, sizes, flags); a call then writes only its
 pointers and passes the struct as a size-one NumPy array, which CuPy hands to the kernel by
@@ -71,6 +74,32 @@ def layout_checks() -> str:
     return "\n".join(lines) + "\n"
 
 
+def layout_probe() -> tuple[str, list[str]]:
+    """A kernel ``flash_params_layout(unsigned long long* out)`` (to append to a source that includes
+    params.cuh) that writes, for each struct, its size and then every member's offset, in the order of
+    the returned labels."""
+    labels, lines = [], []
+    for struct, dtype in STRUCTS.items():
+        labels.append(f"sizeof({struct})")
+        lines.append(f"    out[{len(labels) - 1}] = sizeof({struct});")
+        var = struct.lower()
+        for member, _ in _members(dtype):
+            labels.append(f"{struct}.{member}")
+            lines.append(f"    out[{len(labels) - 1}] = (const char*)&{var}.{member} - (const char*)&{var};")
+    decls = "".join(f"    {struct} {struct.lower()};\n" for struct in STRUCTS)
+    return ('extern "C" __global__ void flash_params_layout(unsigned long long* out) {\n' + decls
+            + "\n".join(lines) + "\n}\n", labels)
+
+
+def mirror_layout() -> list[int]:
+    """The sizes and offsets ``layout_probe``'s kernel writes, as the mirror has them."""
+    out = []
+    for dtype in STRUCTS.values():
+        out.append(dtype.itemsize)
+        out.extend(offset for _, offset in _members(dtype))
+    return out
+
+
 def pointer_word(dtype: numpy.dtype, field: str) -> int:
     """Index of the 8-byte word that holds pointer ``field`` (``'q.ptr'``, ``'o'``) in ``dtype``."""
     offset = dict(_members(dtype))[field]
@@ -90,16 +119,23 @@ class Params:
     **values
         Field values; a tensor field takes a tuple ``(s0, s1, s2, sn)`` of strides (its pointer is
         one of ``pointers``), a struct field a tuple of its members.
+
+    Notes
+    -----
+    The struct travels as raw bytes (a size-one array of an unstructured ``void`` dtype): CuPy
+    reads an argument's address through ``__array_interface__``, which for a structured dtype
+    spells out every field in Python (tens of microseconds a launch).
     """
 
     def __init__(self, dtype: numpy.dtype, pointers, **values):
-        self.template = numpy.zeros(1, dtype)
+        assert dtype.itemsize % 8 == 0
+        filled = numpy.zeros(1, dtype)
         for name, value in values.items():
             if dtype.fields[name][0] == TENSOR:
                 value = (0, *value)
-            self.template[name] = value
+            filled[name] = value
+        self.template = filled.view(numpy.dtype((numpy.void, dtype.itemsize)))
         self.words = numpy.array([pointer_word(dtype, f) for f in pointers], numpy.intp)
-        assert dtype.itemsize % 8 == 0
 
     def with_pointers(self, pointers) -> numpy.ndarray:
         """The struct with ``pointers`` (device addresses, 0 for none) written: a size-one array,

@@ -363,3 +363,20 @@ def test_gpu_and_numpy_paths_agree():
     o_gpu, m_gpu, l_gpu = run_forward(q, k, v, True, None, "auto")
     for name, got, ref in zip("oml", (o_gpu, m_gpu, l_gpu), (o_cpu, m_cpu, l_cpu)):
         assert_under(name, got, ref, GPU_AGAINST_NUMPY_FLOAT32[name])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float64"])
+def test_the_parameter_structs_lie_on_the_device_as_their_mirror_says(dtype):
+    """The device's sizeof and offsetof of FwdParams and BwdParams (written by a tiny kernel, compiled
+    by this machine's NVRTC) are exactly the NumPy mirror's (cupyflash/_params.py)."""
+    import cupy
+
+    from cupyflash import _compile, _params, _tiles
+
+    probe, labels = _params.layout_probe()
+    cfg = _tiles.choose_tiles("bwd_prep", 1, dtype, 0)
+    module = cupy.RawModule(code=_compile.kernel_source("bwd_prep") + "\n" + probe, options=_compile.nvrtc_options(cfg))
+    out = cupy.zeros(len(labels), cupy.uint64)
+    module.get_function("flash_params_layout")((1,), (1,), (out,))
+    got = [int(x) for x in out.get()]
+    assert [(name, g, w) for name, g, w in zip(labels, got, _params.mirror_layout()) if g != w] == []
