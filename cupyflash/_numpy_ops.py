@@ -47,10 +47,14 @@ def visible_matmul(A, B, visible):
     """
     if visible is None:
         return A @ B
-    batch = np.broadcast_shapes(A.shape[:-2], B.shape[:-2])
-    A = np.broadcast_to(np.where(visible, A, 0), (*batch, *A.shape[-2:]))
-    B = np.broadcast_to(B, (*batch, *B.shape[-2:]))
+    A = np.where(visible, A, 0)
     finite = np.isfinite(B)
+    if finite.all():   # every term of an invisible pair is 0 · B[k, j] = 0
+        return A @ B
+    batch = np.broadcast_shapes(A.shape[:-2], B.shape[:-2])
+    A = np.broadcast_to(A, (*batch, *A.shape[-2:]))
+    B = np.broadcast_to(B, (*batch, *B.shape[-2:]))
+    finite = np.broadcast_to(finite, B.shape)
     out = A @ np.where(finite, B, 0)
     for *b, k, j in np.argwhere(~finite):   # the visible terms of B's non-finite values, one by one
         at = tuple(b)
