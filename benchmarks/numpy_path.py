@@ -9,8 +9,8 @@ Naive attention, in the input dtype (float32 arithmetic for float32 inputs):
   backward, keep P     the same with P kept from the forward (not timed)
 Both naive versions hold N×N arrays per head; the blocked path holds one tile.
 
-Times: the best of --repeats runs after one warm-up run. Ratio = ours / naive
-(lower is better). Prints a markdown table, preceded by the machine, NumPy
+Times: the best of --repeats runs after one warm-up run, the versions taking
+turns run by run. Ratio = ours / naive (lower is better). Prints a markdown table, preceded by the machine, NumPy
 version and BLAS.
 """
 
@@ -56,15 +56,21 @@ def naive_backward(do, q, k, v, o, causal, scale):
     return naive_backward_from_P(do, q, k, v, o, P, scale)
 
 
-def best_time(fn, repeats):
-    """Best wall time of ``repeats`` calls, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def best_times(fns, repeats):
+    """Best wall time of ``repeats`` calls of each of ``fns``, after one warm-up call of each.
+
+    The calls take turns (one of each per round), so that load from other
+    processes on the machine falls on all of them alike.
+    """
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    best = [math.inf] * len(fns)
+    for _ in range(repeats):
+        for n, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[n] = min(best[n], time.perf_counter() - start)
+    return best
 
 
 def machine():
@@ -98,20 +104,19 @@ def main():
     for dtype in args.dtypes:
         q, k, v, do = (rng.standard_normal((B, H, N, D)).astype(dtype) for _ in range(4))
         for causal in (False, True):
-            ours = best_time(lambda: blocked.forward(q, k, v, causal=causal), args.repeats)
-            naive = best_time(lambda: naive_forward(q, k, v, causal, scale), args.repeats)
+            ours, naive = best_times((lambda: blocked.forward(q, k, v, causal=causal),
+                                      lambda: naive_forward(q, k, v, causal, scale)), args.repeats)
             print(f"| {dtype} | {'yes' if causal else 'no'} | forward | {ours:.3f} | {naive:.3f} | "
                   f"{ours / naive:.2f} | | |", flush=True)
 
             o, m, l = blocked.forward(q, k, v, causal=causal)
-            ours = best_time(lambda: blocked.backward(do, q, k, v, o, m, l, causal=causal), args.repeats)
-            naive = best_time(lambda: naive_backward(do, q, k, v, o, causal, scale), args.repeats)
             P = naive_forward(q, k, v, causal, scale)[1]
-            kept = best_time(lambda: naive_backward_from_P(do, q, k, v, o, P, scale), args.repeats)
+            ours, naive, kept = best_times((lambda: blocked.backward(do, q, k, v, o, m, l, causal=causal),
+                                            lambda: naive_backward(do, q, k, v, o, causal, scale),
+                                            lambda: naive_backward_from_P(do, q, k, v, o, P, scale)), args.repeats)
             del P
             print(f"| {dtype} | {'yes' if causal else 'no'} | backward | {ours:.3f} | {naive:.3f} | "
                   f"{ours / naive:.2f} | {kept:.3f} | {ours / kept:.2f} |", flush=True)
-
 
 if __name__ == "__main__":
     main()
