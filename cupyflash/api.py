@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 import numpy
 
-from . import _launch, reference
+from . import _launch, blocked
 from ._checks import (check_backward, check_bool, check_disjoint, check_forward, check_out, check_schedule,
                       kernel_ready, readable_in_place)
 from ._tiles import accumulator_dtype
@@ -96,7 +96,7 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     See Also
     --------
     cupyflash.reference.attention_forward : the naive float64 reference.
-    cupyflash.reference.blocked_forward : the NumPy Algorithm 1 (CPU path).
+    cupyflash.blocked.forward : the NumPy Algorithm 1 (CPU path).
     """
     plan, key = _kept_plan({"q": q, "k": k, "v": v}, out, FORWARD_OUTPUTS, (causal, softmax_scale, schedule))
     if plan is not None:
@@ -109,7 +109,7 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         out = check_out(out, FORWARD_OUTPUTS, ((*stats, prob.D), stats, stats), (prob.dtype, acc, acc), prob,
                         _device_id(q, prob), {"q": q, "k": k, "v": v})
     if prob.xp is numpy:
-        return _into(out, reference.blocked_forward(q, k, v, causal=prob.causal, softmax_scale=prob.scale))
+        return _into(out, blocked.forward(q, k, v, causal=prob.causal, softmax_scale=prob.scale))
     import cupy
 
     with q.device:
@@ -268,7 +268,7 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     See Also
     --------
     cupyflash.reference.attention_backward : the naive float64 reference.
-    cupyflash.reference.blocked_backward : the NumPy version (CPU path).
+    cupyflash.blocked.backward : the NumPy version (CPU path).
     """
     inputs = {"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}
     plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS, (causal, softmax_scale, schedule, deterministic))
@@ -281,8 +281,8 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
         out = check_out(out, BACKWARD_OUTPUTS, (q.shape, k.shape, v.shape), (prob.dtype,) * 3, prob,
                         _device_id(q, prob), inputs)
     if prob.xp is numpy:
-        return _into(out, reference.blocked_backward(do, q, k, v, o, m, l, causal=prob.causal,
-                                                     softmax_scale=prob.scale))
+        return _into(out, blocked.backward(do, q, k, v, o, m, l, causal=prob.causal,
+                                           softmax_scale=prob.scale))
     import cupy
 
     with q.device:

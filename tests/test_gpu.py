@@ -18,6 +18,7 @@ from helpers import DTYPE_BY_NAME, poison_pool, random_inputs, requires_gpu, to_
 from strategies import DTYPE_NAMES, attention_problem_shapes
 from tolerances import (FWD_CEILING, GPU_AGAINST_NUMPY_FLOAT32, L_CEILING, M_CEILING, assert_gradient,
                         assert_twice_naive, assert_under, gradient_magnitudes)
+import yardsticks
 
 pytestmark = requires_gpu
 
@@ -53,7 +54,7 @@ def run_forward(q, k, v, causal, scale, schedule):
 def check_forward(dtype, q, k, v, causal, scale, schedule):
     o, m, l = run_forward(q, k, v, causal, scale, schedule)
     o_ref, m_ref, l_ref = reference.attention_forward(q, k, v, causal=causal, softmax_scale=scale)
-    o_naive, m_naive, l_naive = reference.naive_same_precision_forward(q, k, v, causal=causal, softmax_scale=scale)
+    o_naive, m_naive, l_naive = yardsticks.naive_same_precision_forward(q, k, v, causal=causal, softmax_scale=scale)
     assert o.dtype == q.dtype and o.shape == o_ref.shape and o.flags.c_contiguous
     assert m.dtype == l.dtype == (numpy.float64 if dtype == "float64" else numpy.float32)
     assert_twice_naive("o", o, o_ref, o_naive, dtype, FWD_CEILING)
@@ -74,7 +75,7 @@ def check_backward(dtype, q, k, v, causal, scale, rng, schedule):
     refs = reference.attention_backward(do, q, k, v, *reference.attention_forward(q, k, v, causal=causal,
                                                                                   softmax_scale=scale),
                                         causal=causal, softmax_scale=scale)
-    naive = reference.naive_same_precision_backward(do, q, k, v, causal=causal, softmax_scale=scale)
+    naive = yardsticks.naive_same_precision_backward(do, q, k, v, causal=causal, softmax_scale=scale)
     mags = gradient_magnitudes(do, q, k, v, causal, 1 / math.sqrt(q.shape[-1]) if scale is None else scale)
     for name, g, ref, nv, mag, x in zip(("dq", "dk", "dv"), grads, refs, naive, mags, (q, k, v)):
         g = g.get()
@@ -150,7 +151,7 @@ def test_strided_inputs(dtype, schedule):
         poison_pool()
         o, m, l = cupyflash.flash_attention_forward(qv, kv, vv, causal=True, schedule=api_schedule(schedule))
         o_ref, m_ref, _ = reference.attention_forward(*host, causal=True)
-        o_naive = reference.naive_same_precision_forward(*host, causal=True)[0]
+        o_naive = yardsticks.naive_same_precision_forward(*host, causal=True)[0]
         assert_twice_naive("o", o.get(), o_ref, o_naive, dtype, FWD_CEILING)
         assert_under("m", m.get(), m_ref, M_CEILING[dtype])
         do = cupy.asarray(rng.standard_normal(o.shape).astype(DTYPE_BY_NAME[dtype]))
@@ -159,7 +160,7 @@ def test_strided_inputs(dtype, schedule):
         do_host = do.get()
         refs = reference.attention_backward(do_host, *host, *reference.attention_forward(*host, causal=True),
                                             causal=True)
-        naive = reference.naive_same_precision_backward(do_host, *host, causal=True)
+        naive = yardsticks.naive_same_precision_backward(do_host, *host, causal=True)
         mags = gradient_magnitudes(do_host, *host, True, 1 / math.sqrt(D))
         for name, g, ref, nv, mag in zip(("dq", "dk", "dv"), grads, refs, naive, mags):
             assert_gradient(name, g.get(), ref, nv, mag, dtype)

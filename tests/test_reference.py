@@ -18,15 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cupyflash.reference import (
-    attention_backward,
-    attention_forward,
-    blocked_backward,
-    blocked_forward,
-    naive_same_precision_backward,
-    naive_same_precision_forward,
-)
+from cupyflash.reference import attention_backward, attention_forward, blocked_backward, blocked_forward
 from helpers import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, FLOAT_DTYPES
+from yardsticks import naive_same_precision_backward, naive_same_precision_forward
 
 # A NaN made by -inf - (-inf) or 0 / 0 would raise a RuntimeWarning: make it fail the test.
 pytestmark = pytest.mark.filterwarnings("error")

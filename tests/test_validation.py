@@ -93,8 +93,8 @@ def computation_forbidden(monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("the computation ran although the input was invalid")
 
-    monkeypatch.setattr(cupyflash.reference, "blocked_forward", must_not_run)
-    monkeypatch.setattr(cupyflash.reference, "blocked_backward", must_not_run)
+    monkeypatch.setattr(cupyflash.blocked, "forward", must_not_run)
+    monkeypatch.setattr(cupyflash.blocked, "backward", must_not_run)
 
 
 # ---------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 The rule for the kernels is FlashAttention's: an output's relative Frobenius error against the
 float64 reference may be at most twice that of a naive attention computed in the same precision
-(``reference.naive_same_precision_forward`` / ``_backward``), and must also stay under a fixed
+(``tests/yardsticks.py``: ``naive_same_precision_forward`` / ``_backward``), and must also stay under a fixed
 ceiling of its precision (``assert_twice_naive``; gradients through ``assert_gradient``). The
 other tolerances are for comparisons that have no naive twin: per-element bounds on the GPU
 reliability tests and the fuzzer, two summation orders, strided against contiguous inputs, and

@@ -1,0 +1,74 @@
+"""NumPy pieces shared by the references (`cupyflash.reference`) and the CPU path (`cupyflash.blocked`)."""
+
+import math
+
+import numpy as np
+
+NEG_INF = -np.inf  # score of a key a query may not see; m of a row that has seen no key
+
+
+def broadcast_shapes(q, k, v):
+    """Return ``(batch, Nq, Nk)``: the broadcast batch shape and both sequence lengths."""
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    return batch, q.shape[-2], k.shape[-2]
+
+
+def accumulator_dtype(dtype):
+    """float64 for float64 inputs; float32 for float32, float16 and bfloat16."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def resolve_scale(softmax_scale, head_dim):
+    """The softmax scale, ``1 / sqrt(D)`` unless given."""
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+def exp_shift(m):
+    """The row max to subtract inside exp(S - m).
+
+    A row that has seen no key has m = -inf, and exp(-inf - (-inf)) would be
+    NaN; shifting by 0 instead gives exp(-inf - 0) = 0, the right weight.
+    """
+    return np.where(m == NEG_INF, 0, m)
+
+
+def reciprocal_or_zero(l):
+    """1 / l, 0 where l = 0 (a row that saw no key); NaN stays NaN."""
+    return np.divide(1, l, out=np.zeros_like(l), where=l != 0)
+
+
+def visible_matmul(A, B, visible):
+    """``A @ B`` (``(..., I, K) @ (..., K, J)``) over the visible pairs (i, k) only.
+
+    ``visible`` is ``(I, K)``, or None when every pair is. The term of an
+    invisible pair is absent, not ``0 · B[k, j]``, which is NaN where
+    ``B[k, j]`` is inf or NaN; so B's non-finite values reach exactly the
+    outputs whose sums see them.
+    """
+    if visible is None:
+        return A @ B
+    A = np.where(visible, A, 0)
+    finite = np.isfinite(B)
+    if finite.all():   # every term of an invisible pair is 0 · B[k, j] = 0
+        return A @ B
+    batch = np.broadcast_shapes(A.shape[:-2], B.shape[:-2])
+    A = np.broadcast_to(A, (*batch, *A.shape[-2:]))
+    B = np.broadcast_to(B, (*batch, *B.shape[-2:]))
+    finite = np.broadcast_to(finite, B.shape)
+    out = A @ np.where(finite, B, 0)
+    for *b, k, j in np.argwhere(~finite):   # the visible terms of B's non-finite values, one by one
+        at = tuple(b)
+        out[(*at, slice(None), j)] += np.where(visible[:, k], A[(*at, slice(None), k)] * B[(*at, k, j)], 0)
+    return out
+
+
+def unbroadcast(grad, shape):
+    """Sum ``grad`` over the axes that broadcasting added to an input of ``shape``; reshape to it."""
+    n_lead = grad.ndim - len(shape)
+    stretched = tuple(n_lead + a for a, n in enumerate(shape) if n == 1 and grad.shape[n_lead + a] != 1)
+    return grad.sum(axis=tuple(range(n_lead)) + stretched).reshape(shape)
+
+
+def transpose(x):
+    """Swap the last two axes: K_j -> K_j^T."""
+    return np.swapaxes(x, -1, -2)

@@ -1,0 +1,271 @@
+"""The CPU path: FlashAttention V1 (Algorithm 1 and its backward) tile by tile in NumPy.
+
+What `cupyflash.flash_attention_forward` and `flash_attention_backward` run
+for NumPy inputs. The loops are the kernels' (K/V tiles outer, Q tiles inner,
+online softmax, dQ accumulated across K/V tiles), with their accumulator
+precision and their masking: every visibility decision (which tiles to visit,
+which need an element mask) comes from one `MaskGeometry`, the mirror of the
+kernels' mask struct. When a GPU test fails, this tells whether the algorithm
+or the CUDA is wrong.
+
+Each tile step is a stack of products over the batch dims, ``(*batch, B_r, D)
+@ (*batch, D, B_c)``, so one NumPy call does every head's tile, and the score
+tile is updated in place. Memory is O(N): the inputs in the accumulator dtype,
+the outputs, and one ``(*batch, B_r, B_c)`` tile at a time.
+"""
+
+import numpy as np
+
+from ._mask import EMPTY, PARTIAL, MaskGeometry
+from ._numpy_ops import (NEG_INF, accumulator_dtype, broadcast_shapes, exp_shift, reciprocal_or_zero,
+                         resolve_scale, transpose, unbroadcast, visible_matmul)
+
+__all__ = ["forward", "backward", "FORWARD_TILE", "BACKWARD_TILE"]
+
+# (B_r, B_c) of each loop, the one place they are chosen. Each tile step costs a few NumPy
+# calls, and each product is one BLAS call per head that OpenBLAS splits over its threads;
+# large tiles make those calls few and big, which matters most when another process holds a
+# core and every thread hand-off waits for it. A float32 score tile of 8 heads is then 4 MiB.
+# Measured at (1, 8, 2048, 64) on 2 cores (benchmarks/numpy_path.py): 512 x 256 was the
+# fastest non-causal and within 10% of 256 x 256 causal, forward and backward.
+FORWARD_TILE = (512, 256)
+BACKWARD_TILE = (512, 256)
+
+
+def _num_tiles(n, block):
+    """ceil(n / block): T_r or T_c."""
+    return -(-n // block)
+
+
+def _as_operand(x, dtype):
+    """Round an accumulator tile to the input dtype, as it is stored before a tensor-core product.
+
+    ``x`` itself for float32 and float64 inputs; for float16/bfloat16 it
+    rounds to nearest even and returns to the accumulator dtype.
+    """
+    return x if x.dtype == dtype else x.astype(dtype).astype(x.dtype)
+
+
+def _scaled_queries(q, scale, batch, acc):
+    """``scale q`` in the accumulator dtype, broadcast to the full batch: (*batch, Nq, D)."""
+    Q = np.empty((*batch, *q.shape[-2:]), acc)
+    np.multiply(q.astype(acc, copy=False), scale, out=Q)
+    return Q
+
+
+def _masked_scores(Q_i, K_j, geometry, rows, cols):
+    """S_ij = (scale Q_i) K_j^T, (*batch, B_r, B_c), -inf where the pair is invisible; and the
+    (B_r, B_c) visibility, None when the tile is full."""
+    S_ij = Q_i @ transpose(K_j)
+    if geometry.tile(rows.start, rows.stop, cols.start, cols.stop) != PARTIAL:
+        return S_ij, None
+    visible = geometry.visible(rows, cols)
+    np.copyto(S_ij, NEG_INF, where=~visible)
+    return S_ij, visible
+
+
+@np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
+def forward(q, k, v, *, causal=False, softmax_scale=None, block_r=FORWARD_TILE[0], block_c=FORWARD_TILE[1]):
+    """FlashAttention V1 forward (Algorithm 1), tile by tile in NumPy: the CPU path.
+
+    Parameters
+    ----------
+    q : array_like, shape (..., Nq, D)
+        Queries; float16, bfloat16, float32 or float64.
+    k : array_like, shape (..., Nk, D)
+        Keys; batch dims broadcast as in ``numpy.matmul``.
+    v : array_like, shape (..., Nk, D)
+        Values.
+    causal : bool, optional
+        Bottom-right aligned causal mask: query ``i`` sees key ``j`` iff
+        ``j <= i + (Nk - Nq)``.
+    softmax_scale : float, optional
+        Defaults to ``1 / sqrt(D)``.
+    block_r : int, optional
+        B_r, query rows per tile; default `FORWARD_TILE`.
+    block_c : int, optional
+        B_c, key rows per tile; default `FORWARD_TILE`.
+
+    Returns
+    -------
+    o : ndarray, shape (*batch, Nq, D), dtype of ``q``
+        Attention output; 0 for a row that sees no key.
+    m : ndarray, shape (*batch, Nq), float32 (float64 for float64 inputs)
+        Row max of ``S`` over visible keys; ``-inf`` for a row that sees no key.
+    l : ndarray, shape (*batch, Nq), float32 (float64 for float64 inputs)
+        ``sum(exp(S - m))`` over visible keys; 0 for a row that sees no key.
+
+    Notes
+    -----
+    O (kept normalised), m and l start as 0, -inf and 0 in "HBM" arrays.
+    The outer loop walks the T_c K/V tiles, the inner loop the Q tiles that
+    see a key of K_j (`MaskGeometry.q_start` on); a tile that sees none is
+    skipped, and only a partially visible one is masked element by element.
+    One step for tile (i, j)::
+
+        S_ij    = (scale Q_i) K_j^T
+        m~_ij   = rowmax(S_ij)
+        m_i^new = max(m_i, m~_ij)
+        P~_ij   = exp(S_ij - m_i^new)
+        alpha   = exp(m_i - m_i^new)
+        l_i^new = alpha l_i + rowsum(P~_ij)
+        O_i     = (alpha l_i / l_i^new) O_i + (1 / l_i^new) P~_ij V_j
+
+    Arithmetic is float32 (float64 for float64 inputs); ``q`` is scaled once,
+    up front. For float16/bfloat16 ``P~_ij`` is rounded to the input dtype
+    before ``P~_ij V_j``, as the tensor-core product takes it. Rows that see
+    no key are never visited and keep O_i = 0, m_i = -inf, l_i = 0.
+
+    See Also
+    --------
+    cupyflash.reference.attention_forward : the naive float64 truth.
+    """
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    batch, n_q, n_k = broadcast_shapes(q, k, v)
+    acc = accumulator_dtype(q.dtype)
+    scale = acc.type(resolve_scale(softmax_scale, q.shape[-1]))
+    geometry = MaskGeometry(n_q, n_k, causal)
+    B_r, B_c = block_r, block_c
+    T_r, T_c = _num_tiles(n_q, B_r), _num_tiles(n_k, B_c)
+
+    Q = _scaled_queries(q, scale, batch, acc)              # (*batch, Nq, D)
+    K, V = k.astype(acc, copy=False), v.astype(acc, copy=False)   # (*batch_k, Nk, D), (*batch_v, Nk, D)
+    O = np.zeros((*batch, n_q, v.shape[-1]), acc)          # "HBM", (*batch, Nq, D), normalised output
+    m = np.full((*batch, n_q), NEG_INF, acc)               # (*batch, Nq)
+    l = np.zeros((*batch, n_q), acc)                       # (*batch, Nq)
+
+    for j in range(T_c):                                    # outer loop: K/V tiles
+        cols = range(j * B_c, min((j + 1) * B_c, n_k))
+        K_j, V_j = K[..., cols.start:cols.stop, :], V[..., cols.start:cols.stop, :]   # (*batch_k, B_c, D)
+
+        for i in range(geometry.q_start(cols.start) // B_r, T_r):   # inner loop: Q tiles that see K_j
+            rows = range(i * B_r, min((i + 1) * B_r, n_q))
+            if geometry.tile(rows.start, rows.stop, cols.start, cols.stop) == EMPTY:
+                continue
+            r0, r1 = rows.start, rows.stop
+            O_i, m_i, l_i = O[..., r0:r1, :], m[..., r0:r1], l[..., r0:r1]   # views into "HBM"
+
+            S_ij, visible = _masked_scores(Q[..., r0:r1, :], K_j, geometry, rows, cols)   # (*batch, B_r, B_c)
+            m_new = np.maximum(m_i, S_ij.max(axis=-1))      # m_i^new = max(m_i, rowmax(S_ij)), (*batch, B_r)
+            shift = exp_shift(m_new)
+            S_ij -= shift[..., None]
+            P_tilde = np.exp(S_ij, out=S_ij)                # P~_ij = exp(S_ij - m_i^new), in place
+            alpha = np.exp(m_i - shift)                     # alpha = exp(m_i - m_i^new)
+            l_new = alpha * l_i + P_tilde.sum(axis=-1)      # l_i^new = alpha l_i + rowsum(P~_ij)
+            inv_l_new = reciprocal_or_zero(l_new)
+            PV = visible_matmul(_as_operand(P_tilde, q.dtype), V_j, visible)   # P~_ij V_j, (*batch, B_r, D)
+            PV *= inv_l_new[..., None]
+            O_i *= (alpha * l_i * inv_l_new)[..., None]
+            O_i += PV                                       # O_i = (alpha l_i / l_i^new) O_i + P~_ij V_j / l_i^new
+            m_i[...] = m_new
+            l_i[...] = l_new
+
+    return O.astype(q.dtype, copy=False), m, l
+
+
+@np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
+def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, block_r=BACKWARD_TILE[0],
+             block_c=BACKWARD_TILE[1]):
+    """FlashAttention V1 backward, tile by tile in NumPy: the CPU path.
+
+    Parameters
+    ----------
+    do : array_like, shape (*batch, Nq, D)
+        Gradient of the loss with respect to ``o``; dtype of ``q``.
+    q : array_like, shape (..., Nq, D)
+        Queries; float16, bfloat16, float32 or float64.
+    k : array_like, shape (..., Nk, D)
+        Keys.
+    v : array_like, shape (..., Nk, D)
+        Values.
+    o : array_like, shape (*batch, Nq, D)
+        Forward output, used for ``D_i = rowsum(dO_i * O_i)``.
+    m : array_like, shape (*batch, Nq)
+        Forward row max (``-inf`` for a row that sees no key).
+    l : array_like, shape (*batch, Nq)
+        Forward row sum of ``exp(S - m)`` (0 for a row that sees no key).
+    causal : bool, optional
+        Bottom-right aligned causal mask, as in `forward`.
+    softmax_scale : float, optional
+        Defaults to ``1 / sqrt(D)``.
+    block_r : int, optional
+        B_r, query rows per tile; default `BACKWARD_TILE`.
+    block_c : int, optional
+        B_c, key rows per tile; default `BACKWARD_TILE`.
+
+    Returns
+    -------
+    dq, dk, dv : ndarray, dtype of ``q``
+        Gradients with exactly the shapes of ``q``, ``k`` and ``v``; summed
+        over the batch dims each was broadcast along.
+
+    Notes
+    -----
+    First ``D_i = rowsum(dO_i * O_i)`` for every row. Then the outer loop
+    walks the T_c K/V tiles, accumulating dK_j and dV_j; the inner loop walks
+    the Q tiles that see a key of K_j (from `MaskGeometry.q_start`, EMPTY
+    tiles skipped, PARTIAL ones masked) and adds into dQ_i in HBM (a float32
+    array)::
+
+        S_ij  = (scale Q_i) K_j^T
+        P_ij  = diag(l_i)^-1 exp(S_ij - m_i)
+        dV_j += P_ij^T dO_i
+        dP_ij = dO_i V_j^T
+        dS_ij = P_ij * (dP_ij - D_i)
+        dQ_i += dS_ij K_j                (times scale once, at the end)
+        dK_j += dS_ij^T (scale Q_i)
+
+    Arithmetic is float32 (float64 for float64 inputs); for float16/bfloat16
+    ``P_ij`` and ``dS_ij`` are rounded to the input dtype before they enter a
+    product, as tensor-core operands.
+
+    See Also
+    --------
+    cupyflash.reference.attention_backward : the naive float64 truth.
+    """
+    do, q, k, v, o, m, l = (np.asarray(x) for x in (do, q, k, v, o, m, l))
+    batch, n_q, n_k = broadcast_shapes(q, k, v)
+    acc = accumulator_dtype(q.dtype)
+    scale = acc.type(resolve_scale(softmax_scale, q.shape[-1]))
+    geometry = MaskGeometry(n_q, n_k, causal)
+    B_r, B_c = block_r, block_c
+    T_r, T_c = _num_tiles(n_q, B_r), _num_tiles(n_k, B_c)
+
+    Q = _scaled_queries(q, scale, batch, acc)              # (*batch, Nq, D)
+    K, V = k.astype(acc, copy=False), v.astype(acc, copy=False)   # (*batch_k, Nk, D), (*batch_v, Nk, D)
+    dO = do.astype(acc, copy=False)                         # (*batch, Nq, D)
+    D = np.sum(dO * o.astype(acc, copy=False), axis=-1)     # D_i = rowsum(dO_i * O_i), (*batch, Nq)
+    shift = exp_shift(m.astype(acc, copy=False))            # m_i, 0 for rows that see no key, (*batch, Nq)
+    inv_l = reciprocal_or_zero(l.astype(acc, copy=False))   # 1 / l_i, 0 for rows that see no key, (*batch, Nq)
+    dQ = np.zeros((*batch, n_q, q.shape[-1]), acc)          # HBM, (*batch, Nq, D), unscaled until the end
+    dK = np.zeros((*batch, n_k, k.shape[-1]), acc)          # HBM, (*batch, Nk, D)
+    dV = np.zeros((*batch, n_k, v.shape[-1]), acc)          # HBM, (*batch, Nk, D)
+
+    for j in range(T_c):                                    # outer loop: K/V tiles
+        cols = range(j * B_c, min((j + 1) * B_c, n_k))
+        c0, c1 = cols.start, cols.stop
+        K_j, V_j = K[..., c0:c1, :], V[..., c0:c1, :]       # (*batch_k, B_c, D), (*batch_v, B_c, D)
+        dK_j, dV_j = dK[..., c0:c1, :], dV[..., c0:c1, :]   # (*batch, B_c, D), accumulated in place
+
+        for i in range(geometry.q_start(c0) // B_r, T_r):   # inner loop: Q tiles that see K_j
+            rows = range(i * B_r, min((i + 1) * B_r, n_q))
+            if geometry.tile(rows.start, rows.stop, c0, c1) == EMPTY:
+                continue
+            r0, r1 = rows.start, rows.stop
+            Q_i, dO_i = Q[..., r0:r1, :], dO[..., r0:r1, :]  # (*batch, B_r, D)
+
+            S_ij, visible = _masked_scores(Q_i, K_j, geometry, rows, cols)   # (*batch, B_r, B_c)
+            visible_t = None if visible is None else visible.T
+            S_ij -= shift[..., r0:r1, None]
+            P_ij = np.exp(S_ij, out=S_ij)
+            P_ij *= inv_l[..., r0:r1, None]                 # P_ij = diag(l_i)^-1 exp(S_ij - m_i), in place
+            dV_j += visible_matmul(transpose(_as_operand(P_ij, q.dtype)), dO_i, visible_t)   # dV_j += P_ij^T dO_i
+            dS_ij = dO_i @ transpose(V_j)                   # dP_ij = dO_i V_j^T, (*batch, B_r, B_c)
+            dS_ij -= D[..., r0:r1, None]
+            dS_ij *= P_ij                                   # dS_ij = P_ij * (dP_ij - D_i), in place
+            dS_ij = _as_operand(dS_ij, q.dtype)
+            dQ[..., r0:r1, :] += visible_matmul(dS_ij, K_j, visible)           # dQ_i += dS_ij K_j
+            dK_j += visible_matmul(transpose(dS_ij), Q_i, visible_t)          # dK_j += dS_ij^T (scale Q_i)
+
+    dQ *= scale
+    return tuple(unbroadcast(g, x.shape).astype(q.dtype, copy=False) for g, x in zip((dQ, dK, dV), (q, k, v)))

@@ -1,0 +1,108 @@
+"""CPU tests of cupyflash._mask.MaskGeometry against the visibility rule checked pair by pair.
+
+The rule (bottom-right aligned causal): query i sees key j iff
+j < Nk and (not causal or j <= i + (Nk - Nq)). Every answer of the geometry,
+element masks, K/V stops, Q starts and tile kinds, is compared with a brute
+force over the pairs it speaks for, on ragged lengths (Nq != Nk, 1, 17, 113)
+and tiles of 1 to 128 rows and keys.
+"""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cupyflash._mask import EMPTY, FULL, PARTIAL, MaskGeometry
+
+RAGGED_LENGTHS = (1, 17, 64, 113, 128, 130)
+TILE_SIZES = (1, 3, 16, 17, 64, 128)
+
+
+def sees(geometry, i, j):
+    """The rule itself, for one pair."""
+    return j < geometry.n_k and (not geometry.causal or j <= i + (geometry.n_k - geometry.n_q))
+
+
+def lengths():
+    """Sequence lengths in 1..130, favouring ragged and tile-edge ones."""
+    return st.one_of(st.sampled_from(RAGGED_LENGTHS), st.integers(1, 130))
+
+
+@st.composite
+def geometries(draw):
+    """A MaskGeometry of drawn lengths (Nq and Nk drawn apart) and causality."""
+    return MaskGeometry(draw(lengths()), draw(lengths()), draw(st.booleans()))
+
+
+@st.composite
+def tiles(draw, geometry):
+    """(q0, q1, k0, k1): a tile of B_r x B_c in 1..128 on the tile grid, the ragged last ones included."""
+    B_r = draw(st.one_of(st.sampled_from(TILE_SIZES), st.integers(1, 128)))
+    B_c = draw(st.one_of(st.sampled_from(TILE_SIZES), st.integers(1, 128)))
+    i = draw(st.integers(0, -(-geometry.n_q // B_r) - 1))
+    j = draw(st.integers(0, -(-geometry.n_k // B_c) - 1))
+    return i * B_r, min((i + 1) * B_r, geometry.n_q), j * B_c, min((j + 1) * B_c, geometry.n_k)
+
+
+@settings(deadline=None, max_examples=200)
+@given(geometries())
+def test_visible_is_the_rule(geometry):
+    rows, cols = np.arange(geometry.n_q), np.arange(geometry.n_k + 3)   # three keys past the end
+    expected = np.array([[sees(geometry, i, j) for j in cols] for i in rows], dtype=bool).reshape(rows.size, -1)
+    visible = geometry.visible(rows, cols)
+    assert visible.shape == (rows.size, cols.size) and visible.dtype == bool
+    assert np.array_equal(visible, expected)
+    assert np.array_equal(geometry.visible(range(geometry.n_q), range(geometry.n_k + 3)), expected)
+
+
+@settings(deadline=None, max_examples=300)
+@given(st.data())
+def test_kv_stop_is_one_past_the_last_key_any_row_sees(data):
+    geometry = data.draw(geometries())
+    q0, q1, _, _ = data.draw(tiles(geometry))
+    seen = [j for i in range(q0, q1) for j in range(geometry.n_k) if sees(geometry, i, j)]
+    assert geometry.kv_stop(q0, q1) == (max(seen) + 1 if seen else 0)
+
+
+@settings(deadline=None, max_examples=300)
+@given(st.data())
+def test_q_start_is_the_first_row_that_sees_the_key(data):
+    geometry = data.draw(geometries())
+    k0 = data.draw(st.integers(0, geometry.n_k - 1))
+    rows = [i for i in range(geometry.n_q) if sees(geometry, i, k0)]
+    assert geometry.q_start(k0) == (rows[0] if rows else geometry.n_q)
+
+
+@settings(deadline=None, max_examples=500)
+@given(st.data())
+def test_tile_kind_is_what_its_pairs_say(data):
+    geometry = data.draw(geometries())
+    q0, q1, k0, k1 = data.draw(tiles(geometry))
+    pairs = [sees(geometry, i, j) for i in range(q0, q1) for j in range(k0, k1)]
+    expected = FULL if all(pairs) else EMPTY if not any(pairs) else PARTIAL
+    assert geometry.tile(q0, q1, k0, k1) == expected
+
+
+@settings(deadline=None, max_examples=100)
+@given(geometries(), st.integers(1, 128), st.integers(1, 128))
+def test_tiles_from_q_start_on_cover_every_visible_pair(geometry, B_r, B_c):
+    """The walk the CPU path takes (per K/V tile, Q tiles from q_start on, EMPTY ones skipped) visits
+    every visible pair exactly once and only FULL tiles unmasked."""
+    covered = np.zeros((geometry.n_q, geometry.n_k), int)
+    for k0 in range(0, geometry.n_k, B_c):
+        k1 = min(k0 + B_c, geometry.n_k)
+        for q0 in range(geometry.q_start(k0) // B_r * B_r, geometry.n_q, B_r):
+            q1 = min(q0 + B_r, geometry.n_q)
+            kind = geometry.tile(q0, q1, k0, k1)
+            if kind == EMPTY:
+                continue
+            visible = geometry.visible(range(q0, q1), range(k0, k1))
+            assert visible.all() == (kind == FULL)
+            covered[q0:q1, k0:k1] += visible
+    expected = geometry.visible(np.arange(geometry.n_q), np.arange(geometry.n_k))
+    assert np.array_equal(covered, expected.astype(int))
+
+
+def test_a_tile_with_no_row_or_no_key_is_empty():
+    geometry = MaskGeometry(17, 113, False)
+    assert geometry.tile(5, 5, 0, 10) == EMPTY and geometry.tile(0, 10, 7, 7) == EMPTY
+    assert geometry.tile(0, 17, 0, 113) == FULL
