@@ -25,6 +25,7 @@ from functools import lru_cache
 import numpy
 
 from ._compile import get_kernels
+from ._mask import MaskGeometry
 from ._params import BWD, FWD, Params
 from ._tiles import KERNELS, TileConfig, accumulator_dtype, choose_tiles
 
@@ -324,9 +325,9 @@ def _launch_grid(n: int) -> int:
 
 
 def _masked_pairs(Nq: int, Nk: int, causal: bool) -> bool:
-    """Some (query, key) pair inside the ragged ends is masked (mask.cuh: Mask::has_masked_pairs of
-    the whole problem): causal, unless the first query row already sees every key."""
-    return causal and Nq > 1
+    """Some pair of the whole problem is masked inside the ragged ends: the tile of every row and key
+    has masked pairs (causal, unless the first query row already sees every key)."""
+    return MaskGeometry(Nq, Nk, causal).has_masked_pairs(0, 0, Nk)
 
 
 @dataclass(frozen=True)

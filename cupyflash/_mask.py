@@ -73,6 +73,12 @@ class MaskGeometry:
             return EMPTY
         return FULL if k1 <= self._keys_seen(q0) else PARTIAL
 
+    def has_masked_pairs(self, q0: int, k0: int, k1: int) -> bool:
+        """The tile of rows [q0, ...) x keys [k0, k1) has a masked pair that is not past a ragged end:
+        a key of it after the last one row q0 sees (mask.cuh: Mask::has_masked_pairs). Only there can
+        an inf or NaN operand reach a masked pair, so only then do the kernels flag and repair."""
+        return self.causal and min(k1, self.n_k) - 1 > q0 + self.offset
+
     def _keys_seen(self, i: int) -> int:
         """How many keys query row i sees: it sees keys [0, that)."""
         return min(self.n_k, max(i + self.offset + 1, 0)) if self.causal else self.n_k

@@ -106,3 +106,16 @@ def test_a_tile_with_no_row_or_no_key_is_empty():
     geometry = MaskGeometry(17, 113, False)
     assert geometry.tile(5, 5, 0, 10) == EMPTY and geometry.tile(0, 10, 7, 7) == EMPTY
     assert geometry.tile(0, 17, 0, 113) == FULL
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_has_masked_pairs_is_a_masked_pair_inside_the_ragged_ends(data):
+    """has_masked_pairs(q0, k0, k1) (the kernels' Mask::has_masked_pairs) is true exactly when some
+    row of the tile's rows [q0, Nq) misses some key of [k0, min(k1, Nk)); the rows after q0 see more."""
+    geometry = data.draw(geometries())
+    q0, _, k0, k1 = data.draw(tiles(geometry))
+    brute = any(not sees(geometry, i, j) for i in range(q0, geometry.n_q) for j in range(k0, min(k1, geometry.n_k)))
+    assert geometry.has_masked_pairs(q0, k0, k1) == brute
+    whole = any(not sees(geometry, i, j) for i in range(geometry.n_q) for j in range(geometry.n_k))
+    assert geometry.has_masked_pairs(0, 0, geometry.n_k) == whole
