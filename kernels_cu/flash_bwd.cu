@@ -139,18 +139,21 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         zero_frag(P);
         warp_mma<B_R / 8, DP, false, false>(P, s_K + 16 * warp * QKV_PITCH, QKV_PITCH, s_Q, QKV_PITCH);
 
-        // P_ij^T = exp(scale S_ij^T - m_i) / l_i, the difference in natural units as in the forward; invisible -> 0
-        const bool full = mask.full(q0, key0, 16);   // every pair of this warp's keys and Q_i is visible
+        // P_ij^T = exp(scale S_ij^T - m_i) / l_i, the difference in natural units as in the forward; invisible
+        // -> 0. A tile whose pairs are all visible (most of them) runs the path without the mask.
+        auto probabilities = [&](auto masked) {
 #pragma unroll
-        for (int n = 0; n < B_R / 8; ++n)
+            for (int n = 0; n < B_R / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int qc = n * 8 + 2 * t + e % 2;    // query column inside the tile
-                const int kr = key0 + g + (e / 2) * 8;   // key row
-                P[n][e] = (!full && !mask.visible(q0 + qc, kr))
-                              ? (acc_t)0
-                              : exp2_acc((P[n][e] * scale - s_m[qc]) * (acc_t)LOG2E) * s_inv_l[qc];
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const int qc = n * 8 + 2 * t + e % 2;    // query column inside the tile
+                    P[n][e] = (decltype(masked)::value && !mask.visible(q0 + qc, key0 + g + (e / 2) * 8))
+                                  ? (acc_t)0
+                                  : exp2_acc((P[n][e] * scale - s_m[qc]) * (acc_t)LOG2E) * s_inv_l[qc];
+                }
+        };
+        if (mask.full(q0, key0, 16)) probabilities(Flag<false>{});
+        else                         probabilities(Flag<true>{});
         store_frag_smem(s_dSw, DS_PITCH, P);
         __syncwarp();
 

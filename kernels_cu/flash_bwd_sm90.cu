@@ -110,7 +110,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
     unsigned long long* q_full = kv_full + 1;                             // (STAGES)
     unsigned long long* q_empty = q_full + STAGES;                        // (STAGES)
 
-    const Mask mask = p.mask;   // a copy, not a reference: the producer's 24 registers spill less (ptxas)
+    const Mask& mask = p.mask;
     const int Nq = mask.Nq, Nk = mask.Nk, D = p.D;
     const bool vec = p.vec != 0, kv_atomic = p.kv_atomic != 0;
     const int tid = threadIdx.x;
@@ -239,36 +239,40 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
             wgmma_wait<0>();
             wgmma_pin(S);
             wgmma_pin(dP);
-            const bool full = mask.full(q0, key0, 16);   // every pair of this warp's keys and Q_i is visible
             unsigned Pf[B_R / 16][4], dSf[B_R / 16][4];  // P^T, dS^T as A fragments, 16 queries at a time
+            // A tile whose pairs are all visible (most of them) runs the path without the mask
+            auto probabilities = [&](auto masked) {
 #pragma unroll
-            for (int kk = 0; kk < B_R / 16; ++kk) {
-                acc_t pt[2][4], ds[2][4];
+                for (int kk = 0; kk < B_R / 16; ++kk) {
+                    acc_t pt[2][4], ds[2][4];
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int nn = 2 * kk + half, qc = nn * 8 + 2 * t;   // query columns qc, qc + 1 of the tile
-                    const float2 lse = *reinterpret_cast<const float2*>(st + qc);
-                    const float2 Dv = *reinterpret_cast<const float2*>(st + B_R + qc);
-                    const acc_t neg_lse[2] = {-lse.x, -lse.y}, Dq[2] = {Dv.x, Dv.y};
+                    for (int half = 0; half < 2; ++half) {
+                        const int nn = 2 * kk + half, qc = nn * 8 + 2 * t;   // query columns qc, qc + 1 of the tile
+                        const float2 lse = *reinterpret_cast<const float2*>(st + qc);
+                        const float2 Dv = *reinterpret_cast<const float2*>(st + B_R + qc);
+                        const acc_t neg_lse[2] = {-lse.x, -lse.y}, Dq[2] = {Dv.x, Dv.y};
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int kr = key0 + g + (e / 2) * 8;   // key row
-                        pt[half][e] = (!full && !mask.visible(q0 + qc + e % 2, kr))
-                                         ? (acc_t)0
-                                         : exp2_acc(fmaf(S[nn][e], scale_log2, neg_lse[e % 2]));
-                        ds[half][e] = pt[half][e] * (dP[nn][e] - Dq[e % 2]);
+                        for (int e = 0; e < 4; ++e) {
+                            const int kr = key0 + g + (e / 2) * 8;   // key row
+                            pt[half][e] = (decltype(masked)::value && !mask.visible(q0 + qc + e % 2, kr))
+                                              ? (acc_t)0
+                                              : exp2_acc(fmaf(S[nn][e], scale_log2, neg_lse[e % 2]));
+                            ds[half][e] = pt[half][e] * (dP[nn][e] - Dq[e % 2]);
+                        }
                     }
+                    // the A fragment of columns 16kk .. 16kk+15: rows g, g+8 of the left, then the right 8
+                    Pf[kk][0] = pack2(pt[0][0], pt[0][1]);
+                    Pf[kk][1] = pack2(pt[0][2], pt[0][3]);
+                    Pf[kk][2] = pack2(pt[1][0], pt[1][1]);
+                    Pf[kk][3] = pack2(pt[1][2], pt[1][3]);
+                    dSf[kk][0] = pack2(ds[0][0], ds[0][1]);
+                    dSf[kk][1] = pack2(ds[0][2], ds[0][3]);
+                    dSf[kk][2] = pack2(ds[1][0], ds[1][1]);
+                    dSf[kk][3] = pack2(ds[1][2], ds[1][3]);
                 }
-                // the A fragment of columns 16kk .. 16kk+15: rows g, g+8 of the left, then the right 8
-                Pf[kk][0] = pack2(pt[0][0], pt[0][1]);
-                Pf[kk][1] = pack2(pt[0][2], pt[0][3]);
-                Pf[kk][2] = pack2(pt[1][0], pt[1][1]);
-                Pf[kk][3] = pack2(pt[1][2], pt[1][3]);
-                dSf[kk][0] = pack2(ds[0][0], ds[0][1]);
-                dSf[kk][1] = pack2(ds[0][2], ds[0][3]);
-                dSf[kk][2] = pack2(ds[1][0], ds[1][1]);
-                dSf[kk][3] = pack2(ds[1][2], ds[1][3]);
-            }
+            };
+            if (mask.full(q0, key0, 16)) probabilities(Flag<false>{});
+            else                         probabilities(Flag<true>{});
 
             // dV_j += P_ij^T dO_i,  dK_j += dS_ij^T Q_i (scaled at the end)            (64, DP)
             wgmma_fence();

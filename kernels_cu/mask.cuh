@@ -20,10 +20,11 @@ struct Mask {
     // causal: query i sees the keys j <= i + offset()
     __device__ __forceinline__ int offset() const { return Nk - Nq; }
 
-    // per element: query i sees key j
-    __device__ __forceinline__ bool visible(int i, int j) const {
-        return j < Nk && (!causal || j <= i + offset());
-    }
+    // the keys query row i sees: [0, key_stop(i))
+    __device__ __forceinline__ int key_stop(int i) const { return causal ? max(0, min(i + offset() + 1, Nk)) : Nk; }
+
+    // per element: query i sees key j (a tile of query rows can hoist key_stop per row)
+    __device__ __forceinline__ bool visible(int i, int j) const { return j < key_stop(i); }
 
     // one past the last key that a row of [q0, q1) sees (rows past Nq count as row Nq - 1); 0: none
     __device__ __forceinline__ int kv_stop(int q0, int q1) const {
@@ -72,3 +73,9 @@ __device__ __forceinline__ void mask_scores(acc_t (&S)[NT][4], const Mask& mask,
         for (int e = 0; e < 4; ++e)
             if (!mask.visible(r0 + g + (e / 2) * 8, kv0 + n * 8 + 2 * t + e % 2)) S[n][e] = NEG_INF;
 }
+
+// A compile-time flag, to instantiate one code path twice (a tile with and without a mask)
+template <bool V>
+struct Flag {
+    static constexpr bool value = V;
+};

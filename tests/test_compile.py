@@ -43,6 +43,17 @@ def compiled():
     return dict(zip(SPECIALISATIONS, _compile.compile_all((cfg, arch) for arch, cfg in SPECIALISATIONS)))
 
 
+# ptxas allocates registers differently from one CUDA release to the next; the zero-spill rule holds
+# for the NVRTC that CI installs (cupy-cuda13x[ctk], 13.5 or later), where ptxas' report is read.
+SPILL_RULE_NVRTC = (13, 5)
+
+
+def nvrtc_version() -> tuple:
+    from cupy_backends.cuda.libs import nvrtc
+
+    return tuple(nvrtc.getVersion())
+
+
 def is_fast(cfg) -> bool:
     """The fast path, which must not spill at D <= 128: the 16-bit V2 forwards.
 
@@ -60,7 +71,7 @@ def test_specialisation_compiles(arch, cfg, compiled):
     assert magic == b"\x7fELF", log
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
     assert len(spills) == len(cfg.spec.entries), log   # ptxas' report of every entry is there to read
-    if is_fast(cfg):
+    if is_fast(cfg) and nvrtc_version() >= SPILL_RULE_NVRTC:
         assert max(spills) == 0, f"{cfg} spills on {arch}:\n{log}"
     if cfg.spec.arch:
         assert "serialized" not in log, f"{cfg}: ptxas serialised the warpgroup MMAs:\n{log}"
