@@ -57,6 +57,23 @@ static_assert(NWARPS % DQ_WM == 0 && DQ_NT * 8 * DQ_WN == DC && DQ_NT % 2 == 0, 
 static_assert(DP % DC == 0 && B_R % 16 == 0, "tile shapes");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
+// P_ij^T = exp(scale S_ij^T - m_i) / l_i in place of a warp's (16, B_R) S_ij^T (key rows key0 .., query
+// columns q0 ..), the difference in natural units as in the forward; MASKED: invisible pairs -> 0
+template <bool MASKED>
+__device__ __forceinline__ void probabilities(acc_t (&P)[B_R / 8][4], const Mask& mask, int q0, int key0,
+                                              const acc_t* s_m, const acc_t* s_inv_l, acc_t scale) {
+    const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int n = 0; n < B_R / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int qc = n * 8 + 2 * t + e % 2;    // query column inside the tile
+            P[n][e] = (MASKED && !mask.visible(q0 + qc, key0 + g + (e / 2) * 8))
+                          ? (acc_t)0
+                          : exp2_acc((P[n][e] * scale - s_m[qc]) * (acc_t)LOG2E) * s_inv_l[qc];
+        }
+}
+
 extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams p) {
     extern __shared__ __align__(16) unsigned char smem[];
     elem_t* s_K = reinterpret_cast<elem_t*>(smem);   // (B_C, DP)
@@ -139,21 +156,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         zero_frag(P);
         warp_mma<B_R / 8, DP, false, false>(P, s_K + 16 * warp * QKV_PITCH, QKV_PITCH, s_Q, QKV_PITCH);
 
-        // P_ij^T = exp(scale S_ij^T - m_i) / l_i, the difference in natural units as in the forward; invisible
-        // -> 0. A tile whose pairs are all visible (most of them) runs the path without the mask.
-        auto probabilities = [&](auto masked) {
-#pragma unroll
-            for (int n = 0; n < B_R / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int qc = n * 8 + 2 * t + e % 2;    // query column inside the tile
-                    P[n][e] = (decltype(masked)::value && !mask.visible(q0 + qc, key0 + g + (e / 2) * 8))
-                                  ? (acc_t)0
-                                  : exp2_acc((P[n][e] * scale - s_m[qc]) * (acc_t)LOG2E) * s_inv_l[qc];
-                }
-        };
-        if (mask.full(q0, key0, 16)) probabilities(Flag<false>{});
-        else                         probabilities(Flag<true>{});
+        // P_ij^T = exp(scale S_ij^T - m_i) / l_i; a tile whose pairs are all visible (most of them) takes
+        // the path without the mask
+        if (mask.full(q0, key0, 16)) probabilities<false>(P, mask, q0, key0, s_m, s_inv_l, scale);
+        else                         probabilities<true>(P, mask, q0, key0, s_m, s_inv_l, scale);
         store_frag_smem(s_dSw, DS_PITCH, P);
         __syncwarp();
 

@@ -96,6 +96,44 @@ __device__ __forceinline__ void produce_stats(acc_t* s_stat, const acc_t* lse2, 
     }
 }
 
+// P_ij^T = exp2(S_ij^T scale log2 e - lse_i log2 e) (one FFMA into the exponent; 16-bit inputs round P
+// far coarser) and dS_ij^T = P_ij^T o (dP_ij^T - D_i) of a warp's (16, B_R) S_ij^T, dP_ij^T (key rows
+// key0 .., query columns q0 ..), as A fragments 16 queries at a time; `st` holds the tile's lse_i log2 e
+// then D_i. MASKED: invisible pairs -> P = 0 (a row that saw no key has lse = inf: P = 0 too)
+template <bool MASKED>
+__device__ __forceinline__ void probabilities(unsigned (&Pf)[B_R / 16][4], unsigned (&dSf)[B_R / 16][4],
+                                              const acc_t (&S)[B_R / 8][4], const acc_t (&dP)[B_R / 8][4],
+                                              const acc_t* st, const Mask& mask, int q0, int key0, acc_t scale_log2) {
+    const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int kk = 0; kk < B_R / 16; ++kk) {
+        acc_t pt[2][4], ds[2][4];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int nn = 2 * kk + half, qc = nn * 8 + 2 * t;   // query columns qc, qc + 1 of the tile
+            const float2 lse = *reinterpret_cast<const float2*>(st + qc);
+            const float2 Dv = *reinterpret_cast<const float2*>(st + B_R + qc);
+            const acc_t neg_lse[2] = {-lse.x, -lse.y}, Dq[2] = {Dv.x, Dv.y};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                pt[half][e] = (MASKED && !mask.visible(q0 + qc + e % 2, key0 + g + (e / 2) * 8))
+                                  ? (acc_t)0
+                                  : exp2_acc(fmaf(S[nn][e], scale_log2, neg_lse[e % 2]));
+                ds[half][e] = pt[half][e] * (dP[nn][e] - Dq[e % 2]);
+            }
+        }
+        // the A fragment of columns 16kk .. 16kk+15: rows g, g+8 of the left, then the right 8
+        Pf[kk][0] = pack2(pt[0][0], pt[0][1]);
+        Pf[kk][1] = pack2(pt[0][2], pt[0][3]);
+        Pf[kk][2] = pack2(pt[1][0], pt[1][1]);
+        Pf[kk][3] = pack2(pt[1][2], pt[1][3]);
+        dSf[kk][0] = pack2(ds[0][0], ds[0][1]);
+        dSf[kk][1] = pack2(ds[0][2], ds[0][3]);
+        dSf[kk][2] = pack2(ds[1][0], ds[1][1]);
+        dSf[kk][3] = pack2(ds[1][2], ds[1][3]);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const BwdParams p) {
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned misalign = smem_addr(smem) % SW_ATOM_BYTES;
@@ -233,46 +271,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
                                sw128_desc(s_dOs + sw128_offset<B_R>(0, kk * 16), 16, ATOM), kk > 0);
             wgmma_commit();
 
-            // P_ij^T = exp(scale S_ij^T - lse_i) = exp2(S_ij^T scale log2 e - lse_i log2 e), one FFMA into the
-            // exponent (16-bit inputs round P far coarser); invisible -> 0 (a row that saw no key has lse = inf);
-            // dS_ij^T = P_ij^T o (dP_ij^T - D_i)
+            // P_ij^T = exp(scale S_ij^T - lse_i), dS_ij^T = P_ij^T o (dP_ij^T - D_i)
             wgmma_wait<0>();
             wgmma_pin(S);
             wgmma_pin(dP);
             unsigned Pf[B_R / 16][4], dSf[B_R / 16][4];  // P^T, dS^T as A fragments, 16 queries at a time
-            // A tile whose pairs are all visible (most of them) runs the path without the mask
-            auto probabilities = [&](auto masked) {
-#pragma unroll
-                for (int kk = 0; kk < B_R / 16; ++kk) {
-                    acc_t pt[2][4], ds[2][4];
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int nn = 2 * kk + half, qc = nn * 8 + 2 * t;   // query columns qc, qc + 1 of the tile
-                        const float2 lse = *reinterpret_cast<const float2*>(st + qc);
-                        const float2 Dv = *reinterpret_cast<const float2*>(st + B_R + qc);
-                        const acc_t neg_lse[2] = {-lse.x, -lse.y}, Dq[2] = {Dv.x, Dv.y};
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int kr = key0 + g + (e / 2) * 8;   // key row
-                            pt[half][e] = (decltype(masked)::value && !mask.visible(q0 + qc + e % 2, kr))
-                                              ? (acc_t)0
-                                              : exp2_acc(fmaf(S[nn][e], scale_log2, neg_lse[e % 2]));
-                            ds[half][e] = pt[half][e] * (dP[nn][e] - Dq[e % 2]);
-                        }
-                    }
-                    // the A fragment of columns 16kk .. 16kk+15: rows g, g+8 of the left, then the right 8
-                    Pf[kk][0] = pack2(pt[0][0], pt[0][1]);
-                    Pf[kk][1] = pack2(pt[0][2], pt[0][3]);
-                    Pf[kk][2] = pack2(pt[1][0], pt[1][1]);
-                    Pf[kk][3] = pack2(pt[1][2], pt[1][3]);
-                    dSf[kk][0] = pack2(ds[0][0], ds[0][1]);
-                    dSf[kk][1] = pack2(ds[0][2], ds[0][3]);
-                    dSf[kk][2] = pack2(ds[1][0], ds[1][1]);
-                    dSf[kk][3] = pack2(ds[1][2], ds[1][3]);
-                }
-            };
-            if (mask.full(q0, key0, 16)) probabilities(Flag<false>{});
-            else                         probabilities(Flag<true>{});
+            // A tile whose pairs are all visible (most of them) takes the path without the mask
+            if (mask.full(q0, key0, 16)) probabilities<false>(Pf, dSf, S, dP, st, mask, q0, key0, scale_log2);
+            else                         probabilities<true>(Pf, dSf, S, dP, st, mask, q0, key0, scale_log2);
 
             // dV_j += P_ij^T dO_i,  dK_j += dS_ij^T Q_i (scaled at the end)            (64, DP)
             wgmma_fence();

@@ -73,9 +73,3 @@ __device__ __forceinline__ void mask_scores(acc_t (&S)[NT][4], const Mask& mask,
         for (int e = 0; e < 4; ++e)
             if (!mask.visible(r0 + g + (e / 2) * 8, kv0 + n * 8 + 2 * t + e % 2)) S[n][e] = NEG_INF;
 }
-
-// A compile-time flag, to instantiate one code path twice (a tile with and without a mask)
-template <bool V>
-struct Flag {
-    static constexpr bool value = V;
-};
