@@ -5,6 +5,7 @@ arbitrary calls, valid or faulty, for the contract tests (``forward_calls``, ``b
 ``gpu_forward_calls``).
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -212,3 +213,99 @@ def backward_calls(draw):
         return arguments, TypeError
     arguments[name] = x.tolist()
     return arguments, TypeError
+
+
+# ---------------------------------------------------------------------------
+# The CPU references' problems (tests/test_reference.py): inputs with tile sizes for the blocked
+# loops, small enough for them in Python
+
+REFERENCE_LENGTHS = (1, 17, 64, 113, 128, 130)
+REFERENCE_HEAD_DIMS = (1, 8, 40, 64, 72, 96)
+BLOCK_SIZES = (1, 3, 16, 64, 128)
+MAX_TILE_STEPS = 200  # T_r * T_c cap: keeps one blocked call (a Python loop) fast
+
+
+@st.composite
+def batch_shapes(draw):
+    """Batch shapes (q_batch, k_batch, v_batch) that broadcast: rank 2, MHA, GQA, MQA, or free."""
+    pattern = draw(st.sampled_from(["rank2", "mha", "gqa", "mqa", "free"]))
+    small = st.integers(1, 3)
+    if pattern == "rank2":
+        return (), (), ()
+    if pattern == "mha":
+        batch = (draw(small), draw(small))
+        return batch, batch, batch
+    if pattern == "gqa":
+        b, h_kv, group = draw(st.integers(1, 2)), draw(small), draw(st.integers(2, 3))
+        return (b, h_kv, group), (b, h_kv, 1), (b, h_kv, 1)
+    if pattern == "mqa":
+        b, h = draw(st.integers(1, 2)), draw(st.integers(2, 4))
+        kv = draw(st.sampled_from([(b, 1), (1,), ()]))
+        return (b, h), kv, kv
+    full = tuple(draw(st.lists(small, min_size=1, max_size=3)))
+
+    def derived():
+        dropped = draw(st.integers(0, len(full)))
+        return tuple(1 if draw(st.booleans()) else n for n in full[dropped:])
+
+    return derived(), derived(), derived()
+
+
+@st.composite
+def tile_sizes(draw, n_q, n_k):
+    """(B_r, B_c) from BLOCK_SIZES with at most MAX_TILE_STEPS tile steps."""
+    def steps(n, block):
+        return -(-n // block)
+
+    B_r = draw(st.sampled_from([b for b in BLOCK_SIZES if steps(n_q, b) <= MAX_TILE_STEPS // 3]))
+    B_c = draw(st.sampled_from([b for b in BLOCK_SIZES if steps(n_q, B_r) * steps(n_k, b) <= MAX_TILE_STEPS]))
+    return B_r, B_c
+
+
+@dataclasses.dataclass
+class AttentionProblem:
+    """Inputs of one attention call, with the tile sizes for the blocked versions."""
+
+    q: np.ndarray   # (*q_batch, Nq, D)
+    k: np.ndarray   # (*k_batch, Nk, D)
+    v: np.ndarray   # (*v_batch, Nk, D)
+    do: np.ndarray  # (*batch, Nq, D)
+    causal: bool
+    softmax_scale: object
+    block_r: int
+    block_c: int
+
+    @property
+    def options(self):
+        return {"causal": self.causal, "softmax_scale": self.softmax_scale}
+
+    @property
+    def tiles(self):
+        return {"block_r": self.block_r, "block_c": self.block_c}
+
+    @property
+    def scale(self):
+        return 1 / np.sqrt(self.q.shape[-1]) if self.softmax_scale is None else self.softmax_scale
+
+
+@st.composite
+def attention_problems(draw, dtypes=FLOAT_DTYPES, lengths=sequence_lengths(130, REFERENCE_LENGTHS),
+                       dims=head_dims(REFERENCE_HEAD_DIMS, None),
+                       scales=softmax_scales(), causal=st.booleans(), gain=1.0, extra_queries=None):
+    """Random q, k, v, dO (standard normal times ``gain``, rounded to the drawn dtype).
+
+    With ``extra_queries``, Nq = Nk + a drawn count, so that under ``causal``
+    that many leading query rows see no key.
+    """
+    dtype = draw(st.sampled_from(dtypes))
+    q_batch, k_batch, v_batch = draw(batch_shapes())
+    n_q, n_k, d = draw(lengths), draw(lengths), draw(dims)
+    if extra_queries is not None:
+        n_q = n_k + draw(extra_queries)
+    block_r, block_c = draw(tile_sizes(n_q, n_k))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    batch = np.broadcast_shapes(q_batch, k_batch, v_batch)
+    q, k, v, do = (gain * rng.standard_normal(shape) for shape in
+                   ((*q_batch, n_q, d), (*k_batch, n_k, d), (*v_batch, n_k, d), (*batch, n_q, d)))
+    return AttentionProblem(q.astype(dtype), k.astype(dtype), v.astype(dtype), do.astype(dtype),
+                            draw(causal), draw(scales), block_r, block_c)
