@@ -138,3 +138,12 @@ def test_portable_kernels_have_no_arch_and_no_register_split():
 def test_an_unknown_kernel_family_is_refused_by_name(kernel):
     with pytest.raises(ValueError, match="unknown kernel"):
         _tiles.choose_tiles(kernel, 64, "float16", H100_SMEM)
+
+
+@pytest.mark.parametrize("names", [["fwd_v2_sm90"], ["bwd_v1", "fwd_v1"], ["no_such_family"]])
+def test_precompile_refuses_a_name_that_is_no_kernel_family(names):
+    """Before it looks for CuPy or a GPU: the error names the families it takes."""
+    import cupyflash
+
+    with pytest.raises(ValueError, match="not among the kernel families fwd_v1, fwd_v2, fwd_sm90"):
+        cupyflash.precompile(kernels=names)
