@@ -53,11 +53,34 @@ def _scaled_queries(q, scale, batch, acc):
     return Q
 
 
-def _masked_scores(Q_i, K_j, geometry, rows, cols):
+def _operands(q, k, v, causal, softmax_scale):
+    """What both loops start from: ``(batch, acc, scale, geometry, Q, K, V)``, with ``Q = scale q``
+    broadcast to the batch (*batch, Nq, D) and K, V (*batch_k, Nk, D) in the accumulator dtype."""
+    batch, n_q, n_k = broadcast_shapes(q, k, v)
+    acc = accumulator_dtype(q.dtype)
+    scale = acc.type(resolve_scale(softmax_scale, q.shape[-1]))
+    Q = _scaled_queries(q, scale, batch, acc)
+    return batch, acc, scale, MaskGeometry(n_q, n_k, causal), Q, k.astype(acc, copy=False), v.astype(acc, copy=False)
+
+
+def _tiles(geometry, B_r, B_c):
+    """The (rows, cols, partial) tiles of the loops, K/V tiles outer: for each K/V tile the Q tiles
+    that see a key of it (from `MaskGeometry.q_start`), EMPTY ones left out; ``partial``: the tile
+    needs an element mask."""
+    for j in range(_num_tiles(geometry.n_k, B_c)):
+        cols = range(j * B_c, min((j + 1) * B_c, geometry.n_k))
+        for i in range(geometry.q_start(cols.start) // B_r, _num_tiles(geometry.n_q, B_r)):
+            rows = range(i * B_r, min((i + 1) * B_r, geometry.n_q))
+            kind = geometry.tile(rows.start, rows.stop, cols.start, cols.stop)
+            if kind != EMPTY:
+                yield rows, cols, kind == PARTIAL
+
+
+def _masked_scores(Q_i, K_j, geometry, rows, cols, partial):
     """S_ij = (scale Q_i) K_j^T, (*batch, B_r, B_c), -inf where the pair is invisible; and the
     (B_r, B_c) visibility, None when the tile is full."""
     S_ij = Q_i @ transpose(K_j)
-    if geometry.tile(rows.start, rows.stop, cols.start, cols.stop) != PARTIAL:
+    if not partial:
         return S_ij, None
     visible = geometry.visible(rows, cols)
     np.copyto(S_ij, NEG_INF, where=~visible)
@@ -121,44 +144,32 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_r=FORWARD_TILE[0
     cupyflash.reference.attention_forward : the naive float64 truth.
     """
     q, k, v = (np.asarray(x) for x in (q, k, v))
-    batch, n_q, n_k = broadcast_shapes(q, k, v)
-    acc = accumulator_dtype(q.dtype)
-    scale = acc.type(resolve_scale(softmax_scale, q.shape[-1]))
-    geometry = MaskGeometry(n_q, n_k, causal)
-    B_r, B_c = block_r, block_c
-    T_r, T_c = _num_tiles(n_q, B_r), _num_tiles(n_k, B_c)
-
-    Q = _scaled_queries(q, scale, batch, acc)              # (*batch, Nq, D)
-    K, V = k.astype(acc, copy=False), v.astype(acc, copy=False)   # (*batch_k, Nk, D), (*batch_v, Nk, D)
+    batch, acc, scale, geometry, Q, K, V = _operands(q, k, v, causal, softmax_scale)   # Q: (*batch, Nq, D)
+    n_q = geometry.n_q
     O = np.zeros((*batch, n_q, v.shape[-1]), acc)          # "HBM", (*batch, Nq, D), normalised output
     m = np.full((*batch, n_q), NEG_INF, acc)               # (*batch, Nq)
     l = np.zeros((*batch, n_q), acc)                       # (*batch, Nq)
 
-    for j in range(T_c):                                    # outer loop: K/V tiles
-        cols = range(j * B_c, min((j + 1) * B_c, n_k))
-        K_j, V_j = K[..., cols.start:cols.stop, :], V[..., cols.start:cols.stop, :]   # (*batch_k, B_c, D)
+    # outer loop: K/V tiles j; inner loop: the Q tiles i that see K_j
+    for rows, cols, partial in _tiles(geometry, block_r, block_c):
+        (r0, r1), (c0, c1) = (rows.start, rows.stop), (cols.start, cols.stop)
+        K_j, V_j = K[..., c0:c1, :], V[..., c0:c1, :]       # (*batch_k, B_c, D)
+        O_i, m_i, l_i = O[..., r0:r1, :], m[..., r0:r1], l[..., r0:r1]   # views into "HBM"
 
-        for i in range(geometry.q_start(cols.start) // B_r, T_r):   # inner loop: Q tiles that see K_j
-            rows = range(i * B_r, min((i + 1) * B_r, n_q))
-            if geometry.tile(rows.start, rows.stop, cols.start, cols.stop) == EMPTY:
-                continue
-            r0, r1 = rows.start, rows.stop
-            O_i, m_i, l_i = O[..., r0:r1, :], m[..., r0:r1], l[..., r0:r1]   # views into "HBM"
-
-            S_ij, visible = _masked_scores(Q[..., r0:r1, :], K_j, geometry, rows, cols)   # (*batch, B_r, B_c)
-            m_new = np.maximum(m_i, S_ij.max(axis=-1))      # m_i^new = max(m_i, rowmax(S_ij)), (*batch, B_r)
-            shift = exp_shift(m_new)
-            S_ij -= shift[..., None]
-            P_tilde = np.exp(S_ij, out=S_ij)                # P~_ij = exp(S_ij - m_i^new), in place
-            alpha = np.exp(m_i - shift)                     # alpha = exp(m_i - m_i^new)
-            l_new = alpha * l_i + P_tilde.sum(axis=-1)      # l_i^new = alpha l_i + rowsum(P~_ij)
-            inv_l_new = reciprocal_or_zero(l_new)
-            PV = visible_matmul(_as_operand(P_tilde, q.dtype), V_j, visible)   # P~_ij V_j, (*batch, B_r, D)
-            PV *= inv_l_new[..., None]
-            O_i *= (alpha * l_i * inv_l_new)[..., None]
-            O_i += PV                                       # O_i = (alpha l_i / l_i^new) O_i + P~_ij V_j / l_i^new
-            m_i[...] = m_new
-            l_i[...] = l_new
+        S_ij, visible = _masked_scores(Q[..., r0:r1, :], K_j, geometry, rows, cols, partial)   # (*batch, B_r, B_c)
+        m_new = np.maximum(m_i, S_ij.max(axis=-1))          # m_i^new = max(m_i, rowmax(S_ij)), (*batch, B_r)
+        shift = exp_shift(m_new)
+        S_ij -= shift[..., None]
+        P_tilde = np.exp(S_ij, out=S_ij)                    # P~_ij = exp(S_ij - m_i^new), in place
+        alpha = np.exp(m_i - shift)                         # alpha = exp(m_i - m_i^new)
+        l_new = alpha * l_i + P_tilde.sum(axis=-1)          # l_i^new = alpha l_i + rowsum(P~_ij)
+        inv_l_new = reciprocal_or_zero(l_new)
+        PV = visible_matmul(_as_operand(P_tilde, q.dtype), V_j, visible)   # P~_ij V_j, (*batch, B_r, D)
+        PV *= inv_l_new[..., None]
+        O_i *= (alpha * l_i * inv_l_new)[..., None]
+        O_i += PV                                           # O_i = (alpha l_i / l_i^new) O_i + P~_ij V_j / l_i^new
+        m_i[...] = m_new
+        l_i[...] = l_new
 
     return O.astype(q.dtype, copy=False), m, l
 
@@ -224,48 +235,34 @@ def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, block_r=
     cupyflash.reference.attention_backward : the naive float64 truth.
     """
     do, q, k, v, o, m, l = (np.asarray(x) for x in (do, q, k, v, o, m, l))
-    batch, n_q, n_k = broadcast_shapes(q, k, v)
-    acc = accumulator_dtype(q.dtype)
-    scale = acc.type(resolve_scale(softmax_scale, q.shape[-1]))
-    geometry = MaskGeometry(n_q, n_k, causal)
-    B_r, B_c = block_r, block_c
-    T_r, T_c = _num_tiles(n_q, B_r), _num_tiles(n_k, B_c)
-
-    Q = _scaled_queries(q, scale, batch, acc)              # (*batch, Nq, D)
-    K, V = k.astype(acc, copy=False), v.astype(acc, copy=False)   # (*batch_k, Nk, D), (*batch_v, Nk, D)
+    batch, acc, scale, geometry, Q, K, V = _operands(q, k, v, causal, softmax_scale)   # Q: (*batch, Nq, D)
     dO = do.astype(acc, copy=False)                         # (*batch, Nq, D)
     D = np.sum(dO * o.astype(acc, copy=False), axis=-1)     # D_i = rowsum(dO_i * O_i), (*batch, Nq)
     shift = exp_shift(m.astype(acc, copy=False))            # m_i, 0 for rows that see no key, (*batch, Nq)
     inv_l = reciprocal_or_zero(l.astype(acc, copy=False))   # 1 / l_i, 0 for rows that see no key, (*batch, Nq)
-    dQ = np.zeros((*batch, n_q, q.shape[-1]), acc)          # HBM, (*batch, Nq, D), unscaled until the end
-    dK = np.zeros((*batch, n_k, k.shape[-1]), acc)          # HBM, (*batch, Nk, D)
-    dV = np.zeros((*batch, n_k, v.shape[-1]), acc)          # HBM, (*batch, Nk, D)
+    dQ = np.zeros((*batch, geometry.n_q, q.shape[-1]), acc)   # HBM, (*batch, Nq, D), unscaled until the end
+    dK = np.zeros((*batch, geometry.n_k, k.shape[-1]), acc)   # HBM, (*batch, Nk, D)
+    dV = np.zeros((*batch, geometry.n_k, v.shape[-1]), acc)   # HBM, (*batch, Nk, D)
 
-    for j in range(T_c):                                    # outer loop: K/V tiles
-        cols = range(j * B_c, min((j + 1) * B_c, n_k))
-        c0, c1 = cols.start, cols.stop
+    # outer loop: K/V tiles j, dK_j and dV_j accumulated in place; inner loop: the Q tiles i that see K_j
+    for rows, cols, partial in _tiles(geometry, block_r, block_c):
+        (r0, r1), (c0, c1) = (rows.start, rows.stop), (cols.start, cols.stop)
         K_j, V_j = K[..., c0:c1, :], V[..., c0:c1, :]       # (*batch_k, B_c, D), (*batch_v, B_c, D)
-        dK_j, dV_j = dK[..., c0:c1, :], dV[..., c0:c1, :]   # (*batch, B_c, D), accumulated in place
+        dK_j, dV_j = dK[..., c0:c1, :], dV[..., c0:c1, :]   # (*batch, B_c, D)
+        Q_i, dO_i = Q[..., r0:r1, :], dO[..., r0:r1, :]      # (*batch, B_r, D)
 
-        for i in range(geometry.q_start(c0) // B_r, T_r):   # inner loop: Q tiles that see K_j
-            rows = range(i * B_r, min((i + 1) * B_r, n_q))
-            if geometry.tile(rows.start, rows.stop, c0, c1) == EMPTY:
-                continue
-            r0, r1 = rows.start, rows.stop
-            Q_i, dO_i = Q[..., r0:r1, :], dO[..., r0:r1, :]  # (*batch, B_r, D)
-
-            S_ij, visible = _masked_scores(Q_i, K_j, geometry, rows, cols)   # (*batch, B_r, B_c)
-            visible_t = None if visible is None else visible.T
-            S_ij -= shift[..., r0:r1, None]
-            P_ij = np.exp(S_ij, out=S_ij)
-            P_ij *= inv_l[..., r0:r1, None]                 # P_ij = diag(l_i)^-1 exp(S_ij - m_i), in place
-            dV_j += visible_matmul(transpose(_as_operand(P_ij, q.dtype)), dO_i, visible_t)   # dV_j += P_ij^T dO_i
-            dS_ij = dO_i @ transpose(V_j)                   # dP_ij = dO_i V_j^T, (*batch, B_r, B_c)
-            dS_ij -= D[..., r0:r1, None]
-            dS_ij *= P_ij                                   # dS_ij = P_ij * (dP_ij - D_i), in place
-            dS_ij = _as_operand(dS_ij, q.dtype)
-            dQ[..., r0:r1, :] += visible_matmul(dS_ij, K_j, visible)           # dQ_i += dS_ij K_j
-            dK_j += visible_matmul(transpose(dS_ij), Q_i, visible_t)          # dK_j += dS_ij^T (scale Q_i)
+        S_ij, visible = _masked_scores(Q_i, K_j, geometry, rows, cols, partial)   # (*batch, B_r, B_c)
+        visible_t = None if visible is None else visible.T
+        S_ij -= shift[..., r0:r1, None]
+        P_ij = np.exp(S_ij, out=S_ij)
+        P_ij *= inv_l[..., r0:r1, None]                     # P_ij = diag(l_i)^-1 exp(S_ij - m_i), in place
+        dV_j += visible_matmul(transpose(_as_operand(P_ij, q.dtype)), dO_i, visible_t)   # dV_j += P_ij^T dO_i
+        dS_ij = dO_i @ transpose(V_j)                       # dP_ij = dO_i V_j^T, (*batch, B_r, B_c)
+        dS_ij -= D[..., r0:r1, None]
+        dS_ij *= P_ij                                       # dS_ij = P_ij * (dP_ij - D_i), in place
+        dS_ij = _as_operand(dS_ij, q.dtype)
+        dQ[..., r0:r1, :] += visible_matmul(dS_ij, K_j, visible)           # dQ_i += dS_ij K_j
+        dK_j += visible_matmul(transpose(dS_ij), Q_i, visible_t)          # dK_j += dS_ij^T (scale Q_i)
 
     dQ *= scale
     return tuple(unbroadcast(g, x.shape).astype(q.dtype, copy=False) for g, x in zip((dQ, dK, dV), (q, k, v)))

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cupyflash._mask import EMPTY, FULL, PARTIAL, MaskGeometry
+from cupyflash.blocked import _tiles
 
 RAGGED_LENGTHS = (1, 17, 64, 113, 128, 130)
 TILE_SIZES = (1, 3, 16, 17, 64, 128)
@@ -85,19 +86,13 @@ def test_tile_kind_is_what_its_pairs_say(data):
 @settings(deadline=None, max_examples=100)
 @given(geometries(), st.integers(1, 128), st.integers(1, 128))
 def test_tiles_from_q_start_on_cover_every_visible_pair(geometry, B_r, B_c):
-    """The walk the CPU path takes (per K/V tile, Q tiles from q_start on, EMPTY ones skipped) visits
-    every visible pair exactly once and only FULL tiles unmasked."""
+    """The walk the CPU path takes (cupyflash.blocked._tiles: per K/V tile, Q tiles from q_start on,
+    EMPTY ones skipped) visits every visible pair exactly once and masks every tile but the FULL ones."""
     covered = np.zeros((geometry.n_q, geometry.n_k), int)
-    for k0 in range(0, geometry.n_k, B_c):
-        k1 = min(k0 + B_c, geometry.n_k)
-        for q0 in range(geometry.q_start(k0) // B_r * B_r, geometry.n_q, B_r):
-            q1 = min(q0 + B_r, geometry.n_q)
-            kind = geometry.tile(q0, q1, k0, k1)
-            if kind == EMPTY:
-                continue
-            visible = geometry.visible(range(q0, q1), range(k0, k1))
-            assert visible.all() == (kind == FULL)
-            covered[q0:q1, k0:k1] += visible
+    for rows, cols, partial in _tiles(geometry, B_r, B_c):
+        visible = geometry.visible(rows, cols)
+        assert visible.any() and visible.all() == (not partial)
+        covered[rows.start:rows.stop, cols.start:cols.stop] += visible
     expected = geometry.visible(np.arange(geometry.n_q), np.arange(geometry.n_k))
     assert np.array_equal(covered, expected.astype(int))
 
