@@ -26,7 +26,7 @@ import numpy
 
 from ._compile import get_kernels
 from ._mask import MaskGeometry
-from ._params import BWD, FWD, Params
+from ._params import BWD, FWD, ZERO_RANGES, Params
 from ._tiles import KERNELS, TileConfig, accumulator_dtype, choose_tiles
 
 MAX_BATCH_DIMS = 3  # collapsed batch dims a kernel indexes (layout.cuh: split_batch)
@@ -227,23 +227,49 @@ def capturing(stream=None) -> bool:
     return stream.ptr != 0 and stream.is_capturing()   # the legacy stream is never captured
 
 
-def workspace_allocator():
-    """``cupy.empty`` for a call's workspaces, or, while the current stream is being captured into a
-    CUDA graph, an allocator of stream-ordered memory (cudaMallocAsync, freed with the workspace):
+def call_stream():
+    """``(stream, empty)``: the handle of CuPy's current stream, which a call launches on, and
+    ``cupy.empty`` for the call's workspaces or, while that stream is being captured into a CUDA
+    graph, an allocator of stream-ordered memory (cudaMallocAsync, freed with the workspace):
     inside a capture both become nodes of the graph, so its replays own their workspaces. The pool's
     blocks would pass to the next caller once the call returns, while the graph still used them."""
     import cupy
 
     stream = cupy.cuda.get_current_stream()
     if not capturing(stream):
-        return cupy.empty
+        return stream.ptr, cupy.empty
 
     def empty(shape, dtype):
         dtype = numpy.dtype(dtype)
         mem = cupy.cuda.memory.MemoryAsync(math.prod(shape) * dtype.itemsize, stream)
         return cupy.ndarray(shape, dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
-    return empty
+    return stream.ptr, empty
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of a plan: ``launch(stream, address)`` runs ``kernel`` on ``stream`` with the
+    parameter struct at host ``address`` (``Params.pack``) through ``cuLaunchKernel``, which costs a
+    fraction of a RawKernel call (that one packs every argument in Python)."""
+
+    kernel: object        # cupy.RawKernel: holds its module
+    function: int         # its CUfunction on the plan's device
+    grid: tuple           # (x, y)
+    threads: int
+    smem_bytes: int = 0
+
+    def __call__(self, stream: int, address: int):
+        from cupy.cuda import driver
+
+        driver.launchKernel(self.function, self.grid[0], self.grid[1], 1, self.threads, 1, 1, self.smem_bytes,
+                            stream, address, 0)
+
+
+def launch(kernel, grid, threads: int, smem_bytes: int = 0) -> Launch:
+    """The ``Launch`` of RawKernel ``kernel`` on the current device; ``grid`` an int or ``(x, y)``."""
+    grid = (_launch_grid(grid), 1) if isinstance(grid, int) else grid
+    return Launch(kernel, kernel.kernel.ptr, grid, threads, smem_bytes)
 
 
 def _copy_into(target, x):
@@ -259,6 +285,7 @@ def _on_device(device: int):
 
 
 WORKSPACE_ALIGN = 256   # bytes: each part of a call's workspace starts at a multiple of this
+PREP_ZERO_WORDS = 64    # words of the zeroed ranges a thread of flash_bwd_prep zeroes, at most (but for huge ranges)
 
 
 @dataclass(frozen=True)
@@ -271,15 +298,18 @@ class Workspace:
     zero_from: int
     nbytes: int
 
-    def allocate(self, workspace):
-        """(buffer, base address): a new buffer from ``workspace`` (``workspace_allocator``) with its
-        zeroed parts cleared on the current stream; (None, 0) when there are no parts."""
+    def allocate(self, empty, stream: int, clear: bool = True):
+        """(buffer, base address): a new buffer from ``empty`` (``call_stream``), its zeroed parts
+        cleared on ``stream`` unless ``clear`` is False (a kernel of the call clears them); (None, 0)
+        when there are no parts."""
         if not self.nbytes:
             return None, 0
-        buffer = workspace((self.nbytes,), numpy.uint8)
+        buffer = empty((self.nbytes,), numpy.uint8)
         base = buffer.data.ptr
-        if self.zero_from < self.nbytes:
-            (buffer.data + self.zero_from).memset_async(0, self.nbytes - self.zero_from)
+        if clear and self.zero_from < self.nbytes:
+            from cupy.cuda import runtime
+
+            runtime.memsetAsync(base + self.zero_from, 0, self.nbytes - self.zero_from, stream)
         return buffer, base
 
 
@@ -338,30 +368,24 @@ class ForwardPlan:
     recomputes the Q tiles the main kernel flagged (a masked pair met an inf or NaN).
     """
 
-    kernel: object            # cupy.RawKernel
+    launches: tuple           # Launch of the main kernel, then of flash_fwd_repair when causal
     device: int
-    grid: int
-    threads: int
-    smem_bytes: int
-    outputs: tuple           # ((shape, dtype) of o, m, l)
+    outputs: tuple            # ((shape, dtype) of o, m, l)
     output_offsets: tuple     # their byte offsets in one allocation (array_offsets), and its bytes
     params: Params            # FwdParams
     workspace: Workspace      # V1's running O_i (when more than one K/V tile), the tile counter, the repair flags
     parts: tuple              # offsets into the workspace of those three (None: not used)
-    repair: object            # cupy.RawKernel flash_fwd_repair, or None
-    repair_grid: int
 
     def __call__(self, q, k, v, out=None):
         """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given."""
         with _on_device(self.device):
             o, m, l = new_arrays(self.outputs, *self.output_offsets) if out is None else out
-            buffer, base = self.workspace.allocate(workspace_allocator())
-            at = tuple(0 if off is None else base + off for off in self.parts)
-            args = (self.params.with_pointers((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, m.data.ptr,
-                                               l.data.ptr, *at)),)
-            self.kernel((self.grid,), (self.threads,), args, shared_mem=self.smem_bytes)
-            if self.repair is not None:
-                self.repair((self.repair_grid,), (KERNELS_THREADS["repair"],), args)
+            stream, empty = call_stream()
+            buffer, base = self.workspace.allocate(empty, stream)
+            struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, m.data.ptr,
+                                                l.data.ptr, *[0 if off is None else base + off for off in self.parts]))
+            for step in self.launches:
+                step(stream, address)
         return o, m, l
 
 
@@ -402,10 +426,10 @@ def forward_plan(q, k, v, *, schedule: str, causal: bool, scale: float, batch_sh
     parts = [(n, zeroed) for n, zeroed in ((o_run, False), (counter, True), (4 * flags, True))]
     space = workspace_layout(parts)
     offsets = tuple(off if n else None for off, (n, _) in zip(space.offsets, parts))
-    repair, repair_grid = (None, 0)
+    launches = [launch(kernel, grid, cfg.threads, cfg.smem_bytes)]
     if flags:
         kernels, repair_grid = _repair(D, q.dtype, flags)
-        repair = kernels["flash_fwd_repair"]
+        launches.append(launch(kernels["flash_fwd_repair"], repair_grid, KERNELS_THREADS["repair"]))
     params = Params(FWD, FWD_POINTERS,
                     q=_strides4(q, layout.strides[0]), k=_strides4(k, layout.strides[1]),
                     v=_strides4(v, layout.strides[2]), batch=(layout.sizes[1], layout.sizes[2], BH),
@@ -413,17 +437,17 @@ def forward_plan(q, k, v, *, schedule: str, causal: bool, scale: float, batch_sh
                     head_group=head_group(BH, 2 * Nk * D * q.itemsize), n_splits=n_splits, tile_rows=cfg.block_r,
                     scale=float(acc.type(scale)))
     outputs = (((*batch_shape, Nq, D), q.dtype), ((*batch_shape, Nq), acc), ((*batch_shape, Nq), acc))
-    return ForwardPlan(kernel=kernel, device=q.data.device_id, grid=_launch_grid(grid), threads=cfg.threads,
-                       smem_bytes=cfg.smem_bytes, outputs=outputs, output_offsets=array_offsets(outputs),
-                       params=params, workspace=space, parts=offsets, repair=repair, repair_grid=repair_grid)
+    return ForwardPlan(launches=tuple(launches), device=q.data.device_id, outputs=outputs,
+                       output_offsets=array_offsets(outputs), params=params, workspace=space, parts=offsets)
 
 
-BWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o.ptr", "dO.ptr", "dq_acc.ptr", "dk.ptr", "dv.ptr", "dq", "dk_acc",
-                "dv_acc", "m", "l", "m_b", "inv_l", "lse2", "Dsum", "dq_turns", "dk_turns", "dv_turns", "dq_flags",
-                "kv_flags")
-# the workspace parts of a backward, in BackwardPlan.parts order
-BWD_PARTS = ("m_b", "inv_l", "lse2", "Dsum", "dq_acc", "dk_acc", "dv_acc", "dq_turns", "dk_turns", "dv_turns",
+# the workspace parts of a backward, in BackwardPlan.parts order; from BWD_SUMS on the three sums
+BWD_PARTS = ("m_b", "inv_l", "lse2", "Dsum", "dq_acc.ptr", "dk_acc", "dv_acc", "dq_turns", "dk_turns", "dv_turns",
              "dq_flags", "kv_flags")
+BWD_SUMS = 4
+# the pointers a backward call writes: inputs, gradients, workspace parts, the ranges flash_bwd_prep zeroes
+BWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o.ptr", "dO.ptr", "m", "l", "dq", "dk.ptr", "dv.ptr", *BWD_PARTS,
+                *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)))
 
 
 @dataclass(frozen=True)
@@ -431,55 +455,37 @@ class BackwardPlan:
     """A backward with everything but its arrays settled; ``plan(do, q, k, v, o, m, l)`` returns
     ``(dq, dk, dv)`` (in ``out``, validated by ``_checks.check_out``, when given).
 
-    Its steps share one ``BwdParams``: ``flash_bwd_prep`` (D_i and the statistics the main kernel
-    reads), the main kernel (dQ summed into a float32/float64 workspace; dK, dV stored directly,
-    or summed when several batch entries share a K/V head), causal ``flash_bwd_repair`` (the tiles
-    the main kernel flagged) and, for 16-bit inputs, ``flash_convert`` of the sums.
+    Its steps share one ``BwdParams``: ``flash_bwd_prep`` (zeroes the sums; D_i and the statistics the
+    main kernel reads), the main kernel (dQ summed into a float32/float64 workspace; dK, dV stored
+    directly, or summed when several batch entries share a K/V head), causal ``flash_bwd_repair``
+    (the tiles the main kernel flagged) and, for 16-bit inputs, ``flash_convert`` of the sums.
     """
 
-    prep: object              # cupy.RawKernel flash_bwd_prep
-    main: object              # cupy.RawKernel flash_bwd or flash_bwd_sm90
-    convert: object           # cupy.RawKernel flash_convert, or None (the gradients are the sums)
-    repair: object            # cupy.RawKernel flash_bwd_repair, or None
+    launches: tuple           # Launch of each step, in order
     device: int
     grads: tuple              # ((shape, dtype) of dq, dk, dv): the shapes of q, k, v
     grad_offsets: tuple       # their byte offsets in one allocation (array_offsets), and its bytes
-    summed: int               # gradients that are sums: 1 (dq) or 3 (dq, dk, dv: kv_atomic)
+    sums: int                 # gradients that are the sums themselves: 0 (16-bit), 1 (dq) or 3 (dq, dk, dv)
     params: Params            # BwdParams
-    workspace: Workspace
+    workspace: Workspace      # zeroed by flash_bwd_prep (BwdParams.zero[0])
     parts: tuple              # offsets of BWD_PARTS in the workspace (None: not used)
-    prep_grid: int
-    main_grid: int
-    main_threads: int
-    main_smem_bytes: int
-    repair_grid: int
-    convert_grid: tuple
 
     def __call__(self, do, q, k, v, o, m, l, out=None):
         with _on_device(self.device):
             # every buffer first: a call that does not fit raises OutOfMemoryError before any launch
-            workspace = workspace_allocator()
-            m, l = (x if x.flags.c_contiguous else _copy_into(workspace(x.shape, x.dtype), x) for x in (m, l))
-            buffer, base = self.workspace.allocate(workspace)
+            stream, empty = call_stream()
+            m, l = (x if x.flags.c_contiguous else _copy_into(empty(x.shape, x.dtype), x) for x in (m, l))
+            buffer, base = self.workspace.allocate(empty, stream, clear=False)
             grads = new_arrays(self.grads, *self.grad_offsets) if out is None else out
-            at = dict(zip(BWD_PARTS, (0 if off is None else base + off for off in self.parts)))
-            if self.convert is None:   # the gradients of the accumulator dtype are the sums themselves
-                for g in grads[:self.summed]:
-                    g.data.memset_async(0, g.nbytes)
-                at["dq_acc"] = grads[0].data.ptr
-                if self.summed == 3:
-                    at["dk_acc"], at["dv_acc"] = grads[1].data.ptr, grads[2].data.ptr
             dq, dk, dv = (g.data.ptr for g in grads)
-            args = (self.params.with_pointers((
-                q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, do.data.ptr, at["dq_acc"], dk, dv, dq, at["dk_acc"],
-                at["dv_acc"], m.data.ptr, l.data.ptr, at["m_b"], at["inv_l"], at["lse2"], at["Dsum"],
-                at["dq_turns"], at["dk_turns"], at["dv_turns"], at["dq_flags"], at["kv_flags"])),)
-            self.prep((self.prep_grid,), (KERNELS_THREADS["bwd_prep"],), args)
-            self.main((self.main_grid,), (self.main_threads,), args, shared_mem=self.main_smem_bytes)
-            if self.repair is not None:
-                self.repair((self.repair_grid,), (KERNELS_THREADS["repair"],), args)
-            if self.convert is not None:
-                self.convert(self.convert_grid, (KERNELS_THREADS["bwd_prep"],), args)
+            parts = [0 if off is None else base + off for off in self.parts]
+            sums = (dq, dk, dv)[:self.sums]
+            parts[BWD_SUMS:BWD_SUMS + self.sums] = sums   # the gradients of the accumulator dtype are the sums
+            struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, do.data.ptr,
+                                                m.data.ptr, l.data.ptr, dq, dk, dv, *parts,
+                                                base + self.workspace.zero_from, *sums))
+            for step in self.launches:
+                step(stream, address)
         return tuple(grads)
 
 
@@ -515,7 +521,7 @@ def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, 
     sizes = {
         "m_b": (rows * acc.itemsize * (not lse_stats), False), "inv_l": (rows * acc.itemsize * (not lse_stats), False),
         "lse2": (rows * acc.itemsize * lse_stats, False), "Dsum": (rows * acc.itemsize, False),
-        "dq_acc": (q.size * acc.itemsize * converted, True),
+        "dq_acc.ptr": (q.size * acc.itemsize * converted, True),
         "dk_acc": (k.size * acc.itemsize * (converted and kv_atomic), True),
         "dv_acc": (v.size * acc.itemsize * (converted and kv_atomic), True),
         "dq_turns": (4 * turns[0], True), "dk_turns": (4 * turns[1], True), "dv_turns": (4 * turns[2], True),
@@ -524,15 +530,16 @@ def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, 
     parts = [sizes[name] for name in BWD_PARTS]
     space = workspace_layout(parts)
     offsets = tuple(off if n else None for off, (n, _) in zip(space.offsets, parts))
-    repair, repair_grid = None, 0
-    if masked:
-        kernels, repair_grid = _repair(D, q.dtype, BH * (T_r + T_c))
-        repair = kernels["flash_bwd_repair"]
     convert_elems = (q.size, k.size * kv_atomic, v.size * kv_atomic) if converted else (0, 0, 0)
     convert_threads = KERNELS_THREADS["bwd_prep"]
     convert_grid = (min(max(1, -(-max(convert_elems) // (4 * convert_threads))), 65535), 3 if kv_atomic else 1)
     # the K/V tiles of a head share Q, dO, the statistics and the dQ workspace
     group = head_group(BH, Nq * (D * (2 * q.itemsize + acc.itemsize) + 2 * acc.itemsize) + 2 * Nk * D * q.itemsize)
+    # flash_bwd_prep zeroes the workspace's zeroed part and the gradients that are the sums
+    sums = 0 if converted else 3 if kv_atomic else 1
+    zero_words = [(space.nbytes - space.zero_from) // 4] + [math.prod(x.shape) * acc.itemsize // 4
+                                                            for x in (q, k, v)[:sums]]
+    zero_words += [0] * (ZERO_RANGES - len(zero_words))
     params = Params(BWD, BWD_POINTERS,
                     q=_strides4(q, s_q), k=_strides4(k, s_k), v=_strides4(v, s_v), o=_strides4(o, s_o),
                     dO=_strides4(do, s_do), dq_acc=(*s_dq, D), dk=(*s_dk, D), dv=(*s_dv, D),
@@ -540,14 +547,20 @@ def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, 
                     mask=(Nq, Nk, int(causal)), D=D, vec=int(_vector_ok((q, k, v, do), D)),
                     prep_vec=int(_vector_ok((o, do), D)), head_group=group, kv_atomic=int(kv_atomic),
                     lse_stats=int(lse_stats), tile_r=main_cfg.block_r, tile_c=main_cfg.block_c,
-                    scale=float(acc.type(scale)))
-    return BackwardPlan(
-        prep=prep["flash_bwd_prep"], main=main, convert=prep["flash_convert"] if converted else None, repair=repair,
-        device=q.data.device_id, grads=grads, grad_offsets=array_offsets(grads),
-        summed=3 if kv_atomic else 1, params=params, workspace=space, parts=offsets,
-        prep_grid=_launch_grid(-(-rows // device_tiles("bwd_prep", D, q.dtype).block_r)),
-        main_grid=_launch_grid(BH * T_c * n_chunks), main_threads=main_cfg.threads,
-        main_smem_bytes=main_cfg.smem_bytes, repair_grid=repair_grid, convert_grid=convert_grid)
+                    zero=[(0, n) for n in zero_words], scale=float(acc.type(scale)))
+    prep_cfg = device_tiles("bwd_prep", D, q.dtype)
+    # a CTA per prep_cfg.block_r rows, and enough CTAs to zero at PREP_ZERO_WORDS words a thread
+    prep_grid = max(-(-rows // prep_cfg.block_r),
+                    min(-(-sum(zero_words) // (PREP_ZERO_WORDS * prep_cfg.threads)), 8 * current_limits().sms))
+    launches = [launch(prep["flash_bwd_prep"], prep_grid, prep_cfg.threads),
+                launch(main, BH * T_c * n_chunks, main_cfg.threads, main_cfg.smem_bytes)]
+    if masked:
+        kernels, repair_grid = _repair(D, q.dtype, BH * (T_r + T_c))
+        launches.append(launch(kernels["flash_bwd_repair"], repair_grid, KERNELS_THREADS["repair"]))
+    if converted:
+        launches.append(launch(prep["flash_convert"], convert_grid, convert_threads))
+    return BackwardPlan(launches=tuple(launches), device=q.data.device_id, grads=grads,
+                        grad_offsets=array_offsets(grads), sums=sums, params=params, workspace=space, parts=offsets)
 
 
 # threads per CTA of the kernels whose CTA shape does not depend on the call (their TileConfigs)

@@ -10,11 +10,12 @@ kernel that writes the device's sizes and offsets, which the GPU tests compare w
 (for NVRTCs without ``__builtin_offsetof``).
 
 A plan fills a :class:`Params` once (strides, sizes, flags); a call then writes only its
-pointers and passes the struct as a size-one NumPy array, which CuPy hands to the kernel by
-value.
+pointers into a copy and launches the kernels with it through ``cuLaunchKernel``.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy
 
@@ -29,6 +30,9 @@ def _struct(fields) -> numpy.dtype:
 TENSOR = _struct([("ptr", _ptr), ("s0", _i64), ("s1", _i64), ("s2", _i64), ("sn", _i64)])
 BATCH = _struct([("n1", _i64), ("n2", _i64), ("count", _i64)])
 MASK = _struct([("Nq", _i32), ("Nk", _i32), ("causal", _i32)])
+# ZeroRange: 4-byte words flash_bwd_prep zeroes
+ZERO_RANGE = _struct([("ptr", _ptr), ("words", _i64)])
+ZERO_RANGES = 4
 
 FWD = _struct([
     ("q", TENSOR), ("k", TENSOR), ("v", TENSOR),
@@ -44,6 +48,7 @@ BWD = _struct([
     ("dk_acc", _ptr), ("dv_acc", _ptr), ("dq", _ptr), ("m", _ptr), ("l", _ptr),
     ("m_b", _ptr), ("inv_l", _ptr), ("lse2", _ptr), ("Dsum", _ptr),
     ("dq_turns", _ptr), ("dk_turns", _ptr), ("dv_turns", _ptr), ("dq_flags", _ptr), ("kv_flags", _ptr),
+    ("zero", ZERO_RANGE, (ZERO_RANGES,)),
     ("convert_elems", _i64, (3,)),
     ("batch", BATCH), ("mask", MASK),
     ("D", _i32), ("vec", _i32), ("prep_vec", _i32), ("head_group", _i32), ("kv_atomic", _i32), ("lse_stats", _i32),
@@ -55,12 +60,21 @@ STRUCTS = {"FwdParams": FWD, "BwdParams": BWD}
 
 
 def _members(dtype: numpy.dtype, prefix: str = "", base: int = 0):
-    """(designator, offset) of every member of ``dtype``, nested ones as ``a.b``."""
+    """(designator, offset) of every member of ``dtype``: nested ones as ``a.b``, array elements as
+    ``a[i]``."""
     for name in dtype.names:
         sub, offset = dtype.fields[name][:2]
-        yield prefix + name, base + offset
-        if sub.names:
-            yield from _members(sub, f"{prefix}{name}.", base + offset)
+        yield from _member(sub, prefix + name, base + offset)
+
+
+def _member(dtype: numpy.dtype, designator: str, offset: int):
+    yield designator, offset
+    if dtype.subdtype is not None:
+        element, shape = dtype.subdtype
+        for i in range(shape[0]):
+            yield from _member(element, f"{designator}[{i}]", offset + i * element.itemsize)
+    elif dtype.names:
+        yield from _members(dtype, f"{designator}.", offset)
 
 
 def layout_checks() -> str:
@@ -115,16 +129,16 @@ class Params:
     dtype : numpy.dtype
         ``FWD`` or ``BWD``.
     pointers : sequence of str
-        The pointer fields a call writes, in the order :meth:`with_pointers` takes them.
+        The pointer fields a call writes, in the order :meth:`pack` takes them.
     **values
         Field values; a tensor field takes a tuple ``(s0, s1, s2, sn)`` of strides (its pointer is
         one of ``pointers``), a struct field a tuple of its members.
 
     Notes
     -----
-    The struct travels as raw bytes (a size-one array of an unstructured ``void`` dtype): CuPy
-    reads an argument's address through ``__array_interface__``, which for a structured dtype
-    spells out every field in Python (tens of microseconds a launch).
+    A call's struct is a ctypes array of 8-byte words, ``[&struct, struct...]``: the struct and, in
+    front of it, the one-entry argument array ``cuLaunchKernel`` reads (``kernel_params``). Writing
+    it costs about a microsecond, a NumPy structured scalar through CuPy's RawKernel tens.
     """
 
     def __init__(self, dtype: numpy.dtype, pointers, **values):
@@ -134,12 +148,22 @@ class Params:
             if dtype.fields[name][0] == TENSOR:
                 value = (0, *value)
             filled[name] = value
-        self.template = filled.view(numpy.dtype((numpy.void, dtype.itemsize)))
-        self.words = numpy.array([pointer_word(dtype, f) for f in pointers], numpy.intp)
+        self.dtype = dtype
+        self.template = b"\0" * 8 + filled.tobytes()
+        self.words = tuple(1 + pointer_word(dtype, f) for f in pointers)
+        self._array = ctypes.c_uint64 * (1 + dtype.itemsize // 8)
 
-    def with_pointers(self, pointers) -> numpy.ndarray:
-        """The struct with ``pointers`` (device addresses, 0 for none) written: a size-one array,
-        which CuPy passes to a kernel by value."""
-        struct = self.template.copy()
-        struct.view(numpy.uint64)[self.words] = pointers
-        return struct
+    def pack(self, pointers):
+        """``(buffer, address)``: the struct with ``pointers`` (device addresses, 0 for none) written
+        after its argument word; ``address`` is the ``kernel_params`` of a launch (``Launch``), valid
+        while ``buffer`` lives."""
+        buffer = self._array.from_buffer_copy(self.template)
+        address = ctypes.addressof(buffer)
+        buffer[0] = address + 8
+        for word, pointer in zip(self.words, pointers):
+            buffer[word] = pointer
+        return buffer, address
+
+    def struct(self, buffer) -> numpy.ndarray:
+        """The struct of a ``pack`` buffer as a structured NumPy scalar array (for tests)."""
+        return numpy.frombuffer(bytes(buffer)[8:], self.dtype)

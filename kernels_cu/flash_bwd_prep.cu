@@ -1,6 +1,7 @@
 // flash_bwd_prep.cu — the steps around the backward's main kernel (flash_bwd.cu, flash_bwd_sm90.cu).
 //
-//   flash_bwd_prep   before it: D_i = rowsum(dO_i o O_i), and the statistics the main kernel reads:
+//   flash_bwd_prep   before it: zeroes the sums (BwdParams.zero; no memset on the host's side), and
+//                    D_i = rowsum(dO_i o O_i) and the statistics the main kernel reads:
 //                    m_i, 1/l_i for flash_bwd (m = +inf, 1/l = 0 for a row that saw no key: P = 0),
 //                    lse_i log2 e = (m_i + log l_i) log2 e for flash_bwd_sm90 (+inf for such a row).
 //                    B_R rows per CTA, NTHREADS / B_R lanes per row, each reading 16-byte vectors
@@ -18,7 +19,21 @@ constexpr int LANES = NTHREADS / ROWS;         // threads per row
 
 static_assert(ROWS * LANES == NTHREADS && LANES <= WARP_SIZE && (LANES & (LANES - 1)) == 0, "a row's lanes in one warp");
 
+// zero z's words with the grid's threads, from thread `first` in steps of `stride`
+__device__ __forceinline__ void zero_words(const ZeroRange z, i64 first, i64 stride) {
+    i64 done = 0;
+    if ((reinterpret_cast<unsigned long long>(z.ptr) & 15) == 0) {
+        uint4* vec = reinterpret_cast<uint4*>(z.ptr);
+        for (i64 i = first; i < z.words / 4; i += stride) vec[i] = make_uint4(0u, 0u, 0u, 0u);
+        done = z.words / 4 * 4;
+    }
+    for (i64 i = done + first; i < z.words; i += stride) z.ptr[i] = 0u;
+}
+
 extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_prep(const BwdParams p) {
+#pragma unroll
+    for (int z = 0; z < 4; ++z)
+        zero_words(p.zero[z], (i64)blockIdx.x * NTHREADS + threadIdx.x, (i64)gridDim.x * NTHREADS);
     const int Nq = p.mask.Nq, D = p.D;
     const i64 rows = p.batch.count * Nq;
     const i64 row = ((i64)blockIdx.x * NTHREADS + threadIdx.x) / LANES;   // over (BH, Nq)

@@ -35,6 +35,12 @@ struct Batch {
     __device__ __forceinline__ BatchIndex split(i64 bh) const { return split_batch(bh, n1, n2); }
 };
 
+// 4-byte words flash_bwd_prep zeroes before the main kernel adds into them
+struct ZeroRange {
+    unsigned* ptr;             // 4-byte aligned; 16-byte aligned takes vector stores
+    i64 words;
+};
+
 struct FwdParams {
     Tensor<const elem_t> q;    // (batch..., Nq, D)
     Tensor<const elem_t> k;    // (batch..., Nk, D)
@@ -78,6 +84,8 @@ struct BwdParams {
     unsigned* dv_turns;        // (K/V heads of v, T_c, n_chunks)
     unsigned* dq_flags;        // (BH, T_r) zeroed, causal: dQ tiles for flash_bwd_repair
     unsigned* kv_flags;        // (BH, T_c) zeroed, causal: dK, dV tiles
+    ZeroRange zero[4];         // what the comments call zeroed: the workspace's zeroed part, and the
+                               // gradients that are the sums themselves (float32, float64)
     i64 convert_elems[3];      // elements of dq, dk, dv that flash_convert converts (0: none)
     Batch batch;
     Mask mask;
