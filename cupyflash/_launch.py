@@ -228,23 +228,22 @@ def capturing(stream=None) -> bool:
 
 
 def call_stream():
-    """``(stream, empty)``: the handle of CuPy's current stream, which a call launches on, and
-    ``cupy.empty`` for the call's workspaces or, while that stream is being captured into a CUDA
-    graph, an allocator of stream-ordered memory (cudaMallocAsync, freed with the workspace):
-    inside a capture both become nodes of the graph, so its replays own their workspaces. The pool's
-    blocks would pass to the next caller once the call returns, while the graph still used them."""
+    """``(stream, alloc)``: the handle of CuPy's current stream, which a call launches on, and the
+    allocator (bytes -> ``cupy.cuda.MemoryPointer``) of the call's workspaces: CuPy's pool or, while
+    that stream is being captured into a CUDA graph, stream-ordered memory (cudaMallocAsync, freed
+    with the workspace). Inside a capture both become nodes of the graph, so its replays own their
+    workspaces; the pool's blocks would pass to the next caller once the call returns, while the
+    graph still used them."""
     import cupy
 
     stream = cupy.cuda.get_current_stream()
     if not capturing(stream):
-        return stream.ptr, cupy.empty
+        return stream.ptr, cupy.cuda.alloc
 
-    def empty(shape, dtype):
-        dtype = numpy.dtype(dtype)
-        mem = cupy.cuda.memory.MemoryAsync(math.prod(shape) * dtype.itemsize, stream)
-        return cupy.ndarray(shape, dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    def alloc(nbytes):
+        return cupy.cuda.MemoryPointer(cupy.cuda.memory.MemoryAsync(nbytes, stream), 0)
 
-    return stream.ptr, empty
+    return stream.ptr, alloc
 
 
 @dataclass(frozen=True)
@@ -272,7 +271,11 @@ def launch(kernel, grid, threads: int, smem_bytes: int = 0) -> Launch:
     return Launch(kernel, kernel.kernel.ptr, grid, threads, smem_bytes)
 
 
-def _copy_into(target, x):
+def _copy_into(x, alloc):
+    """A C-contiguous copy of CuPy array ``x`` in memory from ``alloc`` (``call_stream``)."""
+    import cupy
+
+    target = cupy.ndarray(x.shape, x.dtype, memptr=alloc(max(1, x.nbytes)))
     target[...] = x
     return target
 
@@ -289,63 +292,57 @@ PREP_ZERO_WORDS = 64    # words of the zeroed ranges a thread of flash_bwd_prep 
 
 
 @dataclass(frozen=True)
-class Workspace:
-    """A call's workspaces carved out of one buffer: each part at a ``WORKSPACE_ALIGN``-aligned byte
-    ``offsets[i]``, the zeroed parts after the others, so that one memset of ``[zero_from, nbytes)``
-    clears them all and a call allocates once."""
+class Block:
+    """Memory of a call carved out of one allocation: part ``i`` at the ``WORKSPACE_ALIGN``-aligned
+    byte ``offsets[i]`` (None: a part of no bytes), the zeroed parts after the others, so that a call
+    allocates once and one memset of ``[zero_from, nbytes)`` clears them all."""
 
     offsets: tuple
     zero_from: int
     nbytes: int
 
-    def allocate(self, empty, stream: int, clear: bool = True):
-        """(buffer, base address): a new buffer from ``empty`` (``call_stream``), its zeroed parts
-        cleared on ``stream`` unless ``clear`` is False (a kernel of the call clears them); (None, 0)
-        when there are no parts."""
+    def allocate(self, alloc, stream: int, clear: bool = True):
+        """``(memory, base address)``: a new ``cupy.cuda.MemoryPointer`` from ``alloc``
+        (``call_stream``), its zeroed parts cleared on ``stream`` unless ``clear`` is False (a kernel
+        of the call clears them); ``(None, 0)`` for a block of no bytes."""
         if not self.nbytes:
             return None, 0
-        buffer = empty((self.nbytes,), numpy.uint8)
-        base = buffer.data.ptr
+        memory = alloc(self.nbytes)
+        base = memory.ptr
         if clear and self.zero_from < self.nbytes:
             from cupy.cuda import runtime
 
             runtime.memsetAsync(base + self.zero_from, 0, self.nbytes - self.zero_from, stream)
-        return buffer, base
+        return memory, base
+
+    def pointers(self, base: int) -> list:
+        """Each part's address in the block at ``base`` (0 for a part of no bytes)."""
+        return [0 if off is None else base + off for off in self.offsets]
+
+    def arrays(self, memory, specs) -> list:
+        """CuPy arrays of ``specs`` ((shape, dtype) pairs) on the block's first parts in ``memory``."""
+        import cupy
+
+        return [cupy.ndarray(shape, dtype, memptr=memory + off) for (shape, dtype), off in zip(specs, self.offsets)]
 
 
-def new_arrays(specs, offsets, nbytes):
-    """Arrays of ``specs`` ((shape, dtype) pairs) at byte ``offsets`` of one new allocation of
-    ``nbytes``: a call's outputs cost one allocation from CuPy's pool, not one each."""
-    import cupy
-
-    block = cupy.empty((nbytes,), numpy.uint8).data
-    return [cupy.ndarray(shape, dtype, memptr=block + off) for (shape, dtype), off in zip(specs, offsets)]
-
-
-def array_offsets(specs) -> tuple[tuple, int]:
-    """Byte offsets of ``specs`` ((shape, dtype) pairs) packed one after another, each
-    ``WORKSPACE_ALIGN``-aligned, and the bytes they take."""
-    offsets, at = [], 0
-    for shape, dtype in specs:
-        offsets.append(at)
-        at += -(-math.prod(shape) * numpy.dtype(dtype).itemsize // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
-    return tuple(offsets), max(at, 1)
-
-
-def workspace_layout(parts) -> Workspace:
-    """The ``Workspace`` of ``parts``, (bytes, zeroed) pairs; ``offsets`` follows their order."""
-    def size(n):
-        return -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
-
-    offsets, at = [0] * len(parts), 0
+def block_layout(parts) -> Block:
+    """The ``Block`` of ``parts``, (bytes, zeroed) pairs; ``offsets`` follows their order."""
+    offsets, at = [None] * len(parts), 0
+    zero_from = 0
     for zeroed in (False, True):
         if zeroed:
             zero_from = at
         for i, (nbytes, z) in enumerate(parts):
             if z == zeroed:
-                offsets[i] = at
-                at += size(nbytes)
-    return Workspace(tuple(offsets), zero_from, at)
+                offsets[i] = at if nbytes else None
+                at += -(-nbytes // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+    return Block(tuple(offsets), zero_from, at)
+
+
+def array_parts(specs) -> list:
+    """(bytes, not zeroed) block parts of arrays of ``specs`` ((shape, dtype) pairs)."""
+    return [(math.prod(shape) * numpy.dtype(dtype).itemsize, False) for shape, dtype in specs]
 
 
 def _launch_grid(n: int) -> int:
@@ -371,19 +368,28 @@ class ForwardPlan:
     launches: tuple           # Launch of the main kernel, then of flash_fwd_repair when causal
     device: int
     outputs: tuple            # ((shape, dtype) of o, m, l)
-    output_offsets: tuple     # their byte offsets in one allocation (array_offsets), and its bytes
+    fresh: Block              # o, m, l, the tile counter and the repair flags
+    given: Block              # the same but o, m, l: a call with ``out``
+    o_run: int                # bytes of V1's running O_i (0: not used), a workspace of its own
     params: Params            # FwdParams
-    workspace: Workspace      # V1's running O_i (when more than one K/V tile), the tile counter, the repair flags
-    parts: tuple              # offsets into the workspace of those three (None: not used)
 
     def __call__(self, q, k, v, out=None):
         """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given."""
         with _on_device(self.device):
-            o, m, l = new_arrays(self.outputs, *self.output_offsets) if out is None else out
-            stream, empty = call_stream()
-            buffer, base = self.workspace.allocate(empty, stream)
+            stream, alloc = call_stream()
+            if out is None:   # the outputs and the workspace in one allocation from CuPy's pool
+                import cupy
+
+                memory, base = self.fresh.allocate(cupy.cuda.alloc, stream)
+                o, m, l = self.fresh.arrays(memory, self.outputs)
+                parts = self.fresh.pointers(base)[3:]
+            else:
+                o, m, l = out
+                memory, base = self.given.allocate(alloc, stream)
+                parts = self.given.pointers(base)[3:]
+            o_run = alloc(self.o_run) if self.o_run else None
             struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, m.data.ptr,
-                                                l.data.ptr, *[0 if off is None else base + off for off in self.parts]))
+                                                l.data.ptr, o_run.ptr if o_run else 0, *parts))
             for step in self.launches:
                 step(stream, address)
         return o, m, l
@@ -423,9 +429,6 @@ def forward_plan(q, k, v, *, schedule: str, causal: bool, scale: float, batch_sh
     counter = 4 if cfg.kernel == "fwd_sm90" else 0
     # causal: the kernel flags the Q tiles where a masked pair met an inf or NaN, flash_fwd_repair redoes them
     flags = BH * T_r if _masked_pairs(Nq, Nk, causal) else 0
-    parts = [(n, zeroed) for n, zeroed in ((o_run, False), (counter, True), (4 * flags, True))]
-    space = workspace_layout(parts)
-    offsets = tuple(off if n else None for off, (n, _) in zip(space.offsets, parts))
     launches = [launch(kernel, grid, cfg.threads, cfg.smem_bytes)]
     if flags:
         kernels, repair_grid = _repair(D, q.dtype, flags)
@@ -437,8 +440,10 @@ def forward_plan(q, k, v, *, schedule: str, causal: bool, scale: float, batch_sh
                     head_group=head_group(BH, 2 * Nk * D * q.itemsize), n_splits=n_splits, tile_rows=cfg.block_r,
                     scale=float(acc.type(scale)))
     outputs = (((*batch_shape, Nq, D), q.dtype), ((*batch_shape, Nq), acc), ((*batch_shape, Nq), acc))
+    zeroed = [(counter, True), (4 * flags, True)]
     return ForwardPlan(launches=tuple(launches), device=q.data.device_id, outputs=outputs,
-                       output_offsets=array_offsets(outputs), params=params, workspace=space, parts=offsets)
+                       fresh=block_layout(array_parts(outputs) + zeroed), given=block_layout([(0, False)] * 3 + zeroed),
+                       o_run=o_run, params=params)
 
 
 # the workspace parts of a backward, in BackwardPlan.parts order; from BWD_SUMS on the three sums
@@ -464,21 +469,25 @@ class BackwardPlan:
     launches: tuple           # Launch of each step, in order
     device: int
     grads: tuple              # ((shape, dtype) of dq, dk, dv): the shapes of q, k, v
-    grad_offsets: tuple       # their byte offsets in one allocation (array_offsets), and its bytes
     sums: int                 # gradients that are the sums themselves: 0 (16-bit), 1 (dq) or 3 (dq, dk, dv)
     params: Params            # BwdParams
-    workspace: Workspace      # zeroed by flash_bwd_prep (BwdParams.zero[0])
-    parts: tuple              # offsets of BWD_PARTS in the workspace (None: not used)
+    workspace: Block          # BWD_PARTS; flash_bwd_prep zeroes its zeroed parts (BwdParams.zero[0])
+    grad_block: Block         # dq, dk, dv in one allocation
 
     def __call__(self, do, q, k, v, o, m, l, out=None):
         with _on_device(self.device):
             # every buffer first: a call that does not fit raises OutOfMemoryError before any launch
-            stream, empty = call_stream()
-            m, l = (x if x.flags.c_contiguous else _copy_into(empty(x.shape, x.dtype), x) for x in (m, l))
-            buffer, base = self.workspace.allocate(empty, stream, clear=False)
-            grads = new_arrays(self.grads, *self.grad_offsets) if out is None else out
+            stream, alloc = call_stream()
+            m, l = (x if x.flags.c_contiguous else _copy_into(x, alloc) for x in (m, l))
+            memory, base = self.workspace.allocate(alloc, stream, clear=False)
+            if out is None:
+                import cupy
+
+                grads = self.grad_block.arrays(self.grad_block.allocate(cupy.cuda.alloc, stream)[0], self.grads)
+            else:
+                grads = out
             dq, dk, dv = (g.data.ptr for g in grads)
-            parts = [0 if off is None else base + off for off in self.parts]
+            parts = self.workspace.pointers(base)
             sums = (dq, dk, dv)[:self.sums]
             parts[BWD_SUMS:BWD_SUMS + self.sums] = sums   # the gradients of the accumulator dtype are the sums
             struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, do.data.ptr,
@@ -527,9 +536,7 @@ def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, 
         "dq_turns": (4 * turns[0], True), "dk_turns": (4 * turns[1], True), "dv_turns": (4 * turns[2], True),
         "dq_flags": (4 * BH * T_r * masked, True), "kv_flags": (4 * BH * T_c * masked, True),
     }
-    parts = [sizes[name] for name in BWD_PARTS]
-    space = workspace_layout(parts)
-    offsets = tuple(off if n else None for off, (n, _) in zip(space.offsets, parts))
+    space = block_layout([sizes[name] for name in BWD_PARTS])
     convert_elems = (q.size, k.size * kv_atomic, v.size * kv_atomic) if converted else (0, 0, 0)
     convert_threads = KERNELS_THREADS["bwd_prep"]
     convert_grid = (min(max(1, -(-max(convert_elems) // (4 * convert_threads))), 65535), 3 if kv_atomic else 1)
@@ -559,8 +566,8 @@ def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, 
         launches.append(launch(kernels["flash_bwd_repair"], repair_grid, KERNELS_THREADS["repair"]))
     if converted:
         launches.append(launch(prep["flash_convert"], convert_grid, convert_threads))
-    return BackwardPlan(launches=tuple(launches), device=q.data.device_id, grads=grads,
-                        grad_offsets=array_offsets(grads), sums=sums, params=params, workspace=space, parts=offsets)
+    return BackwardPlan(launches=tuple(launches), device=q.data.device_id, grads=grads, sums=sums, params=params,
+                        workspace=space, grad_block=block_layout(array_parts(grads)))
 
 
 # threads per CTA of the kernels whose CTA shape does not depend on the call (their TileConfigs)

@@ -62,11 +62,12 @@ workspace_parts = st.lists(st.tuples(st.integers(0, 5000), st.booleans()), max_s
 @settings(max_examples=200, deadline=None)
 @given(workspace_parts)
 def test_workspace_parts_are_aligned_apart_and_the_zeroed_ones_one_range(parts):
-    """One buffer, one memset: every part 256-byte aligned and disjoint, the zeroed parts exactly the
-    range the memset clears, and a call's buffer cleared there while the rest keeps stale bytes."""
-    space = _launch.workspace_layout(parts)
+    """One allocation, one memset: every part 256-byte aligned and disjoint, the zeroed parts exactly
+    the range the memset clears, a part of no bytes at no offset."""
+    space = _launch.block_layout(parts)
     spans = sorted((off, off + n, zeroed) for off, (n, zeroed) in zip(space.offsets, parts) if n)
-    assert all(off % _launch.WORKSPACE_ALIGN == 0 for off in space.offsets)
+    assert all((off is None) == (n == 0) for off, (n, _) in zip(space.offsets, parts))
+    assert all(off % _launch.WORKSPACE_ALIGN == 0 for off in space.offsets if off is not None)
     assert all(a_end <= b_start for (_, a_end, _), (b_start, _, _) in zip(spans, spans[1:]))
     assert all(end <= space.nbytes for _, end, _ in spans)
     assert all((start >= space.zero_from) == zeroed for start, _, zeroed in spans)
