@@ -330,7 +330,7 @@ class KernelSpec:
 
     source: str                    # file in kernels_cu/
     entries: tuple[str, ...]       # its kernels (extern "C" names)
-    params: str                    # the parameter struct they take (params.cuh)
+    params: tuple[str, ...]        # the parameter struct each entry takes (params.cuh, _params.STRUCTS)
     arch: Optional[str]            # NVRTC -arch of an architecture-specific kernel, None for any
     dtypes: tuple[str, ...]        # element dtypes it takes
     max_head_dim: int
@@ -342,19 +342,19 @@ class KernelSpec:
 
 ALL_DTYPES = tuple(DTYPE_CODES)
 KERNELS = {
-    "fwd_v1": KernelSpec("flash_fwd_v1.cu", ("flash_fwd_v1",), "FwdParams", None, ALL_DTYPES, MAX_HEAD_DIM,
+    "fwd_v1": KernelSpec("flash_fwd_v1.cu", ("flash_fwd_v1",), ("FwdParams",), None, ALL_DTYPES, MAX_HEAD_DIM,
                          _fwd_v1_tiles, _fwd_v1_bytes),
-    "fwd_v2": KernelSpec("flash_fwd_v2.cu", ("flash_fwd_v2",), "FwdParams", None, ALL_DTYPES, MAX_HEAD_DIM,
+    "fwd_v2": KernelSpec("flash_fwd_v2.cu", ("flash_fwd_v2",), ("FwdParams",), None, ALL_DTYPES, MAX_HEAD_DIM,
                          _fwd_v2_tiles, _fwd_v2_bytes),
-    "fwd_sm90": KernelSpec("flash_fwd_sm90.cu", ("flash_fwd_sm90",), "FwdParams", "sm_90a", SIXTEEN_BIT, MAX_HEAD_DIM,
-                           _fwd_sm90_tiles, _fwd_sm90_bytes),
-    "bwd_prep": KernelSpec("flash_bwd_prep.cu", ("flash_bwd_prep", "flash_convert"), "BwdParams", None, ALL_DTYPES,
-                           MAX_HEAD_DIM, _bwd_prep_tiles, _no_smem, any_head_dim=True),
-    "bwd": KernelSpec("flash_bwd.cu", ("flash_bwd",), "BwdParams", None, ALL_DTYPES, MAX_HEAD_DIM,
+    "fwd_sm90": KernelSpec("flash_fwd_sm90.cu", ("flash_fwd_sm90",), ("FwdParams",), "sm_90a", SIXTEEN_BIT,
+                           MAX_HEAD_DIM, _fwd_sm90_tiles, _fwd_sm90_bytes),
+    "bwd_prep": KernelSpec("flash_bwd_prep.cu", ("flash_bwd_prep", "flash_convert"), ("BwdParams",) * 2, None,
+                           ALL_DTYPES, MAX_HEAD_DIM, _bwd_prep_tiles, _no_smem, any_head_dim=True),
+    "bwd": KernelSpec("flash_bwd.cu", ("flash_bwd",), ("BwdParams",), None, ALL_DTYPES, MAX_HEAD_DIM,
                       _bwd_tiles, _bwd_bytes, ordered=True),
-    "bwd_sm90": KernelSpec("flash_bwd_sm90.cu", ("flash_bwd_sm90",), "BwdParams", "sm_90a", SIXTEEN_BIT,
+    "bwd_sm90": KernelSpec("flash_bwd_sm90.cu", ("flash_bwd_sm90",), ("BwdParams",), "sm_90a", SIXTEEN_BIT,
                            BWD_SM90_MAX_HEAD_DIM, _bwd_sm90_tiles, _bwd_sm90_bytes, ordered=True),
-    "repair": KernelSpec("flash_repair.cu", ("flash_fwd_repair", "flash_bwd_repair"), "FwdParams and BwdParams",
+    "repair": KernelSpec("flash_repair.cu", ("flash_fwd_repair", "flash_bwd_repair"), ("FwdParams", "BwdParams"),
                          None, ALL_DTYPES, MAX_HEAD_DIM, _repair_tiles, _no_smem),
 }
 

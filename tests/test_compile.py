@@ -134,6 +134,18 @@ def test_a_source_is_its_file_and_every_header_it_includes_once(kernel):
         assert src.count(first_line) == 1, (kernel, header)
 
 
+@pytest.mark.parametrize("kernel", sorted(_tiles.KERNELS))
+def test_each_entry_takes_the_parameter_struct_the_registry_names(kernel):
+    """The registry's ``params`` is what the source declares: each entry point takes that one struct,
+    by value, and the host mirrors it (``_params.STRUCTS``)."""
+    spec = _tiles.KERNELS[kernel]
+    source = (_compile.kernel_dir() / spec.source).read_text()
+    assert len(spec.params) == len(spec.entries)
+    for entry, struct in zip(spec.entries, spec.params):
+        assert struct in _params.STRUCTS
+        assert re.search(rf"\b{entry}\(const {struct} p\)", source), (entry, struct)
+
+
 def test_the_compile_test_checks_the_parameter_layout():
     """Where CI compiles (NVRTC of the CUDA 13 wheels), every source it compiles carries the checks."""
     if os.environ.get("CI"):
