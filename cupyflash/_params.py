@@ -148,7 +148,6 @@ class Params:
             if dtype.fields[name][0] == TENSOR:
                 value = (0, *value)
             filled[name] = value
-        self.dtype = dtype
         self.template = b"\0" * 8 + filled.tobytes()
         self.words = tuple(1 + pointer_word(dtype, f) for f in pointers)
         self._array = ctypes.c_uint64 * (1 + dtype.itemsize // 8)
@@ -163,7 +162,3 @@ class Params:
         for word, pointer in zip(self.words, pointers):
             buffer[word] = pointer
         return buffer, address
-
-    def struct(self, buffer) -> numpy.ndarray:
-        """The struct of a ``pack`` buffer as a structured NumPy scalar array (for tests)."""
-        return numpy.frombuffer(bytes(buffer)[8:], self.dtype)

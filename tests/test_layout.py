@@ -148,3 +148,22 @@ def test_precompile_refuses_a_name_that_is_no_kernel_family(names):
 
     with pytest.raises(ValueError, match="not among the kernel families fwd_v1, fwd_v2, fwd_sm90"):
         cupyflash.precompile(kernels=names)
+
+
+def test_a_packed_struct_is_the_template_with_the_call_pointers_behind_its_argument_word():
+    """``Params.pack``: word 0 is the address of the struct (the one entry of ``kernel_params``), the
+    struct holds the plan's fields and the call's pointers, each where the mirror puts it."""
+    from cupyflash import _params
+
+    params = _params.Params(_params.FWD, ("q.ptr", "o", "repair_flags"), q=(1, 2, 3, 4), mask=(5, 6, 1), D=64,
+                            scale=0.125)
+    buffer, address = params.pack((0x1000, 0x2000, 0x3000))
+    raw = bytes(buffer)
+    assert int.from_bytes(raw[:8], "little") == address + 8
+    struct = numpy.frombuffer(raw[8:], _params.FWD)[0]
+    assert (struct["q"]["ptr"], struct["o"], struct["repair_flags"]) == (0x1000, 0x2000, 0x3000)
+    assert (struct["q"]["s0"], struct["q"]["sn"], struct["k"]["ptr"], struct["m"]) == (1, 4, 0, 0)
+    assert tuple(struct["mask"]) == (5, 6, 1) and struct["D"] == 64 and struct["scale"] == 0.125
+    again, _ = params.pack((7, 8, 9))   # a copy per call: the template is untouched
+    assert numpy.frombuffer(bytes(again)[8:], _params.FWD)[0]["o"] == 8
+    assert numpy.frombuffer(bytes(buffer)[8:], _params.FWD)[0]["o"] == 0x2000
