@@ -256,19 +256,20 @@ class Launch:
     function: int         # its CUfunction on the plan's device
     grid: tuple           # (x, y)
     threads: int
-    smem_bytes: int = 0
+    smem_bytes: int
+    launch_kernel: object  # cupy.cuda.driver.launchKernel, looked up once per plan, not per launch
 
     def __call__(self, stream: int, address: int):
-        from cupy.cuda import driver
-
-        driver.launchKernel(self.function, self.grid[0], self.grid[1], 1, self.threads, 1, 1, self.smem_bytes,
-                            stream, address, 0)
+        self.launch_kernel(self.function, self.grid[0], self.grid[1], 1, self.threads, 1, 1, self.smem_bytes,
+                           stream, address, 0)
 
 
 def launch(kernel, grid, threads: int, smem_bytes: int = 0) -> Launch:
     """The ``Launch`` of RawKernel ``kernel`` on the current device; ``grid`` an int or ``(x, y)``."""
+    from cupy.cuda import driver
+
     grid = (_launch_grid(grid), 1) if isinstance(grid, int) else grid
-    return Launch(kernel, kernel.kernel.ptr, grid, threads, smem_bytes)
+    return Launch(kernel, kernel.kernel.ptr, grid, threads, smem_bytes, driver.launchKernel)
 
 
 def _copy_into(x, alloc):
@@ -310,9 +311,9 @@ class Block:
         memory = alloc(self.nbytes)
         base = memory.ptr
         if clear and self.zero_from < self.nbytes:
-            from cupy.cuda import runtime
+            import cupy   # a plain import of a loaded module: no `from` machinery on the call path
 
-            runtime.memsetAsync(base + self.zero_from, 0, self.nbytes - self.zero_from, stream)
+            cupy.cuda.runtime.memsetAsync(base + self.zero_from, 0, self.nbytes - self.zero_from, stream)
         return memory, base
 
     def pointers(self, base: int) -> list:
