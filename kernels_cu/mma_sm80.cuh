@@ -1,12 +1,13 @@
 // mma_sm80.cuh — warp tile products on the mma.sync fragment layout (sm_80 and later), and the
-// exact float32 / float64 FMA tiles on the same layout.
+// float64 (DMMA) and exact float32 FMA tiles on the same layout.
 //
 // Warp tiles follow the mma.sync m16n8k16 fragment layout for every dtype:
 // lane = 4*g + t owns rows (g, g+8) and columns (2t, 2t+1) of each 16x8
 // accumulator tile, `acc[n][0..3]` = {(g,2t), (g,2t+1), (g+8,2t), (g+8,2t+1)}.
 // float16/bfloat16 multiply on tensor cores (ldmatrix + mma.sync, float32
-// accumulate); float32 and float64 run the same tiles as exact FMA loops, so
-// the softmax, masking and store code is one code for all four dtypes.
+// accumulate), float64 on the float64 tensor cores (mma.sync m8n8k4 .f64, two
+// per 16x8 tile), float32 as exact FMA loops: the same tiles, so the softmax,
+// masking and store code is one code for all four dtypes.
 
 #pragma once
 
@@ -118,7 +119,51 @@ __device__ __forceinline__ void warp_mma_ra(acc_t (&c)[NT][4], const unsigned (&
         }
 }
 
-#else  // exact float32 / float64 FMA on the same fragment layout
+#elif FLASH_DTYPE == 3  // float64 on the float64 tensor cores (DMMA), on the same fragment layout
+
+// D (8, 8) += A (8, 4) * B (4, 8) in float64. Lane 4*g + t holds A[g][t], B[t][g] and
+// D[g][2t], D[g][2t+1] (PTX ISA, mma.m8n8k4 .f64 fragments), so two of them, for rows 0-7 and
+// 8-15, make one 16x8 accumulator tile of this file's layout.
+__device__ __forceinline__ void dmma_884(double& d0, double& d1, double a, double b) {
+    asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};"
+                 : "+d"(d0), "+d"(d1) : "d"(a), "d"(b));
+}
+
+// Products are summed in blocks of K_BLOCK terms, each block's partial sum then added to c, as the
+// FMA tiles below do: the same two-level sum, so float64 keeps its error bound whichever unit runs.
+constexpr int K_BLOCK = 16;
+
+template <int NT, int K, bool A_T, bool B_T>
+__device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
+                                         const elem_t* __restrict__ a, int lda,
+                                         const elem_t* __restrict__ b, int ldb) {
+    static_assert(K % K_BLOCK == 0, "DMMA warp tiles sum K in blocks of K_BLOCK");
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, t = lane % 4;
+    for (int k0 = 0; k0 < K; k0 += K_BLOCK) {
+        acc_t part[NT][4];
+        zero_frag(part);
+#pragma unroll
+        for (int ks = 0; ks < K_BLOCK; ks += 4) {   // k-steps of 4, this lane's k the step's t-th
+            const int k = k0 + ks + t;
+            const double a0 = A_T ? a[k * lda + g] : a[g * lda + k];
+            const double a1 = A_T ? a[k * lda + g + 8] : a[(g + 8) * lda + k];
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const int col = n * 8 + g;
+                const double bk = B_T ? b[k * ldb + col] : b[col * ldb + k];
+                dmma_884(part[n][0], part[n][1], a0, bk);
+                dmma_884(part[n][2], part[n][3], a1, bk);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) c[n][e] += part[n][e];
+    }
+}
+
+#else  // exact float32 FMA on the same fragment layout
 
 // Products are summed in blocks of K_BLOCK terms, each block's partial sum
 // then added to c: a two-level sum whose rounding error grows with
