@@ -136,6 +136,9 @@ class TileConfig:
     ordered : bool
         A backward whose sums over CTAs are added in grid order (``deterministic=True``); its own
         specialisation, so that the default backward carries none of it.
+    fp32_mma : int
+        float32 products (``mma_sm80.cuh``): 0 exact FMA, 1 3xTF32, 2 one TF32 product on the
+        tensor cores. Not yet chosen by any plan (issue #16 on this branch: to be measured).
     """
 
     kernel: str
@@ -146,6 +149,7 @@ class TileConfig:
     warps: int
     d_chunk: int
     ordered: bool = False
+    fp32_mma: int = 0
 
     @property
     def spec(self) -> "KernelSpec":
@@ -206,6 +210,8 @@ class TileConfig:
             f"-DFLASH_SMEM_BYTES={self.smem_bytes}",
             f"-DFLASH_ORDERED={int(self.ordered)}",
         ]
+        if self.dtype == "float32":
+            out.append(f"-DFLASH_FP32_MMA={self.fp32_mma}")
         if self.kernel == "fwd_sm90":
             out.append(f"-DFLASH_Q_STAGES={self.q_stages}")
         if self.registers:

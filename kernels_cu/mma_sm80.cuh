@@ -163,6 +163,86 @@ __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
     }
 }
 
+#elif FLASH_FP32_MMA  // float32 on the TF32 tensor cores: 3xTF32 (1) or one TF32 product (2)
+
+// D (16, 8) += A (16, 8) * B (8, 8), operands as TF32 bit patterns, float32 accumulate. Lane
+// 4*g + t holds A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4] and B[t][g], B[t+4][g] (PTX ISA,
+// mma.m16n8k8 .tf32 fragments); D is this file's accumulator layout.
+__device__ __forceinline__ void mma_1688_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned tf32_rna(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// x = hi + lo: hi its leading 11 significant bits (truncated, so it cannot overflow), lo the rest
+// rounded to TF32. A non-finite x is its own hi (NaN canonical, so no payload reads as inf) with
+// lo = 0, so that inf and NaN products are those of a float32 FMA.
+struct Tf32Pair { unsigned hi, lo; };
+
+__device__ __forceinline__ Tf32Pair split_tf32(float x) {
+    const bool finite = isfinite(x);
+    const unsigned hi = finite ? (__float_as_uint(x) & 0xffffe000u) : isnan(x) ? 0x7fc00000u : __float_as_uint(x);
+    return {hi, finite ? tf32_rna(x - __uint_as_float(hi)) : 0u};
+}
+
+// Products summed in blocks of K_BLOCK terms, as the FMA tiles below do. 3xTF32: each product is
+// a_hi b_hi + a_hi b_lo + a_lo b_hi (the small terms first), a_lo b_lo (below 2^-22 of it) dropped.
+constexpr int K_BLOCK = 16;
+
+template <int NT, int K, bool A_T, bool B_T>
+__device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
+                                         const elem_t* __restrict__ a, int lda,
+                                         const elem_t* __restrict__ b, int ldb) {
+    static_assert(K % K_BLOCK == 0, "TF32 warp tiles sum K in blocks of K_BLOCK");
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, t = lane % 4;
+    auto at = [&](int r, int k) { return A_T ? a[k * lda + r] : a[r * lda + k]; };
+    auto bt = [&](int k, int n) { return B_T ? b[k * ldb + n] : b[n * ldb + k]; };
+    for (int k0 = 0; k0 < K; k0 += K_BLOCK) {
+        acc_t part[NT][4];
+        zero_frag(part);
+#pragma unroll
+        for (int ks = k0; ks < k0 + K_BLOCK; ks += 8) {
+            const float av[4] = {at(g, ks + t), at(g + 8, ks + t), at(g, ks + t + 4), at(g + 8, ks + t + 4)};
+            unsigned a_hi[4], a_lo[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+#if FLASH_FP32_MMA == 1
+                const Tf32Pair x = split_tf32(av[e]);
+                a_hi[e] = x.hi;
+                a_lo[e] = x.lo;
+#else
+                a_hi[e] = tf32_rna(av[e]);
+                a_lo[e] = 0u;
+#endif
+            }
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const float b0 = bt(ks + t, n * 8 + g), b1 = bt(ks + t + 4, n * 8 + g);
+#if FLASH_FP32_MMA == 1
+                const Tf32Pair x0 = split_tf32(b0), x1 = split_tf32(b1);
+                mma_1688_tf32(part[n], a_lo, x0.hi, x1.hi);
+                mma_1688_tf32(part[n], a_hi, x0.lo, x1.lo);
+                mma_1688_tf32(part[n], a_hi, x0.hi, x1.hi);
+#else
+                mma_1688_tf32(part[n], a_hi, tf32_rna(b0), tf32_rna(b1));
+#endif
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) c[n][e] += part[n][e];
+    }
+}
+
 #else  // exact float32 FMA on the same fragment layout
 
 // Products are summed in blocks of K_BLOCK terms, each block's partial sum

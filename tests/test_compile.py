@@ -168,3 +168,16 @@ def test_a_drifted_parameter_mirror_fails_to_compile(monkeypatch):
     finally:
         monkeypatch.undo()
         _compile.kernel_source.cache_clear()
+
+
+@pytest.mark.parametrize("kernel", ["fwd_v1", "fwd_v2", "bwd"])
+@pytest.mark.parametrize("fp32_mma", [1, 2])
+def test_float32_tensor_core_tiles_compile(kernel, fp32_mma):
+    """The 3xTF32 and TF32 warp tiles of float32 (mma_sm80.cuh, FLASH_FP32_MMA) compile to a cubin; no plan chooses them yet.
+    """
+    from dataclasses import replace
+
+    cfg = replace(_tiles.choose_tiles(kernel, 64, "float32", ARCH_SMEM["sm_90"]), fp32_mma=fp32_mma)
+    assert "-DFLASH_FP32_MMA=%d" % fp32_mma in cfg.defines()
+    magic, _ = _compile.compile_for_arch(cfg, "sm_90")
+    assert magic[:4] == b"\x7fELF"
