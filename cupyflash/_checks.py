@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy
 
-from ._tiles import MAX_HEAD_DIM, accumulator_dtype, dtype_name
+from ._tiles import MAX_HEAD_DIM, PRECISIONS, accumulator_dtype, dtype_name
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 LOG2E = math.log2(math.e)
@@ -71,6 +71,14 @@ def check_schedule(schedule) -> str:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     return schedule
+
+
+def check_precision(precision) -> str:
+    if not isinstance(precision, str):
+        raise TypeError(f"precision must be one of {PRECISIONS}, got {type(precision).__name__}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return precision
 
 
 def check_forward(q, k, v, causal, softmax_scale) -> Problem:

@@ -138,7 +138,7 @@ class TileConfig:
         specialisation, so that the default backward carries none of it.
     fp32_mma : int
         float32 products (``mma_sm80.cuh``): 0 exact FMA, 1 3xTF32, 2 one TF32 product on the
-        tensor cores. Not yet chosen by any plan (issue #16 on this branch: to be measured).
+        tensor cores (``with_precision``).
     """
 
     kernel: str
@@ -344,25 +344,39 @@ class KernelSpec:
     smem: Callable                 # TileConfig -> dynamic shared-memory bytes
     ordered: bool = False          # comes in a deterministic (grid-ordered sums) variant too
     any_head_dim: bool = False     # one specialisation per dtype serves every head dim
+    fp32_products: bool = False    # its float32 products follow ``precision`` (FP32_PRODUCTS)
 
 
 ALL_DTYPES = tuple(DTYPE_CODES)
 KERNELS = {
     "fwd_v1": KernelSpec("flash_fwd_v1.cu", ("flash_fwd_v1",), ("FwdParams",), None, ALL_DTYPES, MAX_HEAD_DIM,
-                         _fwd_v1_tiles, _fwd_v1_bytes),
+                         _fwd_v1_tiles, _fwd_v1_bytes, fp32_products=True),
     "fwd_v2": KernelSpec("flash_fwd_v2.cu", ("flash_fwd_v2",), ("FwdParams",), None, ALL_DTYPES, MAX_HEAD_DIM,
-                         _fwd_v2_tiles, _fwd_v2_bytes),
+                         _fwd_v2_tiles, _fwd_v2_bytes, fp32_products=True),
     "fwd_sm90": KernelSpec("flash_fwd_sm90.cu", ("flash_fwd_sm90",), ("FwdParams",), "sm_90a", SIXTEEN_BIT,
                            MAX_HEAD_DIM, _fwd_sm90_tiles, _fwd_sm90_bytes),
     "bwd_prep": KernelSpec("flash_bwd_prep.cu", ("flash_bwd_prep", "flash_convert"), ("BwdParams",) * 2, None,
                            ALL_DTYPES, MAX_HEAD_DIM, _bwd_prep_tiles, _no_smem, any_head_dim=True),
     "bwd": KernelSpec("flash_bwd.cu", ("flash_bwd",), ("BwdParams",), None, ALL_DTYPES, MAX_HEAD_DIM,
-                      _bwd_tiles, _bwd_bytes, ordered=True),
+                      _bwd_tiles, _bwd_bytes, ordered=True, fp32_products=True),
     "bwd_sm90": KernelSpec("flash_bwd_sm90.cu", ("flash_bwd_sm90",), ("BwdParams",), "sm_90a", SIXTEEN_BIT,
                            BWD_SM90_MAX_HEAD_DIM, _bwd_sm90_tiles, _bwd_sm90_bytes, ordered=True),
     "repair": KernelSpec("flash_repair.cu", ("flash_fwd_repair", "flash_bwd_repair"), ("FwdParams", "BwdParams"),
                          None, ALL_DTYPES, MAX_HEAD_DIM, _repair_tiles, _no_smem),
 }
+
+
+# float32 products of each ``precision`` (TileConfig.fp32_mma, mma_sm80.cuh): "highest" 3xTF32 on
+# the tensor cores (float32 accuracy), "tf32" one TF32 product. 0 would be the exact FMA tiles.
+FP32_PRODUCTS = {"highest": 1, "tf32": 2}
+PRECISIONS = tuple(FP32_PRODUCTS)
+
+
+def with_precision(cfg: TileConfig, precision: str) -> TileConfig:
+    """``cfg`` with the float32 products of ``precision``; other dtypes and kernels are unchanged."""
+    if cfg.dtype != "float32" or not cfg.spec.fp32_products:
+        return cfg
+    return replace(cfg, fp32_mma=FP32_PRODUCTS[precision])
 
 
 def choose_tiles(kernel: str, head_dim: int, dtype, smem_limit: int) -> TileConfig:
@@ -412,7 +426,8 @@ def all_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
     below 167 KB) is left out: that call runs V1. Architecture-specific kernels are listed for
     their architecture's family only, for the dtypes and head dims they take; buckets that share
     a padded head dim give one configuration; the kernels with ``ordered`` variants come ordered
-    (``deterministic=True``) and not.
+    (``deterministic=True``) and not, and those whose float32 products follow ``precision`` in
+    one variant per precision.
     """
     configs = []
     for kernel, spec in KERNELS.items():
@@ -427,7 +442,9 @@ def all_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
                     if kernel in ("fwd_v1", "bwd"):   # the portable kernels serve every call
                         raise ValueError(f"no {kernel} tiles fit {smem_limit} bytes (D={bucket}, {dtype})")
                     continue
-                for variant in (cfg, replace(cfg, ordered=True)) if spec.ordered else (cfg,):
-                    if variant not in configs:
-                        configs.append(variant)
+                precisions = [with_precision(cfg, p) for p in PRECISIONS]
+                for base in dict.fromkeys(precisions):
+                    for variant in (base, replace(base, ordered=True)) if spec.ordered else (base,):
+                        if variant not in configs:
+                            configs.append(variant)
     return configs

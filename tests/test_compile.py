@@ -94,7 +94,9 @@ def test_every_dtype_and_bucket_is_covered():
                         with pytest.raises(ValueError):
                             _tiles.choose_tiles(kernel, bucket, dtype, smem)
                         continue
-                    assert _tiles.choose_tiles(kernel, bucket, dtype, smem) in compiled
+                    cfg = _tiles.choose_tiles(kernel, bucket, dtype, smem)
+                    for precision in _tiles.PRECISIONS:
+                        assert _tiles.with_precision(cfg, precision) in compiled
 
 
 @pytest.mark.parametrize("arch, smem", sorted(ARCH_SMEM.items()))
@@ -171,13 +173,19 @@ def test_a_drifted_parameter_mirror_fails_to_compile(monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", ["fwd_v1", "fwd_v2", "bwd"])
-@pytest.mark.parametrize("fp32_mma", [1, 2])
-def test_float32_tensor_core_tiles_compile(kernel, fp32_mma):
-    """The 3xTF32 and TF32 warp tiles of float32 (mma_sm80.cuh, FLASH_FP32_MMA) compile to a cubin; no plan chooses them yet.
-    """
-    from dataclasses import replace
-
-    cfg = replace(_tiles.choose_tiles(kernel, 64, "float32", ARCH_SMEM["sm_90"]), fp32_mma=fp32_mma)
-    assert "-DFLASH_FP32_MMA=%d" % fp32_mma in cfg.defines()
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_the_exact_float32_fma_tiles_compile(kernel, head_dim):
+    """The exact FMA tiles of float32 (FLASH_FP32_MMA=0), which no precision runs but the accuracy test
+    compares the tensor-core tiles with, still compile."""
+    cfg = _tiles.choose_tiles(kernel, head_dim, "float32", ARCH_SMEM["sm_90"])
+    assert cfg.fp32_mma == 0 and "-DFLASH_FP32_MMA=0" in cfg.defines()
     magic, _ = _compile.compile_for_arch(cfg, "sm_90")
     assert magic[:4] == b"\x7fELF"
+
+
+def test_float32_specialisations_come_in_one_variant_per_precision():
+    configs = _tiles.all_tile_configs(ARCH_SMEM["sm_90"], "sm_90")
+    for kernel in ("fwd_v1", "fwd_v2", "bwd"):
+        modes = {c.fp32_mma for c in configs if c.kernel == kernel and c.dtype == "float32"}
+        assert modes == set(_tiles.FP32_PRODUCTS.values())
+    assert {c.fp32_mma for c in configs if c.dtype != "float32" or not c.spec.fp32_products} == {0}

@@ -662,6 +662,31 @@ def test_bad_schedule_raises(schedule, error):
         cupyflash.flash_attention(q, q, q, schedule=schedule)
 
 
+@pytest.mark.parametrize("precision, error", [("high", ValueError), ("TF32", ValueError), ("fp32", ValueError),
+                                              (1, TypeError), (None, TypeError)])
+def test_bad_precision_raises_naming_it(precision, error):
+    q = np.zeros((4, 8), np.float32)
+    with pytest.raises(error, match="precision must be one of"):
+        cupyflash.flash_attention_forward(q, q, q, precision=precision)
+    o, m, l = cupyflash.flash_attention_forward(q, q, q)
+    with pytest.raises(error, match="precision must be one of"):
+        cupyflash.flash_attention_backward(o, q, q, q, o, m, l, precision=precision)
+    with pytest.raises(error, match="precision must be one of"):
+        cupyflash.flash_attention(q, q, q, precision=precision)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_the_numpy_path_takes_every_precision_and_computes_the_same(dtype):
+    """The CPU path multiplies at its dtype's own precision whatever ``precision`` says."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 20, 8)).astype(dtype) for _ in range(3))
+    results = [cupyflash.flash_attention_forward(q, k, v, causal=True, precision=p) for p in ("highest", "tf32")]
+    grads = [cupyflash.flash_attention_backward(q, q, k, v, *results[0], causal=True, precision=p)
+             for p in ("highest", "tf32")]
+    for a, b in zip(results[0] + grads[0], results[1] + grads[1]):
+        assert a.tobytes() == b.tobytes()
+
+
 @pytest.mark.parametrize("deterministic", [0, 1, None, "yes", 1.0])
 def test_non_bool_deterministic_raises_type_error(deterministic):
     q = np.zeros((4, 8), np.float32)
