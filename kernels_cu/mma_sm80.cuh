@@ -208,7 +208,7 @@ __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
     for (int k0 = 0; k0 < K; k0 += K_BLOCK) {
         acc_t part[NT][4];
         zero_frag(part);
-#pragma unroll
+#pragma unroll 1
         for (int ks = k0; ks < k0 + K_BLOCK; ks += 8) {
             const float av[4] = {at(g, ks + t), at(g + 8, ks + t), at(g, ks + t + 4), at(g + 8, ks + t + 4)};
             unsigned a_hi[4], a_lo[4];
