@@ -182,18 +182,21 @@ __device__ __forceinline__ unsigned tf32_rna(float x) {
 }
 
 // x = hi + lo: hi its leading 11 significant bits (truncated, so it cannot overflow), lo the rest
-// rounded to TF32. A non-finite x is its own hi (NaN canonical, so no payload reads as inf) with
-// lo = 0, so that inf and NaN products are those of a float32 FMA.
-struct Tf32Pair { unsigned hi, lo; };
+// rounded to TF32. For a non-finite x, hi is x (a NaN canonical, so that no payload reads as inf),
+// lo = 0, and `small`, the hi that meets the other operand's lo, is 0: the two small terms then add
+// 0 and the product is that of a float32 FMA (x times a finite y: inf or NaN as x * y is).
+struct Tf32Split { unsigned hi, lo, small; };
 
-__device__ __forceinline__ Tf32Pair split_tf32(float x) {
-    const bool finite = isfinite(x);
-    const unsigned hi = finite ? (__float_as_uint(x) & 0xffffe000u) : isnan(x) ? 0x7fc00000u : __float_as_uint(x);
-    return {hi, finite ? tf32_rna(x - __uint_as_float(hi)) : 0u};
+__device__ __forceinline__ Tf32Split split_tf32(float x) {
+    if (isfinite(x)) {
+        const unsigned hi = __float_as_uint(x) & 0xffffe000u;
+        return {hi, tf32_rna(x - __uint_as_float(hi)), hi};
+    }
+    return {isnan(x) ? 0x7fc00000u : __float_as_uint(x), 0u, 0u};
 }
 
 // Products summed in blocks of K_BLOCK terms, as the FMA tiles below do. 3xTF32: each product is
-// a_hi b_hi + a_hi b_lo + a_lo b_hi (the small terms first), a_lo b_lo (below 2^-22 of it) dropped.
+// a_lo b_hi + a_hi b_lo + a_hi b_hi (the small terms first), a_lo b_lo (below 2^-22 of it) dropped.
 constexpr int K_BLOCK = 16;
 
 template <int NT, int K, bool A_T, bool B_T>
@@ -211,30 +214,30 @@ __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
 #pragma unroll 1
         for (int ks = k0; ks < k0 + K_BLOCK; ks += 8) {
             const float av[4] = {at(g, ks + t), at(g + 8, ks + t), at(g, ks + t + 4), at(g + 8, ks + t + 4)};
-            unsigned a_hi[4], a_lo[4];
+#if FLASH_FP32_MMA == 1
+            unsigned a_hi[4], a_lo[4], a_small[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-#if FLASH_FP32_MMA == 1
-                const Tf32Pair x = split_tf32(av[e]);
+                const Tf32Split x = split_tf32(av[e]);
                 a_hi[e] = x.hi;
                 a_lo[e] = x.lo;
-#else
-                a_hi[e] = tf32_rna(av[e]);
-                a_lo[e] = 0u;
-#endif
+                a_small[e] = x.small;
             }
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
-                const float b0 = bt(ks + t, n * 8 + g), b1 = bt(ks + t + 4, n * 8 + g);
-#if FLASH_FP32_MMA == 1
-                const Tf32Pair x0 = split_tf32(b0), x1 = split_tf32(b1);
-                mma_1688_tf32(part[n], a_lo, x0.hi, x1.hi);
-                mma_1688_tf32(part[n], a_hi, x0.lo, x1.lo);
+                const Tf32Split x0 = split_tf32(bt(ks + t, n * 8 + g)), x1 = split_tf32(bt(ks + t + 4, n * 8 + g));
+                mma_1688_tf32(part[n], a_lo, x0.small, x1.small);
+                mma_1688_tf32(part[n], a_small, x0.lo, x1.lo);
                 mma_1688_tf32(part[n], a_hi, x0.hi, x1.hi);
-#else
-                mma_1688_tf32(part[n], a_hi, tf32_rna(b0), tf32_rna(b1));
-#endif
             }
+#else
+            unsigned a_tf32[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a_tf32[e] = tf32_rna(av[e]);
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+                mma_1688_tf32(part[n], a_tf32, tf32_rna(bt(ks + t, n * 8 + g)), tf32_rna(bt(ks + t + 4, n * 8 + g)));
+#endif
         }
 #pragma unroll
         for (int n = 0; n < NT; ++n)
