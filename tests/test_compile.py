@@ -8,6 +8,8 @@ The specialisations compile side by side in worker processes, one per core
 
 import os
 import re
+import sys
+from pathlib import Path
 
 import numpy
 import pytest
@@ -189,3 +191,22 @@ def test_float32_specialisations_come_in_one_variant_per_precision():
         modes = {c.fp32_mma for c in configs if c.kernel == kernel and c.dtype == "float32"}
         assert modes == set(_tiles.FP32_PRODUCTS.values())
     assert {c.fp32_mma for c in configs if c.dtype != "float32" or not c.spec.fp32_products} == {0}
+
+
+def test_the_ceiling_kernels_of_benchmarks_mma_ceilings_compile():
+    """benchmarks/mma_ceilings.py's kernels (one per instruction) compile for the architectures they need."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        import mma_ceilings
+    finally:
+        sys.path.pop(0)
+    for name, (min_sm, _, source, _) in mma_ceilings.sources().items():
+        prog = nvrtc.createProgram(source, "ceiling.cu", [], [])
+        try:
+            nvrtc.compileProgram(prog, ["-arch=sm_90a" if min_sm >= 90 else "-arch=sm_80"])
+        except nvrtc.NVRTCError:
+            pytest.fail(f"{name}: {nvrtc.getProgramLog(prog)}")
+        finally:
+            nvrtc.destroyProgram(prog)
