@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy
 
-from ._tiles import MAX_HEAD_DIM, PRECISIONS, accumulator_dtype, dtype_name
+from ._tiles import MAX_HEAD_DIM, accumulator_dtype, dtype_name
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
 LOG2E = math.log2(math.e)
@@ -65,20 +65,13 @@ def check_bool(name: str, value) -> bool:
     return bool(value)
 
 
-def check_schedule(schedule) -> str:
-    if not isinstance(schedule, str):
-        raise TypeError(f"schedule must be one of {SCHEDULES}, got {type(schedule).__name__}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    return schedule
-
-
-def check_precision(precision) -> str:
-    if not isinstance(precision, str):
-        raise TypeError(f"precision must be one of {PRECISIONS}, got {type(precision).__name__}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    return precision
+def check_choice(name: str, value, choices) -> str:
+    """``value`` of keyword ``name``, one of the strings ``choices``."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {choices}, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
 
 
 def check_forward(q, k, v, causal, softmax_scale) -> Problem:
@@ -217,5 +210,5 @@ def kernel_ready(x):
     return cupy.ascontiguousarray(x)
 
 
-__all__ = ["OUT_ALIGNMENT", "Problem", "SCHEDULES", "array_module", "check_backward", "check_disjoint", "check_forward",
-           "check_out", "check_schedule", "dtype_name", "kernel_ready", "readable_in_place"]
+__all__ = ["OUT_ALIGNMENT", "Problem", "SCHEDULES", "array_module", "check_backward", "check_bool", "check_choice",
+           "check_disjoint", "check_forward", "check_out", "dtype_name", "kernel_ready", "readable_in_place"]

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Optional, Union
 import numpy
 
 from . import _launch, blocked
-from ._checks import (check_backward, check_bool, check_disjoint, check_forward, check_out, check_precision,
-                      check_schedule, kernel_ready, readable_in_place)
-from ._tiles import accumulator_dtype
+from ._checks import (SCHEDULES, check_backward, check_bool, check_choice, check_disjoint, check_forward, check_out,
+                      kernel_ready, readable_in_place)
+from ._tiles import PRECISIONS, accumulator_dtype
 
 
 if TYPE_CHECKING:
@@ -112,8 +112,8 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     if plan is not None:
         return plan(q, k, v, out)
     prob = check_forward(q, k, v, causal, softmax_scale)
-    check_schedule(schedule)
-    check_precision(precision)
+    check_choice("schedule", schedule, SCHEDULES)
+    check_choice("precision", precision, PRECISIONS)
     acc = accumulator_dtype(prob.dtype)
     stats = (*prob.batch_shape, prob.Nq)
     if out is not None:
@@ -289,8 +289,8 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     if plan is not None:
         return plan(do, q, k, v, o, m, l, out)
     prob = check_backward(do, q, k, v, o, m, l, causal, softmax_scale)
-    check_schedule(schedule)
-    check_precision(precision)
+    check_choice("schedule", schedule, SCHEDULES)
+    check_choice("precision", precision, PRECISIONS)
     deterministic = check_bool("deterministic", deterministic)
     if out is not None:
         out = check_out(out, BACKWARD_OUTPUTS, (q.shape, k.shape, v.shape), (prob.dtype,) * 3, prob,

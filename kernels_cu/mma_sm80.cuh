@@ -119,7 +119,30 @@ __device__ __forceinline__ void warp_mma_ra(acc_t (&c)[NT][4], const unsigned (&
         }
 }
 
-#elif FLASH_DTYPE == 3  // float64 on the float64 tensor cores (DMMA), on the same fragment layout
+#else  // float32 and float64 on the same fragment layout: DMMA, TF32 or FMA products
+
+// Products are summed in blocks of K_BLOCK terms, each block's partial sum then added to c: a
+// two-level sum whose rounding error grows with K_BLOCK + K / K_BLOCK rather than K, as a tensor
+// core's k-steps do, whichever unit forms the products.
+constexpr int K_BLOCK = 16;
+
+// c += sum over K of `block(part, k0)`, which adds the products of k0 .. k0 + K_BLOCK - 1 into a
+// zeroed part
+template <int NT, int K, typename Block>
+__device__ __forceinline__ void sum_in_blocks(acc_t (&c)[NT][4], Block block) {
+    static_assert(K % K_BLOCK == 0, "float32/float64 warp tiles sum K in blocks of K_BLOCK");
+    for (int k0 = 0; k0 < K; k0 += K_BLOCK) {
+        acc_t part[NT][4];
+        zero_frag(part);
+        block(part, k0);
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) c[n][e] += part[n][e];
+    }
+}
+
+#if FLASH_DTYPE == 3  // float64 on the float64 tensor cores (DMMA)
 
 // D (8, 8) += A (8, 4) * B (4, 8) in float64. Lane 4*g + t holds A[g][t], B[t][g] and
 // D[g][2t], D[g][2t+1] (PTX ISA, mma.m8n8k4 .f64 fragments), so two of them, for rows 0-7 and
@@ -129,20 +152,13 @@ __device__ __forceinline__ void dmma_884(double& d0, double& d1, double a, doubl
                  : "+d"(d0), "+d"(d1) : "d"(a), "d"(b));
 }
 
-// Products are summed in blocks of K_BLOCK terms, each block's partial sum then added to c, as the
-// FMA tiles below do: the same two-level sum, so float64 keeps its error bound whichever unit runs.
-constexpr int K_BLOCK = 16;
-
 template <int NT, int K, bool A_T, bool B_T>
 __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
                                          const elem_t* __restrict__ a, int lda,
                                          const elem_t* __restrict__ b, int ldb) {
-    static_assert(K % K_BLOCK == 0, "DMMA warp tiles sum K in blocks of K_BLOCK");
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
-    for (int k0 = 0; k0 < K; k0 += K_BLOCK) {
-        acc_t part[NT][4];
-        zero_frag(part);
+    sum_in_blocks<NT, K>(c, [&](acc_t (&part)[NT][4], int k0) {
 #pragma unroll
         for (int ks = 0; ks < K_BLOCK; ks += 4) {   // k-steps of 4, this lane's k the step's t-th
             const int k = k0 + ks + t;
@@ -156,11 +172,7 @@ __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
                 dmma_884(part[n][2], part[n][3], a1, bk);
             }
         }
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) c[n][e] += part[n][e];
-    }
+    });
 }
 
 #elif FLASH_FP32_MMA  // float32 on the TF32 tensor cores: 3xTF32 (1) or one TF32 product (2)
@@ -195,22 +207,17 @@ __device__ __forceinline__ Tf32Split split_tf32(float x) {
     return {isnan(x) ? 0x7fc00000u : __float_as_uint(x), 0u, 0u};
 }
 
-// Products summed in blocks of K_BLOCK terms, as the FMA tiles below do. 3xTF32: each product is
-// a_lo b_hi + a_hi b_lo + a_hi b_hi (the small terms first), a_lo b_lo (below 2^-22 of it) dropped.
-constexpr int K_BLOCK = 16;
-
+// 3xTF32: each product is a_lo b_hi + a_hi b_lo + a_hi b_hi (the small terms first), a_lo b_lo
+// (below 2^-22 of it) dropped.
 template <int NT, int K, bool A_T, bool B_T>
 __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
                                          const elem_t* __restrict__ a, int lda,
                                          const elem_t* __restrict__ b, int ldb) {
-    static_assert(K % K_BLOCK == 0, "TF32 warp tiles sum K in blocks of K_BLOCK");
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
     auto at = [&](int r, int k) { return A_T ? a[k * lda + r] : a[r * lda + k]; };
     auto bt = [&](int k, int n) { return B_T ? b[k * ldb + n] : b[n * ldb + k]; };
-    for (int k0 = 0; k0 < K; k0 += K_BLOCK) {
-        acc_t part[NT][4];
-        zero_frag(part);
+    sum_in_blocks<NT, K>(c, [&](acc_t (&part)[NT][4], int k0) {
 #pragma unroll 1
         for (int ks = k0; ks < k0 + K_BLOCK; ks += 8) {
             const float av[4] = {at(g, ks + t), at(g + 8, ks + t), at(g, ks + t + 4), at(g + 8, ks + t + 4)};
@@ -239,30 +246,18 @@ __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
                 mma_1688_tf32(part[n], a_tf32, tf32_rna(bt(ks + t, n * 8 + g)), tf32_rna(bt(ks + t + 4, n * 8 + g)));
 #endif
         }
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) c[n][e] += part[n][e];
-    }
+    });
 }
 
-#else  // exact float32 FMA on the same fragment layout
-
-// Products are summed in blocks of K_BLOCK terms, each block's partial sum
-// then added to c: a two-level sum whose rounding error grows with
-// K_BLOCK + K / K_BLOCK rather than K, as a tensor core's k-steps do.
-constexpr int K_BLOCK = 16;
+#else  // exact float32 FMA
 
 template <int NT, int K, bool A_T, bool B_T>
 __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
                                          const elem_t* __restrict__ a, int lda,
                                          const elem_t* __restrict__ b, int ldb) {
-    static_assert(K % K_BLOCK == 0, "FMA warp tiles sum K in blocks of K_BLOCK");
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
-    for (int k0 = 0; k0 < K; k0 += K_BLOCK) {
-        acc_t part[NT][4];
-        zero_frag(part);
+    sum_in_blocks<NT, K>(c, [&](acc_t (&part)[NT][4], int k0) {
 #pragma unroll 4
         for (int k = k0; k < k0 + K_BLOCK; ++k) {
             const acc_t a0 = A_T ? a[k * lda + g] : a[g * lda + k];
@@ -278,11 +273,8 @@ __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
                 part[n][3] = fma(a1, b1, part[n][3]);
             }
         }
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) c[n][e] += part[n][e];
-    }
+    });
 }
 
+#endif
 #endif

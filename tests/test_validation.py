@@ -650,29 +650,20 @@ def test_bad_backward_out_raises_before_anything_runs(fault):
         flash_attention_backward(do, q, k, v, o, m, l, out=out)
 
 
-@pytest.mark.parametrize("schedule, error", [("v3", ValueError), ("V2", ValueError), (2, TypeError), (None, TypeError)])
-def test_bad_schedule_raises(schedule, error):
+@pytest.mark.parametrize("keyword, value, error", [
+    ("schedule", "v3", ValueError), ("schedule", "V2", ValueError), ("schedule", 2, TypeError),
+    ("schedule", None, TypeError), ("precision", "high", ValueError), ("precision", "TF32", ValueError),
+    ("precision", "fp32", ValueError), ("precision", 1, TypeError), ("precision", None, TypeError)])
+def test_a_bad_choice_keyword_raises_naming_it(keyword, value, error):
     q = np.zeros((4, 8), np.float32)
-    with pytest.raises(error, match="schedule"):
-        cupyflash.flash_attention_forward(q, q, q, schedule=schedule)
+    match = f"{keyword} must be one of"
+    with pytest.raises(error, match=match):
+        cupyflash.flash_attention_forward(q, q, q, **{keyword: value})
     o, m, l = cupyflash.flash_attention_forward(q, q, q)
-    with pytest.raises(error, match="schedule"):
-        cupyflash.flash_attention_backward(o, q, q, q, o, m, l, schedule=schedule)
-    with pytest.raises(error, match="schedule"):
-        cupyflash.flash_attention(q, q, q, schedule=schedule)
-
-
-@pytest.mark.parametrize("precision, error", [("high", ValueError), ("TF32", ValueError), ("fp32", ValueError),
-                                              (1, TypeError), (None, TypeError)])
-def test_bad_precision_raises_naming_it(precision, error):
-    q = np.zeros((4, 8), np.float32)
-    with pytest.raises(error, match="precision must be one of"):
-        cupyflash.flash_attention_forward(q, q, q, precision=precision)
-    o, m, l = cupyflash.flash_attention_forward(q, q, q)
-    with pytest.raises(error, match="precision must be one of"):
-        cupyflash.flash_attention_backward(o, q, q, q, o, m, l, precision=precision)
-    with pytest.raises(error, match="precision must be one of"):
-        cupyflash.flash_attention(q, q, q, precision=precision)
+    with pytest.raises(error, match=match):
+        cupyflash.flash_attention_backward(o, q, q, q, o, m, l, **{keyword: value})
+    with pytest.raises(error, match=match):
+        cupyflash.flash_attention(q, q, q, **{keyword: value})
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
