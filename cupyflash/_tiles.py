@@ -67,11 +67,12 @@ _FWD_V1_CANDIDATES = {
     "float64": ((32, 32, 2), (16, 32, 1), (16, 16, 1)),
 }
 # (B_r, B_c, warps) in order of preference; 16-bit: the first for D <= 64 (128 x 64 spills there),
-# the next two for D <= 128, the rest above
+# the next two for D <= 128, the rest above; float64: B_c = 64 for D <= 64 only (measured, H200:
+# 64 x 64 15.9 TFLOP/s at D = 64, 64 x 32 19.5 at D = 128 where 64 x 64 gives 7.5)
 _FWD_V2_CANDIDATES = {
     "16bit": ((64, 64, 4), (128, 64, 8), (64, 64, 4), (64, 32, 4), (32, 32, 2), (16, 16, 1)),
     "float32": ((64, 32, 4), (32, 32, 2), (16, 16, 1)),
-    "float64": ((32, 32, 2), (16, 16, 1)),
+    "float64": ((64, 64, 4), (64, 32, 4), (32, 32, 2), (16, 16, 1)),
 }
 # (B_r, B_c, warps) of the Hopper forward by padded head dim: a producer warpgroup and consumer
 # warpgroups of 64 query rows each. Three consumers up to D = 64 (measured 1.1-1.3x two at
@@ -82,7 +83,18 @@ _FWD_SM90_CANDIDATES = {64: (192, 128, 16), 128: (128, 128, 12), 256: (128, 64, 
 _BWD_CANDIDATES = {
     "16bit": ((32, 64, 4, 128), (32, 32, 2, 128), (16, 16, 1, 64)),
     "float32": ((32, 64, 4, 128), (32, 32, 2, 64), (16, 16, 1, 32)),
-    "float64": ((32, 64, 4, 32), (32, 32, 2, 32), (16, 16, 1, 32)),
+    "float64": ((32, 64, 4, 64), (32, 32, 2, 32), (16, 16, 1, 32)),
+}
+# float64 chunks of 64 columns (measured, H200, D = 128: 11.9 TFLOP/s; 8.5 with 32, 8.8 with 128)
+
+# The forward schedule "auto" runs, by precision class and padded head dim: (largest bucket, schedule),
+# measured on the H200 (benchmarks/RESULTS.md). V2 wins wherever its O_i fits the registers: 16-bit
+# 1.6-2x V1, float32 1.4-1.9x, float64 D <= 128 1.2-2.7x; float64 above 128 keeps V1 (V2's
+# (16, D) float64 O_i spills a kilobyte).
+AUTO_FORWARD = {
+    "16bit": ((256, "v2"),),
+    "float32": ((256, "v2"),),
+    "float64": ((128, "v2"), (256, "v1")),
 }
 # registers setmaxnreg leaves the producer warpgroup of a warp-specialised kernel, by consumers
 _PRODUCER_REGS = {"fwd_sm90": {2: 40, 3: 32}, "bwd_sm90": {2: 24}}
@@ -99,6 +111,12 @@ def dtype_name(dtype) -> str:
 def accumulator_dtype(dtype) -> numpy.dtype:
     """What the kernels accumulate in, and the dtype of m and l: float64 for float64, else float32."""
     return numpy.dtype(numpy.float64 if dtype_name(dtype) == "float64" else numpy.float32)
+
+
+def auto_forward(head_dim: int, dtype) -> str:
+    """The forward schedule of ``schedule="auto"`` at ``head_dim`` and ``dtype`` (``AUTO_FORWARD``)."""
+    d_pad = head_dim_bucket(head_dim)
+    return next(schedule for bucket, schedule in AUTO_FORWARD[_precision_class(dtype_name(dtype))] if d_pad <= bucket)
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -298,6 +316,8 @@ def _fwd_v2_tiles(kernel, head_dim, name, smem_limit):
     candidates = _FWD_V2_CANDIDATES[prec]
     if prec == "16bit":
         candidates = candidates[:1] if d_pad <= 64 else candidates[1:3] if d_pad <= 128 else candidates[3:]
+    elif prec == "float64" and d_pad > 64:
+        candidates = candidates[1:]
     return _first_fit((TileConfig(kernel, name, d_pad, br, bc, w, d_pad) for br, bc, w in candidates), smem_limit)
 
 

@@ -46,8 +46,9 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         Which GPU kernel runs; all return the same ``(o, m, l)``. 'v1' is
         FlashAttention's Algorithm 1 (K/V-outer, O/m/l through HBM between
         steps), 'v2' the FlashAttention-2 schedule (Q-outer, O/m/l in
-        registers), 'auto' V2 for 16-bit inputs (4-5x V1's speed on an H200)
-        and V1 for float32/float64. The NumPy path ignores it.
+        registers), 'auto' the faster of the two as measured on an H200 per
+        dtype and head dim (V2, except float64 with D > 128). The NumPy path
+        ignores it.
     precision : {'highest', 'tf32'}, optional
         How the GPU kernels multiply float32 inputs. 'highest' keeps float32
         accuracy on the tensor cores: each product is split into TF32 parts
