@@ -390,6 +390,7 @@ KERNELS = {
 # the tensor cores (float32 accuracy), "tf32" one TF32 product. 0 would be the exact FMA tiles.
 FP32_PRODUCTS = {"highest": 1, "tf32": 2}
 PRECISIONS = tuple(FP32_PRODUCTS)
+PRECISION_OF = {code: name for name, code in FP32_PRODUCTS.items()}
 
 
 def with_precision(cfg: TileConfig, precision: str) -> TileConfig:
