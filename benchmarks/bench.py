@@ -73,7 +73,8 @@ TOKENS = 16384                              # B · N
 HIDDEN = 2048                               # H · D
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128)
-DTYPES = {"fp16": numpy.float16, "bf16": ml_dtypes.bfloat16}
+DTYPES = {"fp16": numpy.float16, "bf16": ml_dtypes.bfloat16, "fp32": numpy.float32, "fp64": numpy.float64}
+SWEEP_DTYPES = ("fp16", "bf16")   # the FlashAttention papers' sweep; --dtypes fp32 fp64 adds issue #16's cases
 BFLOAT16 = numpy.dtype(ml_dtypes.bfloat16)
 MODES = ("fwd", "bwd", "fwd+bwd")
 QUICK_SEQLENS = (1024, 4096)
@@ -112,7 +113,8 @@ OUTPUT_NAMES = ("bench_results.json", "bench_results.md", "results.png")
 
 FLASH = "cupyflash-v2"          # the fast path: ratio columns compare it with every other system
 FLOOR_SYSTEM = "cupyflash-v1"   # issue #2's floor is a V1 promise
-SCHEDULES = {"cupyflash-v1": "v1", "cupyflash-v2": "v2", "cupyflash-v2-mma": "v2", "cupyflash-v2-det": "v2"}
+SCHEDULES = {"cupyflash-v1": "v1", "cupyflash-v2": "v2", "cupyflash-v2-mma": "v2", "cupyflash-v2-det": "v2",
+             "cupyflash-v1-tf32": "v1", "cupyflash-v2-tf32": "v2"}
 LONG_SYSTEM = "cupyflash-v1"    # the long run shows V1's O(N) workspace
 
 
@@ -180,13 +182,16 @@ def hopper_kernels(enabled: bool):
         _launch.USE_WGMMA = saved
 
 
-def cupyflash_runs(schedule: str, x: Inputs, *, wgmma: bool = True, deterministic: bool = False) -> dict:
+def cupyflash_runs(schedule: str, x: Inputs, *, wgmma: bool = True, deterministic: bool = False,
+                   precision: str = "highest") -> dict:
     def forward():
-        return cupyflash.flash_attention_forward(x.q, x.k, x.v, causal=x.causal, schedule=schedule)
+        return cupyflash.flash_attention_forward(x.q, x.k, x.v, causal=x.causal, schedule=schedule,
+                                                 precision=precision)
 
     def backward_from(o, m, l):
         return cupyflash.flash_attention_backward(x.do, x.q, x.k, x.v, o, m, l, causal=x.causal,
-                                                  schedule=schedule, deterministic=deterministic)
+                                                  schedule=schedule, precision=precision,
+                                                  deterministic=deterministic)
 
     if not wgmma:   # the portable kernels where the Hopper ones would run: switched for each call alone
         forward, backward_from = (_portable(f) for f in (forward, backward_from))
@@ -231,11 +236,11 @@ def cublas_matmul(a, b, *, transpose_b=False):
 def naive_attention(q, k, v, scale, bias):
     """softmax(scale · q kᵀ + bias) v with the (B, H, N, N) scores in HBM.
 
-    cuBLAS matmuls in the input dtype, softmax in float32, P cast back to the
-    input dtype. ``bias`` is (N, N), -inf above the diagonal, or None.
+    cuBLAS matmuls in the input dtype, softmax in float32 (float64 for float64),
+    P cast back to the input dtype. ``bias`` is (N, N), -inf above the diagonal, or None.
     """
     s = cublas_matmul(q, k, transpose_b=True)   # (B, H, N, N), input dtype
-    p32 = s.astype(cupy.float32)                # (B, H, N, N)
+    p32 = s.astype(cupy.float64 if q.dtype == cupy.float64 else cupy.float32)   # (B, H, N, N)
     del s
     p32 *= scale
     if bias is not None:
@@ -319,11 +324,15 @@ class System:
 
 SYSTEMS = (
     *(System(name, MODES, partial(cupyflash_runs, schedule, wgmma=not name.endswith("-mma"),
-                                  deterministic=name.endswith("-det")), cupy_clock, needs_torch=False)
+                                  deterministic=name.endswith("-det"),
+                                  precision="tf32" if name.endswith("-tf32") else "highest"),
+             cupy_clock, needs_torch=False)
       for name, schedule in SCHEDULES.items()),
     System("naive", ("fwd",), naive_runs, cupy_clock, needs_torch=False),
     System("torch-flash", MODES, partial(torch_runs, "FLASH_ATTENTION"), torch_clock, needs_torch=True),
     System("torch-cudnn", MODES, partial(torch_runs, "CUDNN_ATTENTION"), torch_clock, needs_torch=True),
+    # torch's fp32 peer: the memory-efficient kernel (error-compensated TF32 products for float32)
+    System("torch-efficient", MODES, partial(torch_runs, "EFFICIENT_ATTENTION"), torch_clock, needs_torch=True),
 )
 SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
 
@@ -699,7 +708,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", type=int, nargs="+", metavar="N", help=f"default {SEQLENS}")
     parser.add_argument("--head-dims", type=int, nargs="+", metavar="D", help=f"default {HEAD_DIMS}")
-    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="default both")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help=f"default {' '.join(SWEEP_DTYPES)}")
     parser.add_argument("--causal", choices=("0", "1", "both"), default="both", help="default both")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="default all")
     parser.add_argument("--systems", nargs="+", choices=SYSTEM_NAMES, default=list(SYSTEM_NAMES),
@@ -728,7 +737,7 @@ def parse_args(argv=None):
 def sweep_configs(args) -> list:
     seqlens = args.seqlens or (QUICK_SEQLENS if args.quick else SEQLENS)
     head_dims = args.head_dims or (QUICK_HEAD_DIMS if args.quick else HEAD_DIMS)
-    dtypes = args.dtypes or (QUICK_DTYPES if args.quick else tuple(DTYPES))
+    dtypes = args.dtypes or (QUICK_DTYPES if args.quick else SWEEP_DTYPES)
     causals = {"0": (False,), "1": (True,), "both": (False, True)}[args.causal]
     return [protocol_config(dtype, D, N, causal)
             for dtype in dtypes for D in head_dims for causal in causals for N in seqlens]

@@ -65,12 +65,13 @@ def check_bool(name: str, value) -> bool:
     return bool(value)
 
 
-def check_schedule(schedule) -> str:
-    if not isinstance(schedule, str):
-        raise TypeError(f"schedule must be one of {SCHEDULES}, got {type(schedule).__name__}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    return schedule
+def check_choice(name: str, value, choices) -> str:
+    """``value`` of keyword ``name``, one of the strings ``choices``."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {choices}, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
 
 
 def check_forward(q, k, v, causal, softmax_scale) -> Problem:
@@ -209,5 +210,5 @@ def kernel_ready(x):
     return cupy.ascontiguousarray(x)
 
 
-__all__ = ["OUT_ALIGNMENT", "Problem", "SCHEDULES", "array_module", "check_backward", "check_disjoint", "check_forward",
-           "check_out", "check_schedule", "dtype_name", "kernel_ready", "readable_in_place"]
+__all__ = ["OUT_ALIGNMENT", "Problem", "SCHEDULES", "array_module", "check_backward", "check_bool", "check_choice",
+           "check_disjoint", "check_forward", "check_out", "dtype_name", "kernel_ready", "readable_in_place"]

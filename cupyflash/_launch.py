@@ -27,7 +27,8 @@ import numpy
 from ._compile import get_kernels
 from ._mask import MaskGeometry
 from ._params import BWD, FWD, ZERO_RANGES, Params
-from ._tiles import KERNELS, TileConfig, accumulator_dtype, choose_tiles
+from . import _tiles
+from ._tiles import KERNELS, TileConfig, accumulator_dtype, choose_tiles, with_precision
 
 MAX_BATCH_DIMS = 3  # collapsed batch dims a kernel indexes (layout.cuh: split_batch)
 VECTOR_BYTES = 16   # width of the vectorised tile loads
@@ -147,14 +148,11 @@ def head_group(heads: int, bytes_per_head: int) -> numpy.int32:
 def forward_schedule(schedule: str, head_dim: int, dtype) -> str:
     """The forward kernel a validated ``schedule`` runs: 'v1' or 'v2'.
 
-    'auto' is V2 for 16-bit inputs, measured about twice as fast as V1 on an
-    H200 (benchmarks/RESULTS.md), and V1 for float32 and float64, whose V2
-    kernels keep O_i in registers and spill at large head dims (ptxas report;
-    their speeds are not yet compared). 'v2' runs V1 where V2's tiles do not
-    fit the device.
+    'auto' is the measured table ``_tiles.AUTO_FORWARD``. 'v2' runs V1 where V2's tiles do
+    not fit the device.
     """
     if schedule == "auto":
-        schedule = "v2" if numpy.dtype(dtype).itemsize == 2 else "v1"
+        schedule = _tiles.auto_forward(head_dim, dtype)
     if schedule == "v2":
         try:
             device_tiles("fwd_v2", head_dim, dtype)
@@ -406,13 +404,14 @@ def _repair(head_dim: int, dtype, flags: int):
     return get_kernels(cfg), min(flags, 4 * current_limits().sms)
 
 
-def forward_plan(q, k, v, *, schedule: str, causal: bool, scale: float, batch_shape, layout: BatchLayout):
+def forward_plan(q, k, v, *, schedule: str, precision: str, causal: bool, scale: float, batch_shape,
+                 layout: BatchLayout):
     """The ``schedule`` ('v1' or 'v2') forward of validated inputs ``q, k, v`` as a ``ForwardPlan``."""
     Nq, D = q.shape[-2:]
     Nk = k.shape[-2]
     BH = layout.count
     acc = accumulator_dtype(q.dtype)
-    cfg = device_tiles(forward_kernel(schedule, q.dtype, scale), D, q.dtype)
+    cfg = with_precision(device_tiles(forward_kernel(schedule, q.dtype, scale), D, q.dtype), precision)
     kernel = get_kernels(cfg)[cfg.spec.entries[0]]
     T_r = -(-Nq // cfg.block_r)
     limits = current_limits()
@@ -499,8 +498,8 @@ class BackwardPlan:
         return tuple(grads)
 
 
-def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, deterministic: bool,
-                  layout: BatchLayout):
+def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, causal: bool, scale: float,
+                  deterministic: bool, layout: BatchLayout):
     """The backward of ``schedule`` for validated inputs as a ``BackwardPlan``.
 
     ``layout.strides`` holds, in order, q, k, v, o, do and the contiguous own-shape layouts of
@@ -511,7 +510,8 @@ def backward_plan(do, q, k, v, o, *, schedule: str, causal: bool, scale: float, 
     BH = layout.count
     acc = accumulator_dtype(q.dtype)
     prep = get_kernels(device_tiles("bwd_prep", D, q.dtype))
-    main_cfg = replace(device_tiles(backward_kernel(schedule, q.dtype, D), D, q.dtype), ordered=deterministic)
+    main_cfg = replace(with_precision(device_tiles(backward_kernel(schedule, q.dtype, D), D, q.dtype), precision),
+                       ordered=deterministic)
     main = get_kernels(main_cfg)[main_cfg.spec.entries[0]]
     s_q, s_k, s_v, s_o, s_do, s_dq, s_dk, s_dv = layout.strides
     lse_stats = main_cfg.kernel == "bwd_sm90"

@@ -67,11 +67,12 @@ _FWD_V1_CANDIDATES = {
     "float64": ((32, 32, 2), (16, 32, 1), (16, 16, 1)),
 }
 # (B_r, B_c, warps) in order of preference; 16-bit: the first for D <= 64 (128 x 64 spills there),
-# the next two for D <= 128, the rest above
+# the next two for D <= 128, the rest above; float64: B_c = 64 for D <= 64 only (measured, H200:
+# 64 x 64 15.9 TFLOP/s at D = 64, 64 x 32 19.5 at D = 128 where 64 x 64 gives 7.5)
 _FWD_V2_CANDIDATES = {
     "16bit": ((64, 64, 4), (128, 64, 8), (64, 64, 4), (64, 32, 4), (32, 32, 2), (16, 16, 1)),
     "float32": ((64, 32, 4), (32, 32, 2), (16, 16, 1)),
-    "float64": ((32, 32, 2), (16, 16, 1)),
+    "float64": ((64, 64, 4), (64, 32, 4), (32, 32, 2), (16, 16, 1)),
 }
 # (B_r, B_c, warps) of the Hopper forward by padded head dim: a producer warpgroup and consumer
 # warpgroups of 64 query rows each. Three consumers up to D = 64 (measured 1.1-1.3x two at
@@ -82,7 +83,18 @@ _FWD_SM90_CANDIDATES = {64: (192, 128, 16), 128: (128, 128, 12), 256: (128, 64, 
 _BWD_CANDIDATES = {
     "16bit": ((32, 64, 4, 128), (32, 32, 2, 128), (16, 16, 1, 64)),
     "float32": ((32, 64, 4, 128), (32, 32, 2, 64), (16, 16, 1, 32)),
-    "float64": ((32, 64, 4, 32), (32, 32, 2, 32), (16, 16, 1, 32)),
+    "float64": ((32, 64, 4, 64), (32, 32, 2, 32), (16, 16, 1, 32)),
+}
+# float64 chunks of 64 columns (measured, H200, D = 128: 11.9 TFLOP/s; 8.5 with 32, 8.8 with 128)
+
+# The forward schedule "auto" runs, by precision class and padded head dim: (largest bucket, schedule),
+# measured on the H200 (benchmarks/RESULTS.md). V2 wins wherever its O_i fits the registers: 16-bit
+# 1.6-2x V1, float32 1.4-1.9x, float64 D <= 128 1.2-2.7x; float64 above 128 keeps V1 (V2's
+# (16, D) float64 O_i spills a kilobyte).
+AUTO_FORWARD = {
+    "16bit": ((256, "v2"),),
+    "float32": ((256, "v2"),),
+    "float64": ((128, "v2"), (256, "v1")),
 }
 # registers setmaxnreg leaves the producer warpgroup of a warp-specialised kernel, by consumers
 _PRODUCER_REGS = {"fwd_sm90": {2: 40, 3: 32}, "bwd_sm90": {2: 24}}
@@ -99,6 +111,12 @@ def dtype_name(dtype) -> str:
 def accumulator_dtype(dtype) -> numpy.dtype:
     """What the kernels accumulate in, and the dtype of m and l: float64 for float64, else float32."""
     return numpy.dtype(numpy.float64 if dtype_name(dtype) == "float64" else numpy.float32)
+
+
+def auto_forward(head_dim: int, dtype) -> str:
+    """The forward schedule of ``schedule="auto"`` at ``head_dim`` and ``dtype`` (``AUTO_FORWARD``)."""
+    d_pad = head_dim_bucket(head_dim)
+    return next(schedule for bucket, schedule in AUTO_FORWARD[_precision_class(dtype_name(dtype))] if d_pad <= bucket)
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -136,6 +154,9 @@ class TileConfig:
     ordered : bool
         A backward whose sums over CTAs are added in grid order (``deterministic=True``); its own
         specialisation, so that the default backward carries none of it.
+    fp32_mma : int
+        float32 products (``mma_sm80.cuh``): 0 exact FMA, 1 3xTF32, 2 one TF32 product on the
+        tensor cores (``with_precision``).
     """
 
     kernel: str
@@ -146,6 +167,7 @@ class TileConfig:
     warps: int
     d_chunk: int
     ordered: bool = False
+    fp32_mma: int = 0
 
     @property
     def spec(self) -> "KernelSpec":
@@ -206,6 +228,8 @@ class TileConfig:
             f"-DFLASH_SMEM_BYTES={self.smem_bytes}",
             f"-DFLASH_ORDERED={int(self.ordered)}",
         ]
+        if self.dtype == "float32":
+            out.append(f"-DFLASH_FP32_MMA={self.fp32_mma}")
         if self.kernel == "fwd_sm90":
             out.append(f"-DFLASH_Q_STAGES={self.q_stages}")
         if self.registers:
@@ -292,6 +316,8 @@ def _fwd_v2_tiles(kernel, head_dim, name, smem_limit):
     candidates = _FWD_V2_CANDIDATES[prec]
     if prec == "16bit":
         candidates = candidates[:1] if d_pad <= 64 else candidates[1:3] if d_pad <= 128 else candidates[3:]
+    elif prec == "float64" and d_pad > 64:
+        candidates = candidates[1:]
     return _first_fit((TileConfig(kernel, name, d_pad, br, bc, w, d_pad) for br, bc, w in candidates), smem_limit)
 
 
@@ -338,25 +364,40 @@ class KernelSpec:
     smem: Callable                 # TileConfig -> dynamic shared-memory bytes
     ordered: bool = False          # comes in a deterministic (grid-ordered sums) variant too
     any_head_dim: bool = False     # one specialisation per dtype serves every head dim
+    fp32_products: bool = False    # its float32 products follow ``precision`` (FP32_PRODUCTS)
 
 
 ALL_DTYPES = tuple(DTYPE_CODES)
 KERNELS = {
     "fwd_v1": KernelSpec("flash_fwd_v1.cu", ("flash_fwd_v1",), ("FwdParams",), None, ALL_DTYPES, MAX_HEAD_DIM,
-                         _fwd_v1_tiles, _fwd_v1_bytes),
+                         _fwd_v1_tiles, _fwd_v1_bytes, fp32_products=True),
     "fwd_v2": KernelSpec("flash_fwd_v2.cu", ("flash_fwd_v2",), ("FwdParams",), None, ALL_DTYPES, MAX_HEAD_DIM,
-                         _fwd_v2_tiles, _fwd_v2_bytes),
+                         _fwd_v2_tiles, _fwd_v2_bytes, fp32_products=True),
     "fwd_sm90": KernelSpec("flash_fwd_sm90.cu", ("flash_fwd_sm90",), ("FwdParams",), "sm_90a", SIXTEEN_BIT,
                            MAX_HEAD_DIM, _fwd_sm90_tiles, _fwd_sm90_bytes),
     "bwd_prep": KernelSpec("flash_bwd_prep.cu", ("flash_bwd_prep", "flash_convert"), ("BwdParams",) * 2, None,
                            ALL_DTYPES, MAX_HEAD_DIM, _bwd_prep_tiles, _no_smem, any_head_dim=True),
     "bwd": KernelSpec("flash_bwd.cu", ("flash_bwd",), ("BwdParams",), None, ALL_DTYPES, MAX_HEAD_DIM,
-                      _bwd_tiles, _bwd_bytes, ordered=True),
+                      _bwd_tiles, _bwd_bytes, ordered=True, fp32_products=True),
     "bwd_sm90": KernelSpec("flash_bwd_sm90.cu", ("flash_bwd_sm90",), ("BwdParams",), "sm_90a", SIXTEEN_BIT,
                            BWD_SM90_MAX_HEAD_DIM, _bwd_sm90_tiles, _bwd_sm90_bytes, ordered=True),
     "repair": KernelSpec("flash_repair.cu", ("flash_fwd_repair", "flash_bwd_repair"), ("FwdParams", "BwdParams"),
                          None, ALL_DTYPES, MAX_HEAD_DIM, _repair_tiles, _no_smem),
 }
+
+
+# float32 products of each ``precision`` (TileConfig.fp32_mma, mma_sm80.cuh): "highest" 3xTF32 on
+# the tensor cores (float32 accuracy), "tf32" one TF32 product. 0 would be the exact FMA tiles.
+FP32_PRODUCTS = {"highest": 1, "tf32": 2}
+PRECISIONS = tuple(FP32_PRODUCTS)
+PRECISION_OF = {code: name for name, code in FP32_PRODUCTS.items()}
+
+
+def with_precision(cfg: TileConfig, precision: str) -> TileConfig:
+    """``cfg`` with the float32 products of ``precision``; other dtypes and kernels are unchanged."""
+    if cfg.dtype != "float32" or not cfg.spec.fp32_products:
+        return cfg
+    return replace(cfg, fp32_mma=FP32_PRODUCTS[precision])
 
 
 def choose_tiles(kernel: str, head_dim: int, dtype, smem_limit: int) -> TileConfig:
@@ -406,7 +447,8 @@ def all_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
     below 167 KB) is left out: that call runs V1. Architecture-specific kernels are listed for
     their architecture's family only, for the dtypes and head dims they take; buckets that share
     a padded head dim give one configuration; the kernels with ``ordered`` variants come ordered
-    (``deterministic=True``) and not.
+    (``deterministic=True``) and not, and those whose float32 products follow ``precision`` in
+    one variant per precision.
     """
     configs = []
     for kernel, spec in KERNELS.items():
@@ -421,7 +463,9 @@ def all_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
                     if kernel in ("fwd_v1", "bwd"):   # the portable kernels serve every call
                         raise ValueError(f"no {kernel} tiles fit {smem_limit} bytes (D={bucket}, {dtype})")
                     continue
-                for variant in (cfg, replace(cfg, ordered=True)) if spec.ordered else (cfg,):
-                    if variant not in configs:
-                        configs.append(variant)
+                precisions = [with_precision(cfg, p) for p in PRECISIONS]
+                for base in dict.fromkeys(precisions):
+                    for variant in (base, replace(base, ordered=True)) if spec.ordered else (base,):
+                        if variant not in configs:
+                            configs.append(variant)
     return configs

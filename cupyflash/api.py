@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Optional, Union
 import numpy
 
 from . import _launch, blocked
-from ._checks import (check_backward, check_bool, check_disjoint, check_forward, check_out, check_schedule,
+from ._checks import (SCHEDULES, check_backward, check_bool, check_choice, check_disjoint, check_forward, check_out,
                       kernel_ready, readable_in_place)
-from ._tiles import accumulator_dtype
+from ._tiles import PRECISIONS, accumulator_dtype
 
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ BACKWARD_OUTPUTS = ("dq", "dk", "dv")
 
 def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False,
                             softmax_scale: Optional[float] = None, schedule: str = "auto",
-                            out: Optional[Outputs] = None) -> Outputs:
+                            precision: str = "highest", out: Optional[Outputs] = None) -> Outputs:
     """Exact attention with its softmax statistics (FlashAttention's fused forward).
 
     Parameters
@@ -46,8 +46,18 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         Which GPU kernel runs; all return the same ``(o, m, l)``. 'v1' is
         FlashAttention's Algorithm 1 (K/V-outer, O/m/l through HBM between
         steps), 'v2' the FlashAttention-2 schedule (Q-outer, O/m/l in
-        registers), 'auto' V2 for 16-bit inputs (4-5x V1's speed on an H200)
-        and V1 for float32/float64. The NumPy path ignores it.
+        registers), 'auto' the faster of the two as measured on an H200 per
+        dtype and head dim (V2, except float64 with D > 128). The NumPy path
+        ignores it.
+    precision : {'highest', 'tf32'}, optional
+        How the GPU kernels multiply float32 inputs. 'highest' keeps float32
+        accuracy on the tensor cores: each product is split into TF32 parts
+        and summed from three TF32 products ("3xTF32"), with float32
+        accumulators. 'tf32' takes one TF32 product (10-bit mantissas, like
+        ``torch.backends.cuda.matmul.allow_tf32`` or JAX's default
+        precision): relative errors of about 1e-3 instead of 1e-6. float16,
+        bfloat16 and float64 inputs, and the NumPy path, accept it and are
+        unchanged by it.
     out : tuple of three ndarrays, optional
         ``(o, m, l)`` to write into: of exactly the shapes and dtypes below,
         C-contiguous, writeable, of the inputs' kind and device (on the GPU
@@ -98,11 +108,13 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     cupyflash.reference.attention_forward : the naive float64 reference.
     cupyflash.blocked.forward : the NumPy Algorithm 1 (CPU path).
     """
-    plan, key = _kept_plan({"q": q, "k": k, "v": v}, out, FORWARD_OUTPUTS, (causal, softmax_scale, schedule))
+    plan, key = _kept_plan({"q": q, "k": k, "v": v}, out, FORWARD_OUTPUTS,
+                           (causal, softmax_scale, schedule, precision))
     if plan is not None:
         return plan(q, k, v, out)
     prob = check_forward(q, k, v, causal, softmax_scale)
-    check_schedule(schedule)
+    check_choice("schedule", schedule, SCHEDULES)
+    check_choice("precision", precision, PRECISIONS)
     acc = accumulator_dtype(prob.dtype)
     stats = (*prob.batch_shape, prob.Nq)
     if out is not None:
@@ -121,7 +133,7 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
             return out
         ready, key = _kernel_ready((q, k, v), key)
         return _forward_gpu(*ready, prob.batch_shape, prob, _launch.forward_schedule(schedule, prob.D, prob.dtype),
-                            key, out)
+                            precision, key, out)
 
 
 def _kept_plan(inputs: dict, out, names, flags):
@@ -177,14 +189,14 @@ def _empty(prob) -> bool:
     return prob.Nq == 0 or prob.Nk == 0 or 0 in prob.batch_shape
 
 
-def _forward_gpu(q, k, v, batch_shape, prob, schedule, key=None, out=None):
+def _forward_gpu(q, k, v, batch_shape, prob, schedule, precision, key=None, out=None):
     """Plan and run; a single launch's plan is kept under ``key`` (``_call_key``) for like calls."""
     nb = len(batch_shape)
     strides = [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch_shape) for x in (q, k, v)]
     layout = _launch.collapse_batch(batch_shape, strides)
     if layout is not None:
-        plan = _launch.forward_plan(q, k, v, schedule=schedule, causal=prob.causal, scale=prob.scale,
-                                    batch_shape=batch_shape, layout=layout)
+        plan = _launch.forward_plan(q, k, v, schedule=schedule, precision=precision, causal=prob.causal,
+                                    scale=prob.scale, batch_shape=batch_shape, layout=layout)
         _launch.keep_plan(key, plan)
         return plan(q, k, v, out)
     # more than three batch dims that cannot be merged: peel the leading one
@@ -192,7 +204,7 @@ def _forward_gpu(q, k, v, batch_shape, prob, schedule, key=None, out=None):
 
     _refuse_while_capturing("more than three batch dims that cannot be merged are computed piece by piece")
 
-    parts = [_forward_gpu(*(_take_leading(x, i, nb) for x in (q, k, v)), batch_shape[1:], prob, schedule)
+    parts = [_forward_gpu(*(_take_leading(x, i, nb) for x in (q, k, v)), batch_shape[1:], prob, schedule, precision)
              for i in range(batch_shape[0])]
     return _into(out, (cupy.stack([p[n] for p in parts]) for n in range(3)))
 
@@ -206,7 +218,8 @@ def _take_leading(x, index, nb):
 
 def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, m: Array, l: Array, *,
                              causal: bool = False, softmax_scale: Optional[float] = None, schedule: str = "auto",
-                             deterministic: bool = False, out: Optional[Outputs] = None) -> Outputs:
+                             precision: str = "highest", deterministic: bool = False,
+                             out: Optional[Outputs] = None) -> Outputs:
     """Gradients of exact attention from the forward's outputs (FlashAttention's recomputation backward).
 
     Parameters
@@ -230,6 +243,8 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
         D <= 128 on sm_90 GPUs, and the portable kernel everywhere else. Both
         walk FlashAttention-2's loop order (K/V tiles outer, dQ accumulated
         with atomics) and return the same gradients up to rounding.
+    precision : {'highest', 'tf32'}, optional
+        As in the forward, for the backward's products.
     deterministic : bool, optional
         Bitwise-identical gradients run to run. The CTAs that add into one
         sum (``dQ_i`` over the K/V tiles; ``dK_j``, ``dV_j`` over the query
@@ -271,11 +286,12 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     cupyflash.blocked.backward : the NumPy version (CPU path).
     """
     inputs = {"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}
-    plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS, (causal, softmax_scale, schedule, deterministic))
+    plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS, (causal, softmax_scale, schedule, precision, deterministic))
     if plan is not None:
         return plan(do, q, k, v, o, m, l, out)
     prob = check_backward(do, q, k, v, o, m, l, causal, softmax_scale)
-    check_schedule(schedule)
+    check_choice("schedule", schedule, SCHEDULES)
+    check_choice("precision", precision, PRECISIONS)
     deterministic = check_bool("deterministic", deterministic)
     if out is not None:
         out = check_out(out, BACKWARD_OUTPUTS, (q.shape, k.shape, v.shape), (prob.dtype,) * 3, prob,
@@ -293,10 +309,10 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
                 x.fill(0)
             return out
         ready, key = _kernel_ready((do, q, k, v, o), key)
-        return _backward_gpu(*ready, m, l, prob.batch_shape, prob, schedule, deterministic, key, out)
+        return _backward_gpu(*ready, m, l, prob.batch_shape, prob, schedule, precision, deterministic, key, out)
 
 
-def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, deterministic, key=None, out=None):
+def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, precision, deterministic, key=None, out=None):
     """Plan and run; a single plan is kept under ``key`` (``_call_key``) for like calls."""
     nb = len(batch_shape)
     own = [_launch.contiguous_strides(x.shape)[:-2] for x in (q, k, v)]
@@ -305,8 +321,8 @@ def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, determinist
     strides += [_launch.batch_strides(x.shape, s, batch_shape) for x, s in zip((q, k, v), own)]
     layout = _launch.collapse_batch(batch_shape, strides)
     if layout is not None:
-        plan = _launch.backward_plan(do, q, k, v, o, schedule=schedule, causal=prob.causal, scale=prob.scale,
-                                     deterministic=deterministic, layout=layout)
+        plan = _launch.backward_plan(do, q, k, v, o, schedule=schedule, precision=precision, causal=prob.causal,
+                                     scale=prob.scale, deterministic=deterministic, layout=layout)
         _launch.keep_plan(key, plan)
         return plan(do, q, k, v, o, m, l, out)
     # peel the leading batch dim; a gradient is summed where its input broadcast along it
@@ -315,7 +331,7 @@ def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, determinist
     _refuse_while_capturing("more than three batch dims that cannot be merged are computed piece by piece")
 
     parts = [_backward_gpu(do[i], *(_take_leading(x, i, nb) for x in (q, k, v)), o[i], m[i], l[i],
-                           batch_shape[1:], prob, schedule, deterministic)
+                           batch_shape[1:], prob, schedule, precision, deterministic)
              for i in range(batch_shape[0])]
     grads = []
     for n, x in enumerate((q, k, v)):
@@ -330,12 +346,12 @@ def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, determinist
 
 
 def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softmax_scale: Optional[float] = None,
-                    schedule: str = "auto") -> Array:
+                    schedule: str = "auto", precision: str = "highest") -> Array:
     """Exact attention ``softmax(softmax_scale · q kᵀ) v``; the ``o`` of :func:`flash_attention_forward`.
 
     Parameters
     ----------
-    q, k, v, causal, softmax_scale, schedule
+    q, k, v, causal, softmax_scale, schedule, precision
         As in :func:`flash_attention_forward`.
 
     Returns
@@ -346,4 +362,5 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
     --------
     flash_attention_forward : also returns the statistics ``m`` and ``l``.
     """
-    return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, schedule=schedule)[0]
+    return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, schedule=schedule,
+                                   precision=precision)[0]

@@ -1,12 +1,13 @@
 // mma_sm80.cuh — warp tile products on the mma.sync fragment layout (sm_80 and later), and the
-// exact float32 / float64 FMA tiles on the same layout.
+// float64 (DMMA) and exact float32 FMA tiles on the same layout.
 //
 // Warp tiles follow the mma.sync m16n8k16 fragment layout for every dtype:
 // lane = 4*g + t owns rows (g, g+8) and columns (2t, 2t+1) of each 16x8
 // accumulator tile, `acc[n][0..3]` = {(g,2t), (g,2t+1), (g+8,2t), (g+8,2t+1)}.
 // float16/bfloat16 multiply on tensor cores (ldmatrix + mma.sync, float32
-// accumulate); float32 and float64 run the same tiles as exact FMA loops, so
-// the softmax, masking and store code is one code for all four dtypes.
+// accumulate), float64 on the float64 tensor cores (mma.sync m16n8k8 .f64 on
+// sm_90, two m8n8k4 per 16x8 tile on sm_80), float32 on the TF32 tensor cores or as exact FMA
+// loops: the same tiles, so the softmax, masking and store code is one code for all four dtypes.
 
 #pragma once
 
@@ -118,23 +119,221 @@ __device__ __forceinline__ void warp_mma_ra(acc_t (&c)[NT][4], const unsigned (&
         }
 }
 
-#else  // exact float32 / float64 FMA on the same fragment layout
+#else  // float32 and float64 on the same fragment layout: DMMA, TF32 or FMA products
 
-// Products are summed in blocks of K_BLOCK terms, each block's partial sum
-// then added to c: a two-level sum whose rounding error grows with
-// K_BLOCK + K / K_BLOCK rather than K, as a tensor core's k-steps do.
+// Products are summed in blocks of K_BLOCK terms, each block's partial sum then added to c: a
+// two-level sum whose rounding error grows with K_BLOCK + K / K_BLOCK rather than K, as a tensor
+// core's k-steps do, whichever unit forms the products.
 constexpr int K_BLOCK = 16;
+
+// c += sum over K of `block(part, k0)`, which adds the products of k0 .. k0 + K_BLOCK - 1 into a
+// zeroed part
+template <int NT, int K, typename Block>
+__device__ __forceinline__ void sum_in_blocks(acc_t (&c)[NT][4], Block block) {
+    static_assert(K % K_BLOCK == 0, "float32/float64 warp tiles sum K in blocks of K_BLOCK");
+    for (int k0 = 0; k0 < K; k0 += K_BLOCK) {
+        acc_t part[NT][4];
+        zero_frag(part);
+        block(part, k0);
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) c[n][e] += part[n][e];
+    }
+}
+
+#if FLASH_DTYPE == 3  // float64 on the float64 tensor cores (DMMA)
+
+#if __CUDA_ARCH__ >= 900
+// D (16, 8) += A (16, 8) * B (8, 8) in float64 (sm_90: twice m8n8k4's rate, benchmarks/mma_ceilings.py).
+// Lane 4*g + t holds A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4] and B[t][g], B[t+4][g] (PTX ISA,
+// mma.m16n8k8 .f64 fragments, as .tf32's); D is this file's accumulator layout.
+constexpr int DMMA_K = 8;
+
+__device__ __forceinline__ void dmma(double (&d)[4], const double (&a)[4], const double (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
+                 : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b[0]), "d"(b[1]));
+}
+#else
+// D (8, 8) += A (8, 4) * B (4, 8) in float64, twice: rows 0-7 and 8-15 of a 16x8 tile. Lane
+// 4*g + t holds A[g][t], B[t][g] and D[g][2t], D[g][2t+1] (PTX ISA, mma.m8n8k4 .f64 fragments).
+constexpr int DMMA_K = 4;
+
+__device__ __forceinline__ void dmma(double (&d)[4], const double (&a)[2], const double (&b)[1]) {
+    asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};"
+                 : "+d"(d[0]), "+d"(d[1]) : "d"(a[0]), "d"(b[0]));
+    asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};"
+                 : "+d"(d[2]), "+d"(d[3]) : "d"(a[1]), "d"(b[0]));
+}
+#endif
+
+// The products go straight into c, k-step after k-step, as cuBLAS's DGEMM sums them: a float64
+// sum of K <= 256 terms needs no two-level sum, and the registers a partial sum would take are
+// what keeps O_i (up to (16, 256) float64 per warp) out of local memory.
+template <int NT, int K, bool A_T, bool B_T>
+__device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
+                                         const elem_t* __restrict__ a, int lda,
+                                         const elem_t* __restrict__ b, int ldb) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, t = lane % 4;
+    auto at = [&](int r, int k) { return A_T ? a[k * lda + r] : a[r * lda + k]; };
+    auto bt = [&](int k, int n) { return B_T ? b[k * ldb + n] : b[n * ldb + k]; };
+    static_assert(K % DMMA_K == 0, "float64 warp tiles take K in steps of DMMA_K");
+#pragma unroll 2
+    for (int ks = 0; ks < K; ks += DMMA_K) {
+        double af[DMMA_K / 2], bf[DMMA_K / 4];   // this lane's A[g][k], A[g+8][k] and B[k][g], k = ks + t (+ 4)
+#pragma unroll
+        for (int h = 0; h < DMMA_K / 4; ++h) {
+            af[2 * h] = at(g, ks + t + 4 * h);
+            af[2 * h + 1] = at(g + 8, ks + t + 4 * h);
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int h = 0; h < DMMA_K / 4; ++h) bf[h] = bt(ks + t + 4 * h, n * 8 + g);
+            dmma(c[n], af, bf);
+        }
+    }
+}
+
+#elif FLASH_FP32_MMA  // float32 on the TF32 tensor cores: 3xTF32 (1) or one TF32 product (2)
+
+// D (16, 8) += A (16, 8) * B (8, 8), operands as TF32 bit patterns, float32 accumulate. Lane
+// 4*g + t holds A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4] and B[t][g], B[t+4][g] (PTX ISA,
+// mma.m16n8k8 .tf32 fragments); D is this file's accumulator layout.
+__device__ __forceinline__ void mma_1688_tf32(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ unsigned tf32_rna(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// x = hi + lo: hi its leading 11 significant bits (truncated, so it cannot overflow), lo the rest
+// rounded to TF32. For a non-finite x, hi is x (a NaN canonical, so that no payload reads as inf),
+// lo = 0, and `small`, the hi that meets the other operand's lo, is 0: the two small terms then add
+// 0 and the product is that of a float32 FMA (x times a finite y: inf or NaN as x * y is).
+struct Tf32Split { unsigned hi, lo, small; };
+
+__device__ __forceinline__ Tf32Split split_tf32(float x) {
+    if (isfinite(x)) {
+        const unsigned hi = __float_as_uint(x) & 0xffffe000u;
+        return {hi, tf32_rna(x - __uint_as_float(hi)), hi};
+    }
+    return {isnan(x) ? 0x7fc00000u : __float_as_uint(x), 0u, 0u};
+}
+
+// Four 8x4 float32 blocks of shared memory, one register each: ldmatrix moves 16-byte rows, and
+// lane 4*g + t's word of block b is row g, column t of the block whose row addresses lanes 8b .. 8b+7
+// gave (rows 16-byte aligned: every pitch here is a multiple of 4 floats)
+__device__ __forceinline__ void ldmatrix_x4_f32(float (&r)[4], const float* p) {
+    unsigned u[4];
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(u[0]), "=r"(u[1]), "=r"(u[2]), "=r"(u[3]) : "r"(smem_addr(p)) : "memory");
+#pragma unroll
+    for (int e = 0; e < 4; ++e) r[e] = __uint_as_float(u[e]);
+}
+
+// This lane's A (16, 8) fragment at k-step ks: A[g][t], A[g+8][t], A[g][t+4], A[g+8][t+4]
+template <bool A_T>
+__device__ __forceinline__ void load_a_tf32(float (&av)[4], const float* a, int lda, int ks) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, t = lane % 4;
+    if (A_T) {
+        av[0] = a[(ks + t) * lda + g];
+        av[1] = a[(ks + t) * lda + g + 8];
+        av[2] = a[(ks + t + 4) * lda + g];
+        av[3] = a[(ks + t + 4) * lda + g + 8];
+    } else {   // blocks (rows 0-7, 8-15) x (columns ks, ks + 4)
+        ldmatrix_x4_f32(av, a + (lane % 8 + (lane / 8) % 2 * 8) * lda + ks + lane / 16 * 4);
+    }
+}
+
+// This lane's B (8, 8) fragments of column tiles n and n + 1 at k-step ks: B[t][g], B[t+4][g] of each
+template <bool B_T>
+__device__ __forceinline__ void load_b_tf32(float (&bv)[4], const float* b, int ldb, int ks, int n) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, t = lane % 4;
+    if (B_T) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            bv[2 * h] = b[(ks + t) * ldb + (n + h) * 8 + g];
+            bv[2 * h + 1] = b[(ks + t + 4) * ldb + (n + h) * 8 + g];
+        }
+    } else {   // B[k][n] = b[n * ldb + k]: blocks (tile n, n + 1) x (columns ks, ks + 4)
+        ldmatrix_x4_f32(bv, b + (n * 8 + lane % 8 + lane / 16 * 8) * ldb + ks + (lane / 8) % 2 * 4);
+    }
+}
+
+// 3xTF32 (FLASH_FP32_MMA 1): each product is a_lo b_hi + a_hi b_lo + a_hi b_hi (the small terms
+// first), a_lo b_lo (below 2^-22 of it) dropped; one TF32 product (2): a b with both rounded to TF32.
+template <int NT, int K, bool A_T, bool B_T>
+__device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
+                                         const elem_t* __restrict__ a, int lda,
+                                         const elem_t* __restrict__ b, int ldb) {
+    static_assert(NT % 2 == 0, "TF32 warp tiles take column tiles in pairs");
+    sum_in_blocks<NT, K>(c, [&](acc_t (&part)[NT][4], int k0) {
+#pragma unroll 1
+        for (int ks = k0; ks < k0 + K_BLOCK; ks += 8) {
+            float av[4];
+            load_a_tf32<A_T>(av, a, lda, ks);
+#if FLASH_FP32_MMA == 1
+            unsigned a_hi[4], a_lo[4], a_small[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const Tf32Split x = split_tf32(av[e]);
+                a_hi[e] = x.hi;
+                a_lo[e] = x.lo;
+                a_small[e] = x.small;
+            }
+#pragma unroll
+            for (int n = 0; n < NT; n += 2) {
+                float bv[4];
+                load_b_tf32<B_T>(bv, b, ldb, ks, n);
+                Tf32Split x[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) x[e] = split_tf32(bv[e]);
+                // the two tiles' products alternate, so that no mma waits on the one before it
+#pragma unroll
+                for (int h = 0; h < 2; ++h) mma_1688_tf32(part[n + h], a_lo, x[2 * h].small, x[2 * h + 1].small);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) mma_1688_tf32(part[n + h], a_small, x[2 * h].lo, x[2 * h + 1].lo);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) mma_1688_tf32(part[n + h], a_hi, x[2 * h].hi, x[2 * h + 1].hi);
+            }
+#else
+            unsigned a_tf32[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a_tf32[e] = tf32_rna(av[e]);
+#pragma unroll
+            for (int n = 0; n < NT; n += 2) {
+                float bv[4];
+                load_b_tf32<B_T>(bv, b, ldb, ks, n);
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    mma_1688_tf32(part[n + h], a_tf32, tf32_rna(bv[2 * h]), tf32_rna(bv[2 * h + 1]));
+            }
+#endif
+        }
+    });
+}
+
+#else  // exact float32 FMA
 
 template <int NT, int K, bool A_T, bool B_T>
 __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
                                          const elem_t* __restrict__ a, int lda,
                                          const elem_t* __restrict__ b, int ldb) {
-    static_assert(K % K_BLOCK == 0, "FMA warp tiles sum K in blocks of K_BLOCK");
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
-    for (int k0 = 0; k0 < K; k0 += K_BLOCK) {
-        acc_t part[NT][4];
-        zero_frag(part);
+    sum_in_blocks<NT, K>(c, [&](acc_t (&part)[NT][4], int k0) {
 #pragma unroll 4
         for (int k = k0; k < k0 + K_BLOCK; ++k) {
             const acc_t a0 = A_T ? a[k * lda + g] : a[g * lda + k];
@@ -150,11 +349,8 @@ __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
                 part[n][3] = fma(a1, b1, part[n][3]);
             }
         }
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) c[n][e] += part[n][e];
-    }
+    });
 }
 
+#endif
 #endif

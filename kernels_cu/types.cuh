@@ -37,6 +37,9 @@ typedef float acc_t;
 typedef float elem_t;
 typedef float acc_t;
 #define FLASH_TENSOR_CORES 0
+#ifndef FLASH_FP32_MMA
+#define FLASH_FP32_MMA 0   // the products of float32: 0 exact FMA, 1 3xTF32, 2 one TF32 product (mma_sm80.cuh)
+#endif
 #else
 typedef double elem_t;
 typedef double acc_t;

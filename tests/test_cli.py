@@ -1,6 +1,7 @@
 """The command line: the demo (the README's main command), info, precompile and the benchmark verb."""
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import cupyflash
+from cupyflash import _tiles
 from cupyflash._tiles import MAX_HEAD_DIM
 from helpers import HAVE_GPU, gpu_test
 
@@ -71,10 +73,12 @@ def test_info_names_versions_and_the_gpu_or_its_absence():
 
 def test_precompile_compiles_chosen_specialisations_or_says_what_it_needs():
     done = run_cli("precompile", "--kernels", "fwd_v1", "--dtypes", "float32", "--head-dims", "24", "64")
-    if HAVE_GPU:   # two buckets, 32 and 64
+    if HAVE_GPU:   # two buckets, 32 and 64, each under both float32 precisions
         assert done.returncode == 0, done.stdout + done.stderr
-        assert "fwd_v1 float32 D<=32" in done.stdout and "fwd_v1 float32 D<=64" in done.stdout
-        assert "2 specialisations" in done.stdout
+        for bucket in (32, 64):
+            for precision in _tiles.PRECISIONS:
+                assert re.search(f"fwd_v1 float32 D<={bucket} .* precision={precision}", done.stdout), done.stdout
+        assert "4 specialisations" in done.stdout
     else:
         assert done.returncode == 2
         assert "needs a CUDA GPU" in done.stderr or "needs CuPy" in done.stderr

@@ -8,6 +8,8 @@ The specialisations compile side by side in worker processes, one per core
 
 import os
 import re
+import sys
+from pathlib import Path
 
 import numpy
 import pytest
@@ -94,7 +96,9 @@ def test_every_dtype_and_bucket_is_covered():
                         with pytest.raises(ValueError):
                             _tiles.choose_tiles(kernel, bucket, dtype, smem)
                         continue
-                    assert _tiles.choose_tiles(kernel, bucket, dtype, smem) in compiled
+                    cfg = _tiles.choose_tiles(kernel, bucket, dtype, smem)
+                    for precision in _tiles.PRECISIONS:
+                        assert _tiles.with_precision(cfg, precision) in compiled
 
 
 @pytest.mark.parametrize("arch, smem", sorted(ARCH_SMEM.items()))
@@ -168,3 +172,41 @@ def test_a_drifted_parameter_mirror_fails_to_compile(monkeypatch):
     finally:
         monkeypatch.undo()
         _compile.kernel_source.cache_clear()
+
+
+@pytest.mark.parametrize("kernel", ["fwd_v1", "fwd_v2", "bwd"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_the_exact_float32_fma_tiles_compile(kernel, head_dim):
+    """The exact FMA tiles of float32 (FLASH_FP32_MMA=0), which no precision runs but the accuracy test
+    compares the tensor-core tiles with, still compile."""
+    cfg = _tiles.choose_tiles(kernel, head_dim, "float32", ARCH_SMEM["sm_90"])
+    assert cfg.fp32_mma == 0 and "-DFLASH_FP32_MMA=0" in cfg.defines()
+    magic, _ = _compile.compile_for_arch(cfg, "sm_90")
+    assert magic[:4] == b"\x7fELF"
+
+
+def test_float32_specialisations_come_in_one_variant_per_precision():
+    configs = _tiles.all_tile_configs(ARCH_SMEM["sm_90"], "sm_90")
+    for kernel in ("fwd_v1", "fwd_v2", "bwd"):
+        modes = {c.fp32_mma for c in configs if c.kernel == kernel and c.dtype == "float32"}
+        assert modes == set(_tiles.FP32_PRODUCTS.values())
+    assert {c.fp32_mma for c in configs if c.dtype != "float32" or not c.spec.fp32_products} == {0}
+
+
+def test_the_ceiling_kernels_of_benchmarks_mma_ceilings_compile():
+    """benchmarks/mma_ceilings.py's kernels (one per instruction) compile for the architectures they need."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        import mma_ceilings
+    finally:
+        sys.path.pop(0)
+    for name, (min_sm, _, source, _) in mma_ceilings.sources().items():
+        prog = nvrtc.createProgram(source, "ceiling.cu", [], [])
+        try:
+            nvrtc.compileProgram(prog, ["-arch=sm_90a" if min_sm >= 90 else "-arch=sm_80"])
+        except nvrtc.NVRTCError:
+            pytest.fail(f"{name}: {nvrtc.getProgramLog(prog)}")
+        finally:
+            nvrtc.destroyProgram(prog)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import cupyflash
-from cupyflash import reference
+from cupyflash import _tiles, reference
 from helpers import DTYPE_BY_NAME, poison_pool, random_inputs, requires_gpu, to_gpu
 from strategies import DTYPE_NAMES, attention_problem_shapes
 from tolerances import (FWD_CEILING, GPU_AGAINST_NUMPY_FLOAT32, L_CEILING, M_CEILING, assert_gradient,
@@ -250,11 +250,12 @@ def test_flash_attention_returns_o():
     assert (o.view(numpy.uint16) == o2.view(numpy.uint16)).all()
 
 
-@pytest.mark.parametrize("dtype, resolved", [("float16", "v2"), ("bfloat16", "v2"), ("float32", "v1"),
-                                             ("float64", "v1")])
-def test_auto_schedule_is_the_documented_one(dtype, resolved):
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("head_dim", [64, 160])
+def test_auto_schedule_is_the_documented_one(dtype, head_dim):
+    resolved = _tiles.auto_forward(head_dim, dtype)
     rng = numpy.random.default_rng(6)
-    q, k, v = to_gpu(*random_inputs(rng, dtype, (2, 70, 64), (2, 90, 64)))
+    q, k, v = to_gpu(*random_inputs(rng, dtype, (2, 70, head_dim), (2, 90, head_dim)))
     auto = cupyflash.flash_attention_forward(q, k, v, causal=True)
     chosen = cupyflash.flash_attention_forward(q, k, v, causal=True, schedule=resolved)
     for a, b in zip(auto, chosen):

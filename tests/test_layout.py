@@ -100,6 +100,20 @@ def test_head_dim_past_the_last_bucket_raises():
 H100_SMEM = 227 * 1024
 
 
+@pytest.mark.parametrize("dtype", list(_tiles.DTYPE_CODES))
+def test_auto_forward_names_a_schedule_for_every_head_dim(dtype):
+    schedules = {_tiles.auto_forward(d, dtype) for d in range(1, _tiles.MAX_HEAD_DIM + 1)}
+    assert schedules <= {"v1", "v2"}
+    for bucket, schedule in _tiles.AUTO_FORWARD[_tiles._precision_class(dtype)]:
+        assert _tiles.auto_forward(bucket, dtype) == schedule
+
+
+def test_auto_forward_keeps_v1_for_float64_past_128():
+    assert _tiles.auto_forward(128, "float64") == "v2"
+    assert _tiles.auto_forward(129, "float64") == "v1"
+    assert _tiles.auto_forward(256, "float32") == "v2"
+
+
 @pytest.mark.parametrize("kernel", ["fwd_sm90", "bwd_sm90"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_hopper_kernels_take_16_bit_only(kernel, dtype):

@@ -650,16 +650,32 @@ def test_bad_backward_out_raises_before_anything_runs(fault):
         flash_attention_backward(do, q, k, v, o, m, l, out=out)
 
 
-@pytest.mark.parametrize("schedule, error", [("v3", ValueError), ("V2", ValueError), (2, TypeError), (None, TypeError)])
-def test_bad_schedule_raises(schedule, error):
+@pytest.mark.parametrize("keyword, value, error", [
+    ("schedule", "v3", ValueError), ("schedule", "V2", ValueError), ("schedule", 2, TypeError),
+    ("schedule", None, TypeError), ("precision", "high", ValueError), ("precision", "TF32", ValueError),
+    ("precision", "fp32", ValueError), ("precision", 1, TypeError), ("precision", None, TypeError)])
+def test_a_bad_choice_keyword_raises_naming_it(keyword, value, error):
     q = np.zeros((4, 8), np.float32)
-    with pytest.raises(error, match="schedule"):
-        cupyflash.flash_attention_forward(q, q, q, schedule=schedule)
+    match = f"{keyword} must be one of"
+    with pytest.raises(error, match=match):
+        cupyflash.flash_attention_forward(q, q, q, **{keyword: value})
     o, m, l = cupyflash.flash_attention_forward(q, q, q)
-    with pytest.raises(error, match="schedule"):
-        cupyflash.flash_attention_backward(o, q, q, q, o, m, l, schedule=schedule)
-    with pytest.raises(error, match="schedule"):
-        cupyflash.flash_attention(q, q, q, schedule=schedule)
+    with pytest.raises(error, match=match):
+        cupyflash.flash_attention_backward(o, q, q, q, o, m, l, **{keyword: value})
+    with pytest.raises(error, match=match):
+        cupyflash.flash_attention(q, q, q, **{keyword: value})
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_the_numpy_path_takes_every_precision_and_computes_the_same(dtype):
+    """The CPU path multiplies at its dtype's own precision whatever ``precision`` says."""
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 20, 8)).astype(dtype) for _ in range(3))
+    results = [cupyflash.flash_attention_forward(q, k, v, causal=True, precision=p) for p in ("highest", "tf32")]
+    grads = [cupyflash.flash_attention_backward(q, q, k, v, *results[0], causal=True, precision=p)
+             for p in ("highest", "tf32")]
+    for a, b in zip(results[0] + grads[0], results[1] + grads[1]):
+        assert a.tobytes() == b.tobytes()
 
 
 @pytest.mark.parametrize("deterministic", [0, 1, None, "yes", 1.0])

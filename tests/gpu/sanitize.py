@@ -8,10 +8,10 @@ Run under each tool (zero errors is the pass mark), or all four with ``tests/gpu
     PYTHONPATH=$PWD compute-sanitizer --tool synccheck --error-exitcode 1 python3 tests/gpu/sanitize.py
 
 Cases: schedules v1, v2 and v2 on the portable kernels ("v2-mma", where the Hopper ones would
-run), the four dtypes, one head dim per bucket, Nq != Nk ragged against every tile size, causal and
+run), the four dtypes (float32 under both precisions: 270 cases), one head dim per bucket, Nq != Nk ragged against every tile size, causal and
 not, causal with a NaN in each of q, k, v, do inside a diagonal tile (the scans, the flags and
 flash_repair.cu), K/V broadcast over a group of query heads, the backward unordered and deterministic.
-``--quick`` keeps two head dims, ``--head-dims`` picks some (racecheck over all six takes
+``--quick`` keeps two head dims, ``--head-dims`` picks some, ``--dtypes`` some dtypes (racecheck over all six takes
 longer than one 10-minute device call: run it in parts). The script also checks each result
 against the float64 reference, so a kernel that runs clean but wrong fails too.
 """
@@ -32,7 +32,11 @@ from cupyflash import _launch, _tiles, reference
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # tests/, for the suite's tolerances
 from tolerances import SANITIZE_REL_ERR  # noqa: E402
 
-DTYPES = (numpy.float16, ml_dtypes.bfloat16, numpy.float32, numpy.float64)
+# (name, dtype, precision, the tolerance's precision): float32 under both precisions, "tf32" held to
+# float16's tolerance (TF32 keeps float16's 10 mantissa bits)
+VARIANTS = (("float16", numpy.float16, "highest", "float16"), ("bfloat16", ml_dtypes.bfloat16, "highest", "bfloat16"),
+            ("float32", numpy.float32, "highest", "float32"), ("float32-tf32", numpy.float32, "tf32", "float16"),
+            ("float64", numpy.float64, "highest", "float64"))
 HEAD_DIMS = (24, 64, 80, 128, 160, 256)   # one per bucket: 32, 64, 96, 128, 192, 256
 QUICK_HEAD_DIMS = (64, 128)
 SCHEDULES = ("v1", "v2", "v2-mma")
@@ -43,7 +47,7 @@ Q_SHAPE, KV_SHAPE = (1, 2, 2, 70), (1, 2, 1, 200)
 POISON = {"q": (0, 0, 1, 10, 3), "k": (0, 1, 0, 170, 2), "v": (0, 0, 0, 150, 1), "do": (0, 1, 1, 30, 0)}
 
 
-def run_case(dtype, D, schedule, causal, poison, rng) -> float:
+def run_case(dtype, precision, D, schedule, causal, poison, rng) -> float:
     """Forward and backward of one case; the worst relative error against the reference."""
     import cupy
 
@@ -56,10 +60,11 @@ def run_case(dtype, D, schedule, causal, poison, rng) -> float:
             x[POISON[name]] = numpy.nan
     api = schedule.split("-")[0]
     qg, kg, vg, dog = (cupy.asarray(x) for x in (q, k, v, do))
-    o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, causal=causal, schedule=api)
-    grads = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, causal=causal, schedule=api)
+    o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, causal=causal, schedule=api, precision=precision)
+    grads = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, causal=causal, schedule=api,
+                                               precision=precision)
     ordered = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, causal=causal, schedule=api,
-                                                 deterministic=True)
+                                                 precision=precision, deterministic=True)
     refs = reference.attention_forward(q, k, v, causal=causal)
     ref_grads = reference.attention_backward(do, q, k, v, *refs, causal=causal)
     worst = 0.0
@@ -79,6 +84,8 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dims", type=int, nargs="+", metavar="D",
                         help=f"these head dims instead (default {HEAD_DIMS}): racecheck, the slowest tool, "
                              "takes all of them in more than one 10-minute run")
+    parser.add_argument("--dtypes", nargs="+", choices=[v[0] for v in VARIANTS], metavar="NAME",
+                        help=f"these dtypes only (default all: {' '.join(v[0] for v in VARIANTS)})")
     args = parser.parse_args(argv)
     head_dims = args.head_dims or (QUICK_HEAD_DIMS if args.quick else HEAD_DIMS)
     if any(not 1 <= d <= _tiles.MAX_HEAD_DIM for d in head_dims):
@@ -86,11 +93,11 @@ def main(argv=None) -> int:
     rng = numpy.random.default_rng(0)
     failures = 0
     masks = ((False, False), (True, False), (True, True))   # (causal, poison)
-    cases = list(itertools.product(DTYPES, head_dims, SCHEDULES, masks))
-    for dtype, D, schedule, (causal, poison) in cases:
-        name = numpy.dtype(dtype).name
-        err = run_case(dtype, D, schedule, causal, poison, rng)
-        ok = err <= SANITIZE_REL_ERR[name]
+    variants = [v for v in VARIANTS if not args.dtypes or v[0] in args.dtypes]
+    cases = list(itertools.product(variants, head_dims, SCHEDULES, masks))
+    for (name, dtype, precision, tolerance), D, schedule, (causal, poison) in cases:
+        err = run_case(dtype, precision, D, schedule, causal, poison, rng)
+        ok = err <= SANITIZE_REL_ERR[tolerance]
         failures += not ok
         if not ok:
             print(f"FAIL {name} D={D} {schedule} causal={causal} poison={poison}: relative error {err:.2e}",
