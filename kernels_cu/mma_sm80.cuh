@@ -121,9 +121,9 @@ __device__ __forceinline__ void warp_mma_ra(acc_t (&c)[NT][4], const unsigned (&
 
 #else  // float32 and float64 on the same fragment layout: DMMA, TF32 or FMA products
 
-// Products are summed in blocks of K_BLOCK terms, each block's partial sum then added to c: a
-// two-level sum whose rounding error grows with K_BLOCK + K / K_BLOCK rather than K, as a tensor
-// core's k-steps do, whichever unit forms the products.
+// The float32 tiles (TF32 and FMA) sum their products in blocks of K_BLOCK terms, each block's
+// partial sum then added to c: a two-level sum whose float32 rounding error grows with
+// K_BLOCK + K / K_BLOCK rather than K. (float64 needs none: its DMMA tile adds straight into c.)
 constexpr int K_BLOCK = 16;
 
 // c += sum over K of `block(part, k0)`, which adds the products of k0 .. k0 + K_BLOCK - 1 into a
