@@ -80,6 +80,13 @@ MODES = ("fwd", "bwd", "fwd+bwd")
 QUICK_SEQLENS = (1024, 4096)
 QUICK_HEAD_DIMS = (128,)
 QUICK_DTYPES = ("fp16",)
+# issue #16's cases (--breadth): 16-bit head dims past 128 on the FA protocol, float32/float64 at D 64
+# and 128 on the issue's (B 2, H 8, N 4096) and the FA protocol at two lengths
+BREADTH_16BIT_HEAD_DIMS = (160, 192, 256)
+BREADTH_16BIT_SEQLENS = (1024, 2048, 4096, 8192, 16384)
+BREADTH_WIDE_HEAD_DIMS = (64, 128)
+BREADTH_WIDE_SEQLENS = (1024, 4096)
+BREADTH_WIDE_SHAPE = (2, 8, 4096)           # (B, H, N)
 
 # FLOPs of a mode as a multiple of the forward's 4·B·H·Nq·Nk·D
 FLOPS_PER_FORWARD = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
@@ -718,6 +725,10 @@ def parse_args(argv=None):
                         help="timed calls, their median reported (default %(default)s)")
     parser.add_argument("--quick", action="store_true",
                         help=f"sweep N in {QUICK_SEQLENS}, D in {QUICK_HEAD_DIMS}, fp16, both causal flags")
+    parser.add_argument("--breadth", action="store_true",
+                        help=f"issue #16's cases: fp16/bf16 D in {BREADTH_16BIT_HEAD_DIMS} at N in "
+                             f"{BREADTH_16BIT_SEQLENS}; fp32/fp64 D in {BREADTH_WIDE_HEAD_DIMS} at (B, H, N) = "
+                             f"{BREADTH_WIDE_SHAPE} and N in {BREADTH_WIDE_SEQLENS} (--dtypes, --seqlens, --causal narrow it)")
     parser.add_argument("--long", action="store_true", help="run only the long-sequence memory check")
     parser.add_argument("--floor", action="store_true",
                         help=f"run only the floor check, {FLOOR_SYSTEM} and naive forward at N={FLOOR_CONFIG.N}, "
@@ -734,7 +745,26 @@ def parse_args(argv=None):
     return args
 
 
+def breadth_configs(args) -> list:
+    """Issue #16's cases (``--breadth``), narrowed by ``--dtypes``, ``--seqlens`` and ``--causal``."""
+    causals = {"0": (False,), "1": (True,), "both": (False, True)}[args.causal]
+    configs = []
+    for dtype in args.dtypes or tuple(DTYPES):
+        if dtype in SWEEP_DTYPES:
+            configs += [protocol_config(dtype, D, N, causal) for D in BREADTH_16BIT_HEAD_DIMS for causal in causals
+                        for N in args.seqlens or BREADTH_16BIT_SEQLENS]
+            continue
+        B, H, N = BREADTH_WIDE_SHAPE
+        for D in BREADTH_WIDE_HEAD_DIMS:
+            for causal in causals:
+                configs.append(Config(dtype, D, N, causal, B=B, H=H))
+                configs += [protocol_config(dtype, D, n, causal) for n in args.seqlens or BREADTH_WIDE_SEQLENS]
+    return configs
+
+
 def sweep_configs(args) -> list:
+    if args.breadth:
+        return breadth_configs(args)
     seqlens = args.seqlens or (QUICK_SEQLENS if args.quick else SEQLENS)
     head_dims = args.head_dims or (QUICK_HEAD_DIMS if args.quick else HEAD_DIMS)
     dtypes = args.dtypes or (QUICK_DTYPES if args.quick else SWEEP_DTYPES)
