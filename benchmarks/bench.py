@@ -80,6 +80,7 @@ MODES = ("fwd", "bwd", "fwd+bwd")
 QUICK_SEQLENS = (1024, 4096)
 QUICK_HEAD_DIMS = (128,)
 QUICK_DTYPES = ("fp16",)
+CAUSAL_FLAGS = {"0": (False,), "1": (True,), "both": (False, True)}   # --causal
 # issue #16's cases (--breadth): 16-bit head dims past 128 on the FA protocol, float32/float64 at D 64
 # and 128 on the issue's (B 2, H 8, N 4096) and the FA protocol at two lengths
 BREADTH_16BIT_HEAD_DIMS = (160, 192, 256)
@@ -747,7 +748,7 @@ def parse_args(argv=None):
 
 def breadth_configs(args) -> list:
     """Issue #16's cases (``--breadth``), narrowed by ``--dtypes``, ``--seqlens`` and ``--causal``."""
-    causals = {"0": (False,), "1": (True,), "both": (False, True)}[args.causal]
+    causals = CAUSAL_FLAGS[args.causal]
     configs = []
     for dtype in args.dtypes or tuple(DTYPES):
         if dtype in SWEEP_DTYPES:
@@ -768,7 +769,7 @@ def sweep_configs(args) -> list:
     seqlens = args.seqlens or (QUICK_SEQLENS if args.quick else SEQLENS)
     head_dims = args.head_dims or (QUICK_HEAD_DIMS if args.quick else HEAD_DIMS)
     dtypes = args.dtypes or (QUICK_DTYPES if args.quick else SWEEP_DTYPES)
-    causals = {"0": (False,), "1": (True,), "both": (False, True)}[args.causal]
+    causals = CAUSAL_FLAGS[args.causal]
     return [protocol_config(dtype, D, N, causal)
             for dtype in dtypes for D in head_dims for causal in causals for N in seqlens]
 

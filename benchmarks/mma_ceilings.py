@@ -21,7 +21,7 @@ WARPS = 4           # per CTA
 WAVES = 4           # CTAs per SM
 REPEATS = 5
 
-# name: (sm, flops per instruction per warp, accumulator declaration, one round's PTX on chain c)
+# name: (least sm, flops per instruction per warp, (type, registers) of C, of A and of B, the instruction)
 _F64 = "double"
 INSTRUCTIONS = {
     "f64 mma m8n8k4": (80, 2 * 8 * 8 * 4, (_F64, 2), (_F64, 1), (_F64, 1),

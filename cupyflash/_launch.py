@@ -27,8 +27,7 @@ import numpy
 from ._compile import get_kernels
 from ._mask import MaskGeometry
 from ._params import BWD, FWD, ZERO_RANGES, Params
-from . import _tiles
-from ._tiles import KERNELS, TileConfig, accumulator_dtype, choose_tiles, with_precision
+from ._tiles import KERNELS, TileConfig, accumulator_dtype, auto_forward, choose_tiles, with_precision
 
 MAX_BATCH_DIMS = 3  # collapsed batch dims a kernel indexes (layout.cuh: split_batch)
 VECTOR_BYTES = 16   # width of the vectorised tile loads
@@ -148,11 +147,11 @@ def head_group(heads: int, bytes_per_head: int) -> numpy.int32:
 def forward_schedule(schedule: str, head_dim: int, dtype) -> str:
     """The forward kernel a validated ``schedule`` runs: 'v1' or 'v2'.
 
-    'auto' is the measured table ``_tiles.AUTO_FORWARD``. 'v2' runs V1 where V2's tiles do
-    not fit the device.
+    'auto' is the measured table ``_tiles.AUTO_FORWARD`` (``auto_forward``). 'v2' runs V1 where
+    V2's tiles do not fit the device.
     """
     if schedule == "auto":
-        schedule = _tiles.auto_forward(head_dim, dtype)
+        schedule = auto_forward(head_dim, dtype)
     if schedule == "v2":
         try:
             device_tiles("fwd_v2", head_dim, dtype)

@@ -66,13 +66,14 @@ _FWD_V1_CANDIDATES = {
     "float32": ((64, 64, 4), (32, 64, 2), (32, 32, 2), (16, 16, 1)),
     "float64": ((32, 32, 2), (16, 32, 1), (16, 16, 1)),
 }
-# (B_r, B_c, warps) in order of preference; 16-bit: the first for D <= 64 (128 x 64 spills there),
-# the next two for D <= 128, the rest above; float64: B_c = 64 for D <= 64 only (measured, H200:
-# 64 x 64 15.9 TFLOP/s at D = 64, 64 x 32 19.5 at D = 128 where 64 x 64 gives 7.5)
+# (B_r, B_c, warps) in order of preference, keyed by the largest padded head dim they serve (O_i
+# (16, DP) lives in registers next to the (16, B_c) scores). 16-bit: 128 x 64 spills at D <= 64;
+# float64: B_c = 64 only at D <= 64 (measured, H200: 64 x 64 15.9 TFLOP/s at D = 64; at D = 128
+# 64 x 32 gives 19.5 where 64 x 64 gives 7.5)
 _FWD_V2_CANDIDATES = {
-    "16bit": ((64, 64, 4), (128, 64, 8), (64, 64, 4), (64, 32, 4), (32, 32, 2), (16, 16, 1)),
-    "float32": ((64, 32, 4), (32, 32, 2), (16, 16, 1)),
-    "float64": ((64, 64, 4), (64, 32, 4), (32, 32, 2), (16, 16, 1)),
+    "16bit": {64: ((64, 64, 4),), 128: ((128, 64, 8), (64, 64, 4)), 256: ((64, 32, 4), (32, 32, 2), (16, 16, 1))},
+    "float32": {256: ((64, 32, 4), (32, 32, 2), (16, 16, 1))},
+    "float64": {64: ((64, 64, 4), (64, 32, 4), (32, 32, 2), (16, 16, 1)), 256: ((64, 32, 4), (32, 32, 2), (16, 16, 1))},
 }
 # (B_r, B_c, warps) of the Hopper forward by padded head dim: a producer warpgroup and consumer
 # warpgroups of 64 query rows each. Three consumers up to D = 64 (measured 1.1-1.3x two at
@@ -311,13 +312,8 @@ def _fwd_v1_tiles(kernel, head_dim, name, smem_limit):
 
 
 def _fwd_v2_tiles(kernel, head_dim, name, smem_limit):
-    d_pad, prec = head_dim_bucket(head_dim), _precision_class(name)
-    # O_i (16, DP) lives in registers next to the (16, B_c) scores: B_c = 64 only up to D = 128
-    candidates = _FWD_V2_CANDIDATES[prec]
-    if prec == "16bit":
-        candidates = candidates[:1] if d_pad <= 64 else candidates[1:3] if d_pad <= 128 else candidates[3:]
-    elif prec == "float64" and d_pad > 64:
-        candidates = candidates[1:]
+    d_pad, table = head_dim_bucket(head_dim), _FWD_V2_CANDIDATES[_precision_class(name)]
+    candidates = table[min(b for b in table if d_pad <= b)]
     return _first_fit((TileConfig(kernel, name, d_pad, br, bc, w, d_pad) for br, bc, w in candidates), smem_limit)
 
 
