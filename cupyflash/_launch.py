@@ -184,8 +184,8 @@ def forward_kernel(schedule: str, dtype, scale: float = 1.0) -> str:
 
 def backward_kernel(schedule: str, dtype, head_dim: int) -> str:
     """The main kernel of a backward ``schedule`` for ``dtype`` and ``head_dim`` on the current device."""
-    if schedule != "v1" and head_dim <= KERNELS["bwd_sm90"].max_head_dim and _hopper(dtype):
-        return "bwd_sm90"
+    if schedule != "v1" and _hopper(dtype):
+        return "bwd_sm90" if head_dim <= KERNELS["bwd_sm90"].max_head_dim else "bwd_sm90_wide"
     return "bwd"
 
 
@@ -513,7 +513,7 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, causal: bool
                        ordered=deterministic)
     main = get_kernels(main_cfg)[main_cfg.spec.entries[0]]
     s_q, s_k, s_v, s_o, s_do, s_dq, s_dk, s_dv = layout.strides
-    lse_stats = main_cfg.kernel == "bwd_sm90"
+    lse_stats = main_cfg.kernel in ("bwd_sm90", "bwd_sm90_wide")
     rows = BH * Nq
     # dK, dV are stored directly unless several batch entries share one K/V head
     kv_atomic = math.prod(k.shape[:-2]) < BH or math.prod(v.shape[:-2]) < BH

@@ -31,6 +31,9 @@ How tiles are chosen (``choose_tiles``):
   chunk).
 * ``bwd_sm90`` (16-bit, sm_90a, D <= 128): a producer warpgroup and two consumers of 64 keys each
   (B_c = 128), B_r = 128 queries per step at D = 64, 64 at D = 128.
+* ``bwd_sm90_wide`` (16-bit, sm_90a, 128 < D <= 256): a producer warpgroup and two consumers that
+  share B_c = 64 keys, one holding dV_j and one dK_j; B_r = 64, with Q_i and dO_i double-buffered
+  where two fit (``q_stages``: D <= 192).
 * ``bwd_prep`` (D_i and the statistics before a backward, the conversion after it):
   ``PREP_ROWS`` rows per CTA of ``PREP_WARPS`` warps, any head dim (one module per dtype).
 * ``repair`` (flash_repair.cu: the rows where a masked pair met an inf or NaN): one row per warp,
@@ -56,7 +59,7 @@ SMEM_PAD_BYTES = 16  # one 16-byte pad per shared row (types.cuh: SMEM_PAD_BYTES
 SM90_SMEM_BLOCK = 227 * 1024   # shared memory a block may opt in to on sm_90 (H100, H200)
 REGISTER_FILE = 65536          # 32-bit registers per SM (sm_80, sm_90)
 WARP_SIZE = 32
-BWD_SM90_MAX_HEAD_DIM = 128    # dK_j, dV_j of 64 keys per warpgroup in registers
+BWD_SM90_MAX_HEAD_DIM = 128    # dK_j, dV_j of 64 keys per warpgroup in registers; the wide kernel above
 REPAIR_WARPS = 8               # flash_repair.cu: rows in flight per CTA
 PREP_WARPS, PREP_ROWS = 8, 32  # flash_bwd_prep.cu: 256 threads, 8 per row; flash_convert: 256 threads
 
@@ -98,7 +101,7 @@ AUTO_FORWARD = {
     "float64": ((128, "v2"), (256, "v1")),
 }
 # registers setmaxnreg leaves the producer warpgroup of a warp-specialised kernel, by consumers
-_PRODUCER_REGS = {"fwd_sm90": {2: 40, 3: 32}, "bwd_sm90": {2: 24}}
+_PRODUCER_REGS = {"fwd_sm90": {2: 40, 3: 32}, "bwd_sm90": {2: 24}, "bwd_sm90_wide": {2: 24}}
 
 
 def dtype_name(dtype) -> str:
@@ -199,11 +202,12 @@ class TileConfig:
 
     @property
     def q_stages(self) -> int:
-        """Q_i buffers of the persistent Hopper forward: two (a CTA's next Q tile lands under its
-        current one) where they fit sm_90's shared memory, else one."""
-        if self.kernel != "fwd_sm90":
+        """Q_i buffers of the persistent Hopper forward and of the wide Hopper backward's Q_i, dO_i
+        ring: two (the next Q tile lands under the current one) where they fit sm_90's shared
+        memory, else one."""
+        if self.kernel not in _STAGED:
             return 1
-        return 2 if _fwd_sm90_bytes(self, 2) <= SM90_SMEM_BLOCK else 1
+        return 2 if _STAGED[self.kernel](self, 2) <= SM90_SMEM_BLOCK else 1
 
     @property
     def registers(self) -> Optional[tuple[int, int]]:
@@ -231,7 +235,7 @@ class TileConfig:
         ]
         if self.dtype == "float32":
             out.append(f"-DFLASH_FP32_MMA={self.fp32_mma}")
-        if self.kernel == "fwd_sm90":
+        if self.kernel in _STAGED:
             out.append(f"-DFLASH_Q_STAGES={self.q_stages}")
         if self.registers:
             out += [f"-DFLASH_PRODUCER_REGS={self.registers[0]}", f"-DFLASH_CONSUMER_REGS={self.registers[1]}"]
@@ -287,6 +291,20 @@ def _bwd_sm90_bytes(c: TileConfig) -> int:
             + 1024)
 
 
+def _bwd_sm90_wide_bytes(c: TileConfig, q_stages: Optional[int] = None) -> int:
+    # s_K, s_V (B_c, DP); rings of q_stages Q_i, dO_i (B_r, DP); dS^T (B_c, B_r); float32 P^T
+    # (B_c, B_r) and dQ_i (B_r, DP + 4); q_stages (2, B_r) statistics; 1 + 2 q_stages mbarriers;
+    # + slack to align the tiles to 1024 bytes
+    q_stages = c.q_stages if q_stages is None else q_stages
+    elems = (2 * c.block_c + 2 * q_stages * c.block_r) * c.d_pad + c.block_c * c.block_r
+    return (elems * c.itemsize + (c.block_c * c.block_r + c.block_r * (c.d_pad + 4)) * 4
+            + q_stages * 2 * c.block_r * c.acc_itemsize + (1 + 2 * q_stages) * 8 + 1024)
+
+
+# the families whose Q ring has one or two stages by what fits (TileConfig.q_stages)
+_STAGED = {"fwd_sm90": _fwd_sm90_bytes, "bwd_sm90_wide": _bwd_sm90_wide_bytes}
+
+
 def _no_smem(c: TileConfig) -> int:
     return 0
 
@@ -337,6 +355,12 @@ def _bwd_sm90_tiles(kernel, head_dim, name, smem_limit):
     return _first_fit((TileConfig(kernel, name, d_pad, 128 if d_pad <= 64 else 64, 128, 12, d_pad),), smem_limit)
 
 
+def _bwd_sm90_wide_tiles(kernel, head_dim, name, smem_limit):
+    d_pad = -(-head_dim_bucket(head_dim) // 64) * 64
+    # two consumers share 64 keys (one holds dV_j, the other dK_j), 64 queries per step
+    return _first_fit((TileConfig(kernel, name, d_pad, 64, 64, 12, d_pad),), smem_limit)
+
+
 def _bwd_prep_tiles(kernel, head_dim, name, smem_limit):
     return TileConfig(kernel, name, 0, PREP_ROWS, 1, PREP_WARPS, 0)
 
@@ -358,6 +382,7 @@ class KernelSpec:
     max_head_dim: int
     tiles: Callable                # (family, head dim, dtype name, shared memory) -> TileConfig or None
     smem: Callable                 # TileConfig -> dynamic shared-memory bytes
+    min_head_dim: int = 1
     ordered: bool = False          # comes in a deterministic (grid-ordered sums) variant too
     any_head_dim: bool = False     # one specialisation per dtype serves every head dim
     fp32_products: bool = False    # its float32 products follow ``precision`` (FP32_PRODUCTS)
@@ -377,6 +402,9 @@ KERNELS = {
                       _bwd_tiles, _bwd_bytes, ordered=True, fp32_products=True),
     "bwd_sm90": KernelSpec("flash_bwd_sm90.cu", ("flash_bwd_sm90",), ("BwdParams",), "sm_90a", SIXTEEN_BIT,
                            BWD_SM90_MAX_HEAD_DIM, _bwd_sm90_tiles, _bwd_sm90_bytes, ordered=True),
+    "bwd_sm90_wide": KernelSpec("flash_bwd_sm90_wide.cu", ("flash_bwd_sm90_wide",), ("BwdParams",), "sm_90a",
+                                SIXTEEN_BIT, MAX_HEAD_DIM, _bwd_sm90_wide_tiles, _bwd_sm90_wide_bytes,
+                                min_head_dim=BWD_SM90_MAX_HEAD_DIM + 1, ordered=True),
     "repair": KernelSpec("flash_repair.cu", ("flash_fwd_repair", "flash_bwd_repair"), ("FwdParams", "BwdParams"),
                          None, ALL_DTYPES, MAX_HEAD_DIM, _repair_tiles, _no_smem),
 }
@@ -422,8 +450,8 @@ def choose_tiles(kernel: str, head_dim: int, dtype, smem_limit: int) -> TileConf
     spec = KERNELS.get(kernel)
     if spec is None:
         raise ValueError(f"unknown kernel {kernel!r}; the kernels are {', '.join(KERNELS)}")
-    if name not in spec.dtypes or not 1 <= head_dim <= spec.max_head_dim:
-        raise ValueError(f"{kernel} takes {' and '.join(spec.dtypes)} with 1 <= D <= {spec.max_head_dim}, "
+    if name not in spec.dtypes or not spec.min_head_dim <= head_dim <= spec.max_head_dim:
+        raise ValueError(f"{kernel} takes {' and '.join(spec.dtypes)} with {spec.min_head_dim} <= D <= {spec.max_head_dim}, "
                          f"not {name} with D = {head_dim}")
     cfg = spec.tiles(kernel, head_dim, name, smem_limit)
     if cfg is None:
@@ -452,7 +480,7 @@ def all_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
             continue
         for dtype in spec.dtypes:
             for bucket in (HEAD_DIM_BUCKETS[:1] if spec.any_head_dim else HEAD_DIM_BUCKETS):
-                if bucket > spec.max_head_dim:
+                if not spec.min_head_dim <= bucket <= spec.max_head_dim:
                     continue
                 cfg = spec.tiles(kernel, bucket, dtype, smem_limit)
                 if cfg is None:

@@ -88,30 +88,37 @@ __device__ __forceinline__ KvTurns kv_turns(const BwdParams& p, BatchIndex bi, i
             broadcast_rank(bi, p.batch.n1, p.batch.n2, p.dv.s0, p.dv.s1, p.dv.s2)};
 }
 
-// scale dK_j and dV_j, a warp's (16, 8*NT) accumulators of key rows key0 .. key0+15 and head-dim
-// columns c0 .., into HBM: stored into dk, dv, or added into the sums dk_acc, dv_acc (kv_atomic)
+// scale x a warp's (16, 8*NT) accumulator tile G of dK_j or dV_j (`grad`: p.dk or p.dv; `sums`:
+// p.dk_acc or p.dv_acc), key rows key0 .. key0+15 and head-dim columns c0 .., into HBM: stored
+// into grad, or added into the sums (kv_atomic)
 template <int NT>
-__device__ __forceinline__ void store_dkv_rows(const BwdParams& p, BatchIndex bi, const acc_t (&dK)[NT][4],
-                                               const acc_t (&dV)[NT][4], int key0, int c0, acc_t scale) {
+__device__ __forceinline__ void store_kv_grad_rows(const BwdParams& p, const Tensor<elem_t>& grad, acc_t* sums,
+                                                   BatchIndex bi, const acc_t (&G)[NT][4], int key0, acc_t scale,
+                                                   int c0 = 0) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, t = lane % 4, D = p.D;
-    const i64 dk_at = batch_offset(bi, p.dk.s0, p.dk.s1, p.dk.s2), dv_at = batch_offset(bi, p.dv.s0, p.dv.s1, p.dv.s2);
+    const i64 at = batch_offset(bi, grad.s0, grad.s1, grad.s2);
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = key0 + g + 8 * h, col = c0 + n * 8 + 2 * t;
             if (row >= p.mask.Nk) continue;
-            const acc_t k0 = scale * dK[n][2 * h], k1 = scale * dK[n][2 * h + 1];
-            const acc_t v0 = dV[n][2 * h], v1 = dV[n][2 * h + 1];
+            const acc_t x0 = scale * G[n][2 * h], x1 = scale * G[n][2 * h + 1];
             if (p.kv_atomic) {
-                acc_t* dk_r = p.dk_acc + dk_at + (i64)row * D;
-                acc_t* dv_r = p.dv_acc + dv_at + (i64)row * D;
-                if (col < D) { atomicAdd(dk_r + col, k0); atomicAdd(dv_r + col, v0); }
-                if (col + 1 < D) { atomicAdd(dk_r + col + 1, k1); atomicAdd(dv_r + col + 1, v1); }
+                acc_t* r = sums + at + (i64)row * D;
+                if (col < D) atomicAdd(r + col, x0);
+                if (col + 1 < D) atomicAdd(r + col + 1, x1);
             } else {
-                store_row_pair(p.dk.ptr + dk_at + (i64)row * D, col, D, k0, k1);
-                store_row_pair(p.dv.ptr + dv_at + (i64)row * D, col, D, v0, v1);
+                store_row_pair(grad.ptr + at + (i64)row * D, col, D, x0, x1);
             }
         }
+}
+
+// scale dK_j and dV_j of a warp (store_kv_grad_rows)
+template <int NT>
+__device__ __forceinline__ void store_dkv_rows(const BwdParams& p, BatchIndex bi, const acc_t (&dK)[NT][4],
+                                               const acc_t (&dV)[NT][4], int key0, int c0, acc_t scale) {
+    store_kv_grad_rows(p, p.dk, p.dk_acc, bi, dK, key0, scale, c0);
+    store_kv_grad_rows(p, p.dv, p.dv_acc, bi, dV, key0, (acc_t)1, c0);
 }

@@ -9,11 +9,8 @@
 // One CTA per (K/V tile j of B_C keys, batch*head), walking the Q tiles i of B_R rows (128 at
 // D = 64, where the products are small, 64 at D = 128, where registers are). Three warpgroups:
 //
-//   producer   warpgroup 0 copies K_j, V_j once, then Q_i, dO_i and the row statistics
-//              (lse_i log2 e and D_i from flash_bwd_prep) into a ring of STAGES buffers (cp.async),
-//              each guarded by a "full" and an "empty" mbarrier; when causal it scans the
-//              operands of the diagonal tile pairs for inf and NaN (nonfinite.cuh) while it
-//              waits to refill their buffers;
+//   producer   warpgroup 0 copies K_j, V_j once, then Q_i, dO_i and the row statistics into a
+//              ring of STAGES buffers and scans the causal diagonal for inf and NaN (bwd_sm90.cuh);
 //   consumers  warpgroups 1, 2 own 64 keys each; dK_j, dV_j of their keys stay in registers.
 //
 // Keys sit on the accumulator rows, so every product of a consumer is one wgmma shape:
@@ -43,12 +40,12 @@
 // written (and the previous bulk add has read s_dQ), once s_dQ is; ordered (deterministic) adds
 // meet a third time, once the bulk adds have landed.
 
+#include "bwd_sm90.cuh"
 #include "copy.cuh"
 #include "epilogue.cuh"
 #include "layout.cuh"
 #include "mask.cuh"
 #include "mma_sm80.cuh"
-#include "nonfinite.cuh"
 #include "params.cuh"
 #include "sm90.cuh"
 
@@ -56,7 +53,7 @@ constexpr int DP = FLASH_DP;
 constexpr int B_R = FLASH_BR;
 constexpr int B_C = FLASH_BC;
 constexpr int NTHREADS = FLASH_WARPS * WARP_SIZE;
-constexpr int WG_THREADS = 4 * WARP_SIZE;
+constexpr int WG_THREADS = BWD_WG_THREADS;
 constexpr int CONSUMERS = NTHREADS / WG_THREADS - 1;
 constexpr int STAGES = 2;
 constexpr bool ORDERED = FLASH_ORDERED;
@@ -78,23 +75,6 @@ static_assert(CONSUMERS == 2 && B_C == 64 * CONSUMERS, "one producer warpgroup, 
 static_assert((B_R == 64 || B_R == 128) && DP % SW_COLS == 0 && DP <= 128, "tile shapes");
 static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * (65536 / NTHREADS / 8 * 8), "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
-
-// Producer: one 4-byte cp.async per statistic of the rows q0 .. q0+B_R-1. Past Nq they are zero:
-// those rows of Q_i and dO_i are zero too, so their P_ij^T = 1 meets dO = 0 and dP - D = 0.
-__device__ __forceinline__ void produce_stats(acc_t* s_stat, const acc_t* lse2, const acc_t* Dsum,
-                                              int q0, int Nq, bool vec, int ptid) {
-    for (int c = ptid; c < 2 * B_R; c += WG_THREADS) {
-        const int r = c % B_R;
-        const acc_t* src = (c < B_R ? lse2 : Dsum) + q0 + r;
-        const bool valid = q0 + r < Nq;
-        if (vec) {
-            asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
-                         :: "r"(smem_addr(s_stat + c)), "l"(valid ? src : lse2), "r"(valid ? 4 : 0) : "memory");
-        } else {
-            s_stat[c] = valid ? *src : (acc_t)0;
-        }
-    }
-}
 
 // P_ij^T = exp2(S_ij^T scale log2 e - lse_i log2 e) (one FFMA into the exponent; 16-bit inputs round P
 // far coarser) and dS_ij^T = P_ij^T o (dP_ij^T - D_i) of a warp's (16, B_R) S_ij^T, dP_ij^T (key rows
@@ -150,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
 
     const Mask& mask = p.mask;
     const int Nq = mask.Nq, Nk = mask.Nk, D = p.D;
-    const bool vec = p.vec != 0, kv_atomic = p.kv_atomic != 0;
+    const bool kv_atomic = p.kv_atomic != 0;
     const int tid = threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid / WG_THREADS, 0);   // from lane 0: the compiler sees it warp-uniform
     const int T_r = (Nq + B_R - 1) / B_R, T_c = (Nk + B_C - 1) / B_C;
@@ -162,11 +142,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
     const int steps = T_r - i_first;
 
     const BatchIndex bi = p.batch.split(bh);
-    const elem_t* q = p.q.at(bi);
-    const elem_t* dO = p.dO.at(bi);
-    const i64 q_sn = p.q.sn, do_sn = p.dO.sn;
-    const acc_t* lse2 = p.lse2 + bh * Nq;
-    const acc_t* Dsum = p.Dsum + bh * Nq;
+    const BwdRing ring{s_K, s_V, s_Q, s_dO, s_stat, kv_full, q_full, q_empty};
 
     if (tid == 0) {
         mbar_init(kv_full, WG_THREADS);
@@ -180,53 +156,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
     if (wg == 0) {
         // producer: K_j, V_j; then Q_i, dO_i, statistics into stage n % STAGES once it is released
         setmaxnreg_dec<PRODUCER_REGS>();
-        const int ptid = tid;
-        const int kv_rows = min(B_C, Nk - kv0);
-        load_tile_sw128<B_C, DP, WG_THREADS>(s_K, p.k.at(bi) + (i64)kv0 * p.k.sn, p.k.sn,
-                                             kv_rows, D, vec, ptid);
-        load_tile_sw128<B_C, DP, WG_THREADS>(s_V, p.v.at(bi) + (i64)kv0 * p.v.sn, p.v.sn,
-                                             kv_rows, D, vec, ptid);
-        arrive_when_landed(kv_full, vec);
-
-        // Where a tile pair with masked pairs has an operand with an inf or NaN, its products may spread
-        // it to them (nonfinite.cuh): flag dQ_i and dK_j, dV_j for the repair. The producer scans
-        // while it waits anyway: a step's tiles just before it waits to refill their buffers, K_j and
-        // V_j before the first such wait, the rest as the CTA ends. The steps with masked pairs come first.
-        auto masked = [&](int n) { return mask.has_masked_pairs((i_first + n) * B_R, kv0, B_C); };
-        auto flag_pair = [&](int n) {
-            p.dq_flags[bh * T_r + i_first + n] = 1u;
-            p.kv_flags[bh * T_c + j] = 1u;
-        };
-        auto scan_step = [&](int n) {
-            const int s = n % STAGES;
-            mbar_wait(&q_full[s], (n / STAGES) & 1);
-            if (rows_nonfinite(s_Q + s * TILE_Q, TILE_Q / SW_COLS, SW_COLS, SW_COLS, ptid, WG_THREADS)
-                || rows_nonfinite(s_dO + s * TILE_Q, TILE_Q / SW_COLS, SW_COLS, SW_COLS, ptid, WG_THREADS)
-                || values_nonfinite(s_stat + s * 2 * B_R + B_R, B_R, ptid, WG_THREADS))
-                flag_pair(n);
-        };
-        auto scan_kv = [&]() {
-            mbar_wait(kv_full, 0);
-            if (rows_nonfinite(s_K, TILE_KV / SW_COLS, SW_COLS, SW_COLS, ptid, WG_THREADS)
-                || rows_nonfinite(s_V, TILE_KV / SW_COLS, SW_COLS, SW_COLS, ptid, WG_THREADS))
-                for (int n = 0; n < steps && masked(n); ++n) flag_pair(n);
-        };
-        for (int n = 0; n < steps; ++n) {
-            const int s = n % STAGES, use = n / STAGES, q0 = (i_first + n) * B_R, rows = min(B_R, Nq - q0);
-            if (use > 0) {
-                if (mask.causal && n == STAGES) scan_kv();
-                if (masked(n - STAGES)) scan_step(n - STAGES);
-                mbar_wait(&q_empty[s], (use - 1) & 1);
-            }
-            load_tile_sw128<B_R, DP, WG_THREADS>(s_Q + s * TILE_Q, q + (i64)q0 * q_sn, q_sn, rows, D, vec, ptid);
-            load_tile_sw128<B_R, DP, WG_THREADS>(s_dO + s * TILE_Q, dO + (i64)q0 * do_sn, do_sn, rows, D, vec, ptid);
-            produce_stats(s_stat + s * 2 * B_R, lse2, Dsum, q0, Nq, vec, ptid);
-            arrive_when_landed(&q_full[s], vec);
-        }
-        if (mask.causal && steps <= STAGES) scan_kv();
-        for (int n = max(0, steps - STAGES); n < steps; ++n)
-            if (masked(n)) scan_step(n);
-        cp_async_wait<0>();   // no copy outlives its thread
+        produce_bwd<B_R, B_C, DP, STAGES>(p, ring, bh, j, i_first, steps, tid);
     } else {
         // consumers: warpgroup c owns keys kv0 + 64c .. kv0 + 64c + 63
         setmaxnreg_inc<CONSUMER_REGS>();

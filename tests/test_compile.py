@@ -83,7 +83,7 @@ def test_every_dtype_and_bucket_is_covered():
     """Every (kernel, dtype, bucket) a device can run has a compiled specialisation.
 
     On sm_80 the V2 forward of float64 beyond D = 192 does not fit (V1 runs); the Hopper
-    kernels are sm_90-only and take 16-bit dtypes, the backward D <= 128.
+    kernels are sm_90-only and take 16-bit dtypes, the backward D <= 128 and its wide kernel above.
     """
     compiled = {c for _, c in SPECIALISATIONS}
     for arch, smem in ARCH_SMEM.items():
@@ -92,7 +92,7 @@ def test_every_dtype_and_bucket_is_covered():
                 continue
             for dtype in spec.dtypes:
                 for bucket in _tiles.HEAD_DIM_BUCKETS:
-                    if (arch, kernel, dtype, bucket) == ("sm_80", "fwd_v2", "float64", 256) or bucket > spec.max_head_dim:
+                    if (arch, kernel, dtype, bucket) == ("sm_80", "fwd_v2", "float64", 256) or not spec.min_head_dim <= bucket <= spec.max_head_dim:
                         with pytest.raises(ValueError):
                             _tiles.choose_tiles(kernel, bucket, dtype, smem)
                         continue
@@ -114,6 +114,8 @@ def test_tiles_fit_and_follow_the_seed_bound(arch, smem):
             assert cfg.block_r <= min(cfg.block_c, cfg.d_pad)
         if cfg.kernel == "bwd_sm90":      # a producer warpgroup, then 64 keys per consumer warpgroup
             assert cfg.block_c == 64 * (cfg.warps // 4 - 1) and cfg.warps % 4 == 0
+        elif cfg.kernel == "bwd_sm90_wide":   # a producer warpgroup, then two consumers sharing 64 keys
+            assert (cfg.block_r, cfg.block_c, cfg.warps) == (64, 64, 12)
         elif cfg.kernel == "fwd_sm90":    # a producer warpgroup, then 64 query rows per consumer warpgroup
             assert cfg.block_r == 64 * (cfg.warps // 4 - 1) and cfg.warps % 4 == 0
         elif cfg.kernel in ("fwd_v1", "fwd_v2"):

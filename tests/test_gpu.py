@@ -353,8 +353,23 @@ def test_v2_runs_the_hopper_kernels_on_sm90():
     assert _launch.forward_kernel("v2", numpy.float32) == "fwd_v2"
     assert _launch.forward_kernel("v1", numpy.float16) == "fwd_v1"
     assert _launch.backward_kernel("v2", numpy.float16, 128) == ("bwd_sm90" if hopper else "bwd")
-    assert _launch.backward_kernel("auto", numpy.float16, 200) == "bwd"
+    assert _launch.backward_kernel("auto", numpy.float16, 200) == ("bwd_sm90_wide" if hopper else "bwd")
+    assert _launch.backward_kernel("auto", numpy.float32, 200) == "bwd"
     assert _launch.backward_kernel("v1", ml_dtypes.bfloat16, 64) == "bwd"
+
+
+@pytest.mark.parametrize("dtype, D", [("float16", 130), ("bfloat16", 160), ("float16", 192), ("bfloat16", 196),
+                                      ("float16", 256)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", ["ragged", "gqa"])
+def test_wide_heads_backward(dtype, D, causal, shape):
+    """The backward at 128 < D <= 256 (the Hopper kernel flash_bwd_sm90_wide.cu on sm_90; two ring
+    stages at D <= 192, one above; D = 130 adds dQ with atomics, 196 copies without 16-byte vectors):
+    ragged tiles on both sides, more keys than queries and fewer, and K/V heads shared by query heads."""
+    q_shape, kv_shape = {"ragged": ((2, 333, D), (2, 1000, D)), "gqa": ((2, 4, 1000, D), (2, 1, 201, D))}[shape]
+    rng = numpy.random.default_rng(D)
+    q, k, v = random_inputs(rng, dtype, q_shape, kv_shape)
+    check_backward(dtype, q, k, v, causal, None, rng, "v2")
 
 
 def test_gpu_and_numpy_paths_agree():

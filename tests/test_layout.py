@@ -114,7 +114,7 @@ def test_auto_forward_keeps_v1_for_float64_past_128():
     assert _tiles.auto_forward(256, "float32") == "v2"
 
 
-@pytest.mark.parametrize("kernel", ["fwd_sm90", "bwd_sm90"])
+@pytest.mark.parametrize("kernel", ["fwd_sm90", "bwd_sm90", "bwd_sm90_wide"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_hopper_kernels_take_16_bit_only(kernel, dtype):
     with pytest.raises(ValueError, match=kernel):
@@ -125,6 +125,22 @@ def test_hopper_kernels_take_16_bit_only(kernel, dtype):
 def test_hopper_backward_stops_at_128(head_dim):
     with pytest.raises(ValueError, match="D <= 128"):
         _tiles.choose_tiles("bwd_sm90", head_dim, "bfloat16", H100_SMEM)
+
+
+@pytest.mark.parametrize("head_dim", [1, 64, 128])
+def test_wide_hopper_backward_starts_past_128(head_dim):
+    with pytest.raises(ValueError, match="129 <= D <= 256"):
+        _tiles.choose_tiles("bwd_sm90_wide", head_dim, "float16", H100_SMEM)
+
+
+@pytest.mark.parametrize("head_dim, d_pad, stages", [(129, 192, 2), (160, 192, 2), (192, 192, 2), (193, 256, 1),
+                                                     (256, 256, 1)])
+def test_wide_hopper_backward_tiles(head_dim, d_pad, stages):
+    """Two consumers sharing 64 keys and 64 queries per step; the Q_i, dO_i ring doubled where it fits."""
+    cfg = _tiles.choose_tiles("bwd_sm90_wide", head_dim, "bfloat16", H100_SMEM)
+    assert (cfg.d_pad, cfg.block_r, cfg.block_c, cfg.warps, cfg.q_stages) == (d_pad, 64, 64, 12, stages)
+    assert cfg.smem_bytes <= H100_SMEM < _tiles._bwd_sm90_wide_bytes(cfg, stages + 1)
+    assert f"-DFLASH_Q_STAGES={stages}" in cfg.defines() and cfg.registers == (24, 240)
 
 
 @pytest.mark.parametrize("kernel", ["fwd_sm90", "bwd_sm90"])

@@ -231,11 +231,11 @@ def test_forward_is_bitwise_reproducible(schedule, dtype):
 
 @pytest.mark.parametrize("schedule", ["v1", "v2"])
 @pytest.mark.parametrize("dtype, D", [("float16", 64), ("bfloat16", 128), ("float16", 62), ("float16", 200),
-                                      ("float32", 64), ("float64", 40)])
+                                      ("bfloat16", 130), ("float16", 160), ("float32", 64), ("float64", 40)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_deterministic_backward_is_bitwise_reproducible(schedule, dtype, D, causal):
-    """deterministic=True: dQ summed over 8 K/V tiles (Hopper tiles at 16-bit D <= 128 under v2; D = 62
-    takes the Hopper kernel's atomics, D = 200 the V1 kernel's head-dim chunks) and dK, dV over the query
+    """deterministic=True: dQ summed over 8 K/V tiles (Hopper tiles at 16-bit under v2, D > 128 the wide
+    kernel's; D = 62 and 130 take their atomics) and dK, dV over the query
     heads of a group (k broadcast along the heads, v along the batch) in one order: every run gives the
     same bits, within rounding of the unordered backward."""
     import cupy
@@ -264,7 +264,7 @@ def test_deterministic_backward_is_bitwise_reproducible(schedule, dtype, D, caus
 def test_non_finite_inputs_reach_the_outputs_the_reference_says(schedule, dtype, causal, case, head_dim,
                                                                 monkeypatch):
     """The README's rules, on every kernel ("v2-mma": the portable V2 forward where the Hopper one would
-    run; D = 200: the V1 backward under "v2"): o, m, l and the gradients non-finite exactly where the
+    run; D = 200: the wide Hopper backward under "v2"): o, m, l and the gradients non-finite exactly where the
     mask-exact reference's are, masked pairs of a diagonal tile included; rows that see no key keep
     o = 0, m = -inf, l = 0 and dq = 0."""
     from cupyflash import _launch
