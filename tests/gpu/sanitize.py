@@ -11,7 +11,8 @@ Cases: schedules v1, v2 and v2 on the portable kernels ("v2-mma", where the Hopp
 run), the four dtypes (float32 under both precisions: 270 cases), one head dim per bucket, Nq != Nk ragged against every tile size, causal and
 not, causal with a NaN in each of q, k, v, do inside a diagonal tile (the scans, the flags and
 flash_repair.cu), K/V broadcast over a group of query heads, the backward unordered and deterministic.
-``--quick`` keeps two head dims, ``--head-dims`` picks some, ``--dtypes`` some dtypes (racecheck over all six takes
+``--quick`` keeps two head dims, ``--head-dims`` picks some, ``--dtypes`` some dtypes, ``--schedules`` some
+schedules (racecheck over all six head dims takes
 longer than one 10-minute device call: run it in parts). The script also checks each result
 against the float64 reference, so a kernel that runs clean but wrong fails too.
 """
@@ -86,6 +87,8 @@ def main(argv=None) -> int:
                              "takes all of them in more than one 10-minute run")
     parser.add_argument("--dtypes", nargs="+", choices=[v[0] for v in VARIANTS], metavar="NAME",
                         help=f"these dtypes only (default all: {' '.join(v[0] for v in VARIANTS)})")
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, metavar="NAME",
+                        help=f"these schedules only (default all: {' '.join(SCHEDULES)}; v2 runs the Hopper kernels)")
     args = parser.parse_args(argv)
     head_dims = args.head_dims or (QUICK_HEAD_DIMS if args.quick else HEAD_DIMS)
     if any(not 1 <= d <= _tiles.MAX_HEAD_DIM for d in head_dims):
@@ -94,7 +97,7 @@ def main(argv=None) -> int:
     failures = 0
     masks = ((False, False), (True, False), (True, True))   # (causal, poison)
     variants = [v for v in VARIANTS if not args.dtypes or v[0] in args.dtypes]
-    cases = list(itertools.product(variants, head_dims, SCHEDULES, masks))
+    cases = list(itertools.product(variants, head_dims, args.schedules or SCHEDULES, masks))
     for (name, dtype, precision, tolerance), D, schedule, (causal, poison) in cases:
         err = run_case(dtype, precision, D, schedule, causal, poison, rng)
         ok = err <= SANITIZE_REL_ERR[tolerance]
