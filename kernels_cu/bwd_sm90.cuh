@@ -16,6 +16,7 @@
 #include "sm90.cuh"
 
 constexpr int BWD_WG_THREADS = 4 * WARP_SIZE;   // one warpgroup
+constexpr int BWD_PRODUCER_BARRIER = 15;        // named barrier of the producer's threads alone
 
 // The shared tiles and barriers of the ring: K_j, V_j (B_C, DP); STAGES of Q_i, dO_i (B_R, DP),
 // all swizzled; STAGES of (lse_i log2 e, D_i) (2, B_R); one K/V "full" barrier, then STAGES "full"
@@ -93,7 +94,10 @@ __device__ __forceinline__ void produce_bwd(const BwdParams& p, const BwdRing& r
         const int s = n % STAGES, use = n / STAGES, q0 = (i_first + n) * B_R, rows = min(B_R, Nq - q0);
         if (use > 0) {
             if (mask.causal && n == STAGES) scan_kv();
-            if (masked(n - STAGES)) scan_step(n - STAGES);
+            if (masked(n - STAGES)) {
+                scan_step(n - STAGES);
+                named_barrier_sync(BWD_PRODUCER_BARRIER, BWD_WG_THREADS);   // no thread refills what another still scans
+            }
             mbar_wait(&r.q_empty[s], (use - 1) & 1);
         }
         load_tile_sw128<B_R, DP, BWD_WG_THREADS>(r.Q + s * TILE_Q, q + (i64)q0 * p.q.sn, p.q.sn, rows, D, vec, ptid);

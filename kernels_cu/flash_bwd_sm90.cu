@@ -69,7 +69,7 @@ constexpr int PRODUCER_REGS = FLASH_PRODUCER_REGS;
 constexpr int CONSUMER_REGS = FLASH_CONSUMER_REGS;
 
 // Named barriers (0 is __syncthreads) over both consumers: dS^T written, s_dQ written, bulk adds landed
-enum Barrier : int { DS_WRITTEN = 1, DQ_WRITTEN = 2, ADDS_LANDED = 3 };
+enum Barrier : int { DS_WRITTEN = 1, DQ_WRITTEN = 2, ADDS_LANDED = 3 };   // 15: the producer's (bwd_sm90.cuh)
 
 static_assert(CONSUMERS == 2 && B_C == 64 * CONSUMERS, "one producer warpgroup, 64 keys per consumer");
 static_assert((B_R == 64 || B_R == 128) && DP % SW_COLS == 0 && DP <= 128, "tile shapes");

@@ -68,7 +68,7 @@ constexpr int PRODUCER_REGS = FLASH_PRODUCER_REGS;
 constexpr int CONSUMER_REGS = FLASH_CONSUMER_REGS;
 
 // Named barriers (0 is __syncthreads): over both consumers P^T written, dS^T written, s_dQ written,
-// bulk adds landed; over one consumer (GRAD_TURN + c) its dK_j or dV_j turn
+// bulk adds landed; over one consumer (GRAD_TURN + c) its dK_j or dV_j turn; 15 is the producer's (bwd_sm90.cuh)
 enum Barrier : int { P_WRITTEN = 1, DS_WRITTEN = 2, DQ_WRITTEN = 3, ADDS_LANDED = 4, GRAD_TURN = 5 };
 
 static_assert(CONSUMERS == 2 && B_C == 64 && B_R == 64, "one producer warpgroup, two consumers sharing 64 keys");

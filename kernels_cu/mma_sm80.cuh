@@ -216,15 +216,18 @@ __device__ __forceinline__ unsigned tf32_rna(float x) {
     return r;
 }
 
-// x = hi + lo: hi its leading 11 significant bits (truncated, so it cannot overflow), lo the rest
-// rounded to TF32. For a non-finite x, hi is x (a NaN canonical, so that no payload reads as inf),
-// lo = 0, and `small`, the hi that meets the other operand's lo, is 0: the two small terms then add
-// 0 and the product is that of a float32 FMA (x times a finite y: inf or NaN as x * y is).
+// x = hi + lo: hi x rounded to TF32 (11 significant bits; |lo| <= 2^-11 |x|), lo the rest (exact in
+// float32) rounded to TF32. Where rounding would carry x past the float32 range, hi is x truncated
+// to TF32 instead (|lo| < 2^-10 |x|). For a non-finite x, hi is x (a NaN canonical, so that no
+// payload reads as inf), lo = 0, and `small`, the hi that meets the other operand's lo, is 0: the
+// two small terms then add 0 and the product is that of a float32 FMA (x times a finite y: inf or
+// NaN as x * y is).
 struct Tf32Split { unsigned hi, lo, small; };
 
 __device__ __forceinline__ Tf32Split split_tf32(float x) {
     if (isfinite(x)) {
-        const unsigned hi = __float_as_uint(x) & 0xffffe000u;
+        unsigned hi = tf32_rna(x);
+        if ((hi & 0x7f800000u) == 0x7f800000u) hi = __float_as_uint(x) & 0xffffe000u;
         return {hi, tf32_rna(x - __uint_as_float(hi)), hi};
     }
     return {isnan(x) ? 0x7fc00000u : __float_as_uint(x), 0u, 0u};
