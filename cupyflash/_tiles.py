@@ -22,8 +22,8 @@ How tiles are chosen (``choose_tiles``):
   takes half the registers.
 * ``fwd_sm90`` (FlashAttention-3 style, 16-bit, sm_90a): a producer warpgroup and consumer
   warpgroups of 64 query rows each, three up to D = 64 (B_r = 192), two above (B_r = 128);
-  B_c = 128 keys up to D = 128 and 64 above; the head dim is padded to whole 64-column swizzle
-  blocks. The CTAs are persistent, one per SM, with Q_i double-buffered where two fit
+  B_c = 128 keys up to D = 128, 96 at D = 192 and 64 at 256; the head dim is padded to whole
+  64-column swizzle blocks. The CTAs are persistent, one per SM, with Q_i double-buffered where two fit
   (``q_stages``).
 * ``bwd``: each warp owns 16 key rows of a K/V tile (B_c = 16 x warps); the Q tiles walked by the
   inner loop have B_r rows. dK_j and dV_j live in registers, so the head dim is split into chunks
@@ -81,8 +81,8 @@ _FWD_V2_CANDIDATES = {
 # (B_r, B_c, warps) of the Hopper forward by padded head dim: a producer warpgroup and consumer
 # warpgroups of 64 query rows each. Three consumers up to D = 64 (measured 1.1-1.3x two at
 # N >= 2048, equal at 512), two above, where O_i needs the registers; B_c = 128 keys up to
-# D = 128, 64 above.
-_FWD_SM90_CANDIDATES = {64: (192, 128, 16), 128: (128, 128, 12), 256: (128, 64, 12)}
+# D = 128, 96 at D = 192 (the most whose K/V ring fits beside one Q_i), 64 at D = 256.
+_FWD_SM90_CANDIDATES = {64: (192, 128, 16), 128: (128, 128, 12), 192: (128, 96, 12), 256: (128, 64, 12)}
 # (B_r, B_c, warps, max d_chunk) in order of preference
 _BWD_CANDIDATES = {
     "16bit": ((32, 64, 4, 128), (32, 32, 2, 128), (16, 16, 1, 64)),

@@ -80,7 +80,7 @@ enum Barrier : int { CONSUMER_TURN = 1, PRODUCER = 15 };   // CONSUMER_TURN + c,
 static_assert(B_R == 64 * CONSUMERS && FLASH_WARPS % 4 == 0, "one producer warpgroup, 64 query rows per consumer");
 static_assert(CONSUMERS >= 2 && CONSUMER_TURN + CONSUMERS <= PRODUCER, "ping-pong consumers and their barriers");
 static_assert(Q_STAGES == 1 || Q_STAGES == 2, "one or two Q buffers");
-static_assert(DP % SW_COLS == 0 && (B_C == 64 || B_C == 128), "tile shapes");
+static_assert(DP % SW_COLS == 0 && (B_C == 64 || B_C == 96 || B_C == 128), "tile shapes");
 static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * (65536 / NTHREADS / 8 * 8), "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
