@@ -149,7 +149,8 @@ def precompile(kernels=None, dtypes=None, head_dims=None, workers=None) -> list[
     ----------
     kernels : sequence of str, optional
         Families from ``cupyflash._tiles.KERNELS`` (``'fwd_v1'``, ``'fwd_v2'``,
-        ``'fwd_sm90'``, ``'bwd_prep'``, ``'bwd'``, ``'bwd_sm90'``, ``'repair'``);
+        ``'fwd_sm90'``, ``'bwd_prep'``, ``'bwd'``, ``'bwd_sm90'``, ``'bwd_sm90_wide'``,
+        ``'repair'``);
         default all that run here.
     dtypes : sequence of dtype-like, optional
         Default all four (each kernel takes only its own).

@@ -275,8 +275,9 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     then one CTA per K/V tile recomputes
     ``P_ij = exp(S_ij − m_i) / l_i`` from the saved statistics, accumulates
     ``dK_j``, ``dV_j`` on chip and ``dQ_i`` in a float32 (float64) buffer.
-    No N×N matrix is materialised. The Hopper kernel
-    (``kernels_cu/flash_bwd_sm90.cu``) computes the same products with
+    No N×N matrix is materialised. On sm_90 the Hopper kernels
+    (``kernels_cu/flash_bwd_sm90.cu`` for float16/bfloat16 with D <= 128,
+    ``flash_bwd_sm90_wide.cu`` above) compute the same products with
     warpgroup MMA, with ``P = exp(S − lse)`` from ``lse = m + log l``.
     NumPy inputs run the blocked NumPy version.
 
