@@ -40,10 +40,10 @@ def reciprocal_or_zero(l):
 def visible_matmul(A, B, visible):
     """``A @ B`` (``(..., I, K) @ (..., K, J)``) over the visible pairs (i, k) only.
 
-    ``visible`` is ``(I, K)``, or None when every pair is. The term of an
-    invisible pair is absent, not ``0 · B[k, j]``, which is NaN where
-    ``B[k, j]`` is inf or NaN; so B's non-finite values reach exactly the
-    outputs whose sums see them.
+    ``visible`` is boolean, broadcastable to A's shape (``(I, K)`` for every batch entry alike, or
+    per entry), or None when every pair is. The term of an invisible pair is absent, not
+    ``0 · B[k, j]``, which is NaN where ``B[k, j]`` is inf or NaN; so B's non-finite values reach
+    exactly the outputs whose sums see them.
     """
     if visible is None:
         return A @ B
@@ -54,11 +54,12 @@ def visible_matmul(A, B, visible):
     batch = np.broadcast_shapes(A.shape[:-2], B.shape[:-2])
     A = np.broadcast_to(A, (*batch, *A.shape[-2:]))
     B = np.broadcast_to(B, (*batch, *B.shape[-2:]))
+    visible = np.broadcast_to(visible, A.shape)
     finite = np.broadcast_to(finite, B.shape)
     out = A @ np.where(finite, B, 0)
     for *b, k, j in np.argwhere(~finite):   # the visible terms of B's non-finite values, one by one
         at = tuple(b)
-        out[(*at, slice(None), j)] += np.where(visible[:, k], A[(*at, slice(None), k)] * B[(*at, k, j)], 0)
+        out[(*at, slice(None), j)] += np.where(visible[(*at, slice(None), k)], A[(*at, slice(None), k)] * B[(*at, k, j)], 0)
     return out
 
 

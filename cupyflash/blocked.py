@@ -53,42 +53,82 @@ def _scaled_queries(q, scale, batch, acc):
     return Q
 
 
-def _operands(q, k, v, causal, softmax_scale):
+def _operands(q, k, v, causal, softmax_scale, window=None):
     """What both loops start from: ``(batch, acc, scale, geometry, Q, K, V)``, with ``Q = scale q``
     broadcast to the batch (*batch, Nq, D) and K, V (*batch_k, Nk, D) in the accumulator dtype."""
     batch, n_q, n_k = broadcast_shapes(q, k, v)
     acc = accumulator_dtype(q.dtype)
     scale = acc.type(resolve_scale(softmax_scale, q.shape[-1]))
     Q = _scaled_queries(q, scale, batch, acc)
-    return batch, acc, scale, MaskGeometry(n_q, n_k, causal), Q, k.astype(acc, copy=False), v.astype(acc, copy=False)
+    left, right = (None, None) if window is None else window
+    geometry = MaskGeometry(n_q, n_k, causal, left, right)
+    return batch, acc, scale, geometry, Q, k.astype(acc, copy=False), v.astype(acc, copy=False)
 
 
 def _tiles(geometry, B_r, B_c):
     """The (rows, cols, partial) tiles of the loops, K/V tiles outer: for each K/V tile the Q tiles
-    that see a key of it (from `MaskGeometry.q_start`), EMPTY ones left out; ``partial``: the tile
-    needs an element mask."""
+    that see a key of it (`MaskGeometry.q_start` to `q_stop`), EMPTY ones left out; ``partial``:
+    the tile needs an element mask."""
     for j in range(_num_tiles(geometry.n_k, B_c)):
         cols = range(j * B_c, min((j + 1) * B_c, geometry.n_k))
-        for i in range(geometry.q_start(cols.start) // B_r, _num_tiles(geometry.n_q, B_r)):
+        for i in range(geometry.q_start(cols.start) // B_r, _num_tiles(geometry.q_stop(cols.stop), B_r)):
             rows = range(i * B_r, min((i + 1) * B_r, geometry.n_q))
             kind = geometry.tile(rows.start, rows.stop, cols.start, cols.stop)
             if kind != EMPTY:
                 yield rows, cols, kind == PARTIAL
 
 
-def _masked_scores(Q_i, K_j, geometry, rows, cols, partial):
-    """S_ij = (scale Q_i) K_j^T, (*batch, B_r, B_c), -inf where the pair is invisible; and the
-    (B_r, B_c) visibility, None when the tile is full."""
-    S_ij = Q_i @ transpose(K_j)
-    if not partial:
-        return S_ij, None
-    visible = geometry.visible(rows, cols)
-    np.copyto(S_ij, NEG_INF, where=~visible)
-    return S_ij, visible
+class _Variants:
+    """The score modifiers of one call (the reference order, `cupyflash.reference.attention_forward`):
+    ``softcap``, then ``+ alibi + bias``, then visibility (the geometry's causal mask and window, and
+    ``mask``), tile by tile; their backward chain; and the sink. Arrays are broadcast views of the
+    full ``(*batch, Nq, Nk)`` (``(*batch,)`` for the per-head ones), never copied to full size."""
+
+    def __init__(self, batch, n_q, n_k, acc, softcap=None, alibi_slopes=None, bias=None, mask=None, sink=None):
+        self.n_q, self.n_k, self.acc = n_q, n_k, acc
+        self.softcap = None if softcap is None else acc.type(softcap)
+        self.slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, acc)[..., None, None]
+        self.bias = None if bias is None else np.broadcast_to(np.asarray(bias), (*batch, n_q, n_k))
+        self.mask = None if mask is None else np.broadcast_to(np.asarray(mask, dtype=bool), (*batch, n_q, n_k))
+        self.sink = None if sink is None else np.broadcast_to(np.asarray(sink, acc), batch)[..., None]   # (*batch, 1)
+
+    def scores(self, Q_i, K_j, geometry, rows, cols, partial):
+        """``(S_ij, capped, visible)``: the final scores of the tile, (*batch, B_r, B_c), -inf where
+        the pair is hidden; ``softcap tanh(S / softcap)`` before alibi and bias (None without a
+        softcap), for the backward; the tile's visibility, None when every pair is visible."""
+        S_ij = Q_i @ transpose(K_j)                         # (scale Q_i) K_j^T
+        capped = None
+        if self.softcap is not None:
+            S_ij /= self.softcap
+            np.tanh(S_ij, out=S_ij)
+            S_ij *= self.softcap
+            capped = S_ij.copy()
+        if self.slopes is not None:
+            distance = np.abs(np.arange(rows.start, rows.stop)[:, None] + (self.n_k - self.n_q)
+                              - np.arange(cols.start, cols.stop)[None, :])
+            S_ij -= self.slopes * distance.astype(self.acc)
+        if self.bias is not None:
+            S_ij += self.bias[..., rows.start:rows.stop, cols.start:cols.stop]
+        visible = geometry.visible(rows, cols) if partial else None
+        if self.mask is not None:
+            tile = self.mask[..., rows.start:rows.stop, cols.start:cols.stop]
+            visible = tile if visible is None else visible & tile
+        if visible is not None:
+            np.copyto(S_ij, NEG_INF, where=~visible)
+        return S_ij, capped, visible
+
+    def raw_grad(self, dS_ij, capped):
+        """d loss / d((scale Q_i) K_j^T) from d loss / d S_ij: the softcap's derivative, in place."""
+        if capped is not None:
+            capped /= self.softcap
+            np.multiply(capped, capped, out=capped)
+            dS_ij *= 1 - capped
+        return dS_ij
 
 
 @np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
-def forward(q, k, v, *, causal=False, softmax_scale=None, block_r=FORWARD_TILE[0], block_c=FORWARD_TILE[1]):
+def forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None, alibi_slopes=None, bias=None,
+            mask=None, sink=None, block_r=FORWARD_TILE[0], block_c=FORWARD_TILE[1]):
     """FlashAttention V1 forward (Algorithm 1), tile by tile in NumPy: the CPU path.
 
     Parameters
@@ -104,6 +144,9 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_r=FORWARD_TILE[0
         ``j <= i + (Nk - Nq)``.
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(D)``.
+    window, softcap, alibi_slopes, bias, mask, sink : optional
+        The variants of `cupyflash.reference.attention_forward`, with its meanings; tiles outside
+        the causal mask and the window are never visited.
     block_r : int, optional
         B_r, query rows per tile; default `FORWARD_TILE`.
     block_c : int, optional
@@ -120,9 +163,11 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_r=FORWARD_TILE[0
 
     Notes
     -----
-    O (kept normalised), m and l start as 0, -inf and 0 in "HBM" arrays.
+    O (kept normalised), m and l start as 0, -inf and 0 in "HBM" arrays (with a
+    sink: m = sink, l = 1, the sink a first key of value 0). The scores of a
+    tile take the variants in the reference's order (`_Variants.scores`).
     The outer loop walks the T_c K/V tiles, the inner loop the Q tiles that
-    see a key of K_j (`MaskGeometry.q_start` on); a tile that sees none is
+    see a key of K_j (`MaskGeometry.q_start` to `q_stop`); a tile that sees none is
     skipped, and only a partially visible one is masked element by element.
     One step for tile (i, j)::
 
@@ -144,11 +189,15 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_r=FORWARD_TILE[0
     cupyflash.reference.attention_forward : the naive float64 truth.
     """
     q, k, v = (np.asarray(x) for x in (q, k, v))
-    batch, acc, scale, geometry, Q, K, V = _operands(q, k, v, causal, softmax_scale)   # Q: (*batch, Nq, D)
+    batch, acc, scale, geometry, Q, K, V = _operands(q, k, v, causal, softmax_scale, window)   # Q: (*batch, Nq, D)
     n_q = geometry.n_q
+    mods = _Variants(batch, n_q, geometry.n_k, acc, softcap, alibi_slopes, bias, mask, sink)
     O = np.zeros((*batch, n_q, v.shape[-1]), acc)          # "HBM", (*batch, Nq, D), normalised output
     m = np.full((*batch, n_q), NEG_INF, acc)               # (*batch, Nq)
     l = np.zeros((*batch, n_q), acc)                       # (*batch, Nq)
+    if mods.sink is not None:   # the sink is a key seen first, of value 0: m = sink, l = exp(sink - sink)
+        m[...] = mods.sink
+        l[...] = np.exp(mods.sink - exp_shift(mods.sink))
 
     # outer loop: K/V tiles j; inner loop: the Q tiles i that see K_j
     for rows, cols, partial in _tiles(geometry, block_r, block_c):
@@ -156,7 +205,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_r=FORWARD_TILE[0
         K_j, V_j = K[..., c0:c1, :], V[..., c0:c1, :]       # (*batch_k, B_c, D)
         O_i, m_i, l_i = O[..., r0:r1, :], m[..., r0:r1], l[..., r0:r1]   # views into "HBM"
 
-        S_ij, visible = _masked_scores(Q[..., r0:r1, :], K_j, geometry, rows, cols, partial)   # (*batch, B_r, B_c)
+        S_ij, _, visible = mods.scores(Q[..., r0:r1, :], K_j, geometry, rows, cols, partial)   # (*batch, B_r, B_c)
         m_new = np.maximum(m_i, S_ij.max(axis=-1))          # m_i^new = max(m_i, rowmax(S_ij)), (*batch, B_r)
         shift = exp_shift(m_new)
         S_ij -= shift[..., None]
@@ -175,8 +224,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, block_r=FORWARD_TILE[0
 
 
 @np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
-def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, block_r=BACKWARD_TILE[0],
-             block_c=BACKWARD_TILE[1]):
+def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=None, softcap=None, alibi_slopes=None,
+             bias=None, mask=None, sink=None, bias_grad=False, block_r=BACKWARD_TILE[0], block_c=BACKWARD_TILE[1]):
     """FlashAttention V1 backward, tile by tile in NumPy: the CPU path.
 
     Parameters
@@ -199,6 +248,10 @@ def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, block_r=
         Bottom-right aligned causal mask, as in `forward`.
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(D)``.
+    window, softcap, alibi_slopes, bias, mask, sink : optional
+        As in `forward`.
+    bias_grad : bool, optional
+        Also return ``dbias`` (needs ``bias``).
     block_r : int, optional
         B_r, query rows per tile; default `BACKWARD_TILE`.
     block_c : int, optional
@@ -209,12 +262,16 @@ def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, block_r=
     dq, dk, dv : ndarray, dtype of ``q``
         Gradients with exactly the shapes of ``q``, ``k`` and ``v``; summed
         over the batch dims each was broadcast along.
+    dbias : ndarray, float32 (float64 for float64 inputs)
+        With ``bias_grad``: of ``bias``'s shape, summed over its broadcast dims.
+    dsink : ndarray, float32 (float64 for float64 inputs)
+        With ``sink``: of its shape.
 
     Notes
     -----
     First ``D_i = rowsum(dO_i * O_i)`` for every row. Then the outer loop
     walks the T_c K/V tiles, accumulating dK_j and dV_j; the inner loop walks
-    the Q tiles that see a key of K_j (from `MaskGeometry.q_start`, EMPTY
+    the Q tiles that see a key of K_j (`MaskGeometry.q_start` to `q_stop`, EMPTY
     tiles skipped, PARTIAL ones masked) and adds into dQ_i in HBM (a float32
     array)::
 
@@ -234,8 +291,13 @@ def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, block_r=
     --------
     cupyflash.reference.attention_backward : the naive float64 truth.
     """
+    if bias_grad and bias is None:
+        raise ValueError("bias_grad=True needs a bias")
     do, q, k, v, o, m, l = (np.asarray(x) for x in (do, q, k, v, o, m, l))
-    batch, acc, scale, geometry, Q, K, V = _operands(q, k, v, causal, softmax_scale)   # Q: (*batch, Nq, D)
+    batch, acc, scale, geometry, Q, K, V = _operands(q, k, v, causal, softmax_scale, window)   # Q: (*batch, Nq, D)
+    mods = _Variants(batch, geometry.n_q, geometry.n_k, acc, softcap, alibi_slopes, bias, mask, sink)
+    dB = np.zeros(np.shape(bias), acc) if bias_grad else None   # dbias, bias's own shape
+    dB_2d = None if dB is None else dB.reshape((1,) * max(0, 2 - dB.ndim) + dB.shape)   # its (Nq, Nk) dims, 1 if none
     dO = do.astype(acc, copy=False)                         # (*batch, Nq, D)
     D = np.sum(dO * o.astype(acc, copy=False), axis=-1)     # D_i = rowsum(dO_i * O_i), (*batch, Nq)
     shift = exp_shift(m.astype(acc, copy=False))            # m_i, 0 for rows that see no key, (*batch, Nq)
@@ -251,8 +313,8 @@ def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, block_r=
         dK_j, dV_j = dK[..., c0:c1, :], dV[..., c0:c1, :]   # (*batch, B_c, D)
         Q_i, dO_i = Q[..., r0:r1, :], dO[..., r0:r1, :]      # (*batch, B_r, D)
 
-        S_ij, visible = _masked_scores(Q_i, K_j, geometry, rows, cols, partial)   # (*batch, B_r, B_c)
-        visible_t = None if visible is None else visible.T
+        S_ij, capped, visible = mods.scores(Q_i, K_j, geometry, rows, cols, partial)   # (*batch, B_r, B_c)
+        visible_t = None if visible is None else transpose(visible)
         S_ij -= shift[..., r0:r1, None]
         P_ij = np.exp(S_ij, out=S_ij)
         P_ij *= inv_l[..., r0:r1, None]                     # P_ij = diag(l_i)^-1 exp(S_ij - m_i), in place
@@ -260,9 +322,21 @@ def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, block_r=
         dS_ij = dO_i @ transpose(V_j)                       # dP_ij = dO_i V_j^T, (*batch, B_r, B_c)
         dS_ij -= D[..., r0:r1, None]
         dS_ij *= P_ij                                       # dS_ij = P_ij * (dP_ij - D_i), in place
-        dS_ij = _as_operand(dS_ij, q.dtype)
+        if visible is not None:
+            np.copyto(dS_ij, 0, where=~visible)             # a hidden pair has no term, even where dP is not finite
+        if dB is not None:                                  # dbias += dS_ij, into bias's broadcast shape
+            at = (..., slice(r0, r1) if dB_2d.shape[-2] > 1 else slice(0, 1),
+                  slice(c0, c1) if dB_2d.shape[-1] > 1 else slice(0, 1))
+            dB_2d[at] += unbroadcast(dS_ij, dB_2d[at].shape)
+        dS_ij = _as_operand(mods.raw_grad(dS_ij, capped), q.dtype)
         dQ[..., r0:r1, :] += visible_matmul(dS_ij, K_j, visible)           # dQ_i += dS_ij K_j
         dK_j += visible_matmul(transpose(dS_ij), Q_i, visible_t)          # dK_j += dS_ij^T (scale Q_i)
 
     dQ *= scale
-    return tuple(unbroadcast(g, x.shape).astype(q.dtype, copy=False) for g, x in zip((dQ, dK, dV), (q, k, v)))
+    grads = [unbroadcast(g, x.shape).astype(q.dtype, copy=False) for g, x in zip((dQ, dK, dV), (q, k, v))]
+    if dB is not None:
+        grads.append(dB)
+    if mods.sink is not None:   # dsink = -sum_i P_sink,i D_i, P_sink = exp(sink - m_i) / l_i
+        P_sink = np.exp(mods.sink - shift) * inv_l
+        grads.append(unbroadcast(-(P_sink * D).sum(axis=-1), np.shape(sink)))
+    return tuple(grads)

@@ -4,7 +4,13 @@ Two kinds of reference live here, both pure NumPy (importable without CuPy):
 
 ``attention_forward`` / ``attention_backward``
     Naive attention in float64 that materialises S and P. This is the truth
-    every test compares against.
+    every test compares against. They also take the variants (issue #17):
+    ``window``, ``softcap``, ``alibi_slopes``, ``bias`` (with ``bias_grad``),
+    ``mask`` and ``sink``, applied in the documented order; the kernels and
+    the CPU path do not take them yet.
+``attention_varlen_forward`` / ``attention_varlen_backward``
+    The same over packed variable-length sequences (``cu_seqlens_q``,
+    ``cu_seqlens_k``), one sequence at a time.
 ``blocked_forward`` / ``blocked_backward``
     The CPU path, `cupyflash.blocked.forward` / `cupyflash.blocked.backward`
     under these names: FlashAttention V1 (Algorithm 1 and its backward)
@@ -43,6 +49,8 @@ from ._numpy_ops import (NEG_INF, broadcast_shapes, exp_shift, reciprocal_or_zer
 __all__ = [
     "attention_forward",
     "attention_backward",
+    "attention_varlen_forward",
+    "attention_varlen_backward",
     "blocked_forward",
     "blocked_backward",
 ]
@@ -56,24 +64,66 @@ blocked_backward = blocked.backward
 # Naive float64 reference
 # ---------------------------------------------------------------------------
 
-def _causal_visible(rows, cols, n_q, n_k):
-    """Boolean ``(len(rows), len(cols))``: query row r sees key col c iff c <= r + (Nk - Nq)."""
-    return cols[None, :] <= rows[:, None] + (n_k - n_q)
+def _check_variants(window, softcap):
+    """The variant keywords' values: ``window`` a pair of ints >= 0 or None, ``softcap`` > 0."""
+    if window is not None:
+        if len(window) != 2 or any(w is not None and (int(w) != w or w < 0) for w in window):
+            raise ValueError(f"window must be (left, right) of ints >= 0 or None, got {window!r}")
+    if softcap is not None and not (np.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a finite float > 0, got {softcap!r}")
 
 
-def _visible(n_q, n_k, causal):
-    """(Nq, Nk): which key each query sees; None when every query sees every key."""
-    return _causal_visible(np.arange(n_q), np.arange(n_k), n_q, n_k) if causal else None
+def _visibility(n_q, n_k, causal, window, mask):
+    """Which key each query sees, broadcastable to ``(*batch, Nq, Nk)``; None when every query sees
+    every key. With ``off = Nk - Nq``: causal keeps ``j <= i + off``, ``window=(left, right)`` keeps
+    ``i + off - left <= j <= i + off + right`` (a None side unbounded), ``mask`` its True pairs."""
+    rows, cols = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
+    ahead = cols - (rows + (n_k - n_q))   # how far key j lies past query i's diagonal
+    vis = None
+    bounds = [(None, 0)] if causal else []
+    if window is not None:
+        bounds.append(tuple(window))
+    for left, right in bounds:
+        band = np.ones((n_q, n_k), dtype=bool)
+        if left is not None:
+            band &= ahead >= -left
+        if right is not None:
+            band &= ahead <= right
+        vis = band if vis is None else vis & band
+    if mask is not None:
+        mask = np.asarray(mask, dtype=bool)
+        vis = mask if vis is None else vis & mask
+    return vis
 
 
-def _naive_scores(q, k, scale, visible):
-    """S = scale q k^T with invisible keys set to -inf, in the dtype of q and k; ``visible`` as `_visible`."""
-    S = scale * (q @ transpose(k))  # (*batch, Nq, Nk)
-    return S if visible is None else np.where(visible, S, NEG_INF)
+class _Scores:
+    """The scores of one problem in the reference order: ``s = scale q k^T``, then ``softcap``
+    (``s <- c tanh(s / c)``), then ``+ alibi + bias`` (alibi: ``- slope |i + off - j|``), then
+    visibility (-inf where hidden); and the chain from the final scores back to ``scale q k^T``."""
+
+    def __init__(self, q, k, scale, *, causal, window, softcap, alibi_slopes, bias, mask):
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        self.softcap = softcap
+        S = scale * (q @ transpose(k))                                   # (*batch, Nq, Nk)
+        if softcap is not None:
+            S = softcap * np.tanh(S / softcap)
+        self.capped = S
+        if alibi_slopes is not None:
+            distance = np.abs(np.arange(n_q)[:, None] + (n_k - n_q) - np.arange(n_k)[None, :])
+            S = S - np.asarray(alibi_slopes, np.float64)[..., None, None] * distance
+        if bias is not None:
+            S = S + np.asarray(bias, np.float64)
+        self.visible = _visibility(n_q, n_k, causal, window, mask)
+        self.S = S if self.visible is None else np.where(self.visible, S, NEG_INF)
+
+    def raw_grad(self, dS):
+        """d loss / d(scale q k^T) from d loss / d(final scores) ``dS`` (zero where hidden)."""
+        return dS if self.softcap is None else dS * (1 - (self.capped / self.softcap) ** 2)
 
 
 @np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
-def attention_forward(q, k, v, *, causal=False, softmax_scale=None):
+def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None,
+                      alibi_slopes=None, bias=None, mask=None, sink=None):
     """Naive attention forward in float64: the ground truth.
 
     Parameters
@@ -89,16 +139,36 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None):
         ``j <= i + (Nk - Nq)``.
     softmax_scale : float, optional
         Multiplies ``q k^T``; defaults to ``1 / sqrt(D)``.
+    window : (int or None, int or None), optional
+        ``(left, right)``: query ``i`` sees key ``j`` only if
+        ``i + off - left <= j <= i + off + right`` with ``off = Nk - Nq``; a None side is
+        unbounded. With ``causal`` both apply (right is then at most 0).
+    softcap : float, optional
+        ``c > 0``: scores become ``c tanh(s / c)`` (after the scale, before alibi and bias).
+    alibi_slopes : array_like, optional
+        Broadcastable to the batch shape (``(H,)`` for ``(B, H, N, D)``): scores lose
+        ``slope · |i + off - j|``.
+    bias : array_like, optional
+        Broadcastable to ``(*batch, Nq, Nk)``: added to the scores. A ``-inf`` bias gives a pair
+        zero weight but keeps its term (``0 · v`` is NaN where ``v`` is; ``inf - inf`` is NaN):
+        ``mask`` hides pairs exactly.
+    mask : array_like of bool, optional
+        Broadcastable to ``(*batch, Nq, Nk)``; True = visible. Hidden pairs, like those outside
+        the causal mask and the window, have no term at all.
+    sink : array_like, optional
+        Broadcastable to the batch shape: the logit of one extra key per batch entry whose value
+        is zero. It counts in ``m`` and adds ``exp(sink - m)`` to ``l``.
 
     Returns
     -------
     o : ndarray, shape (*batch, Nq, D), float64
         ``softmax(S) v``; 0 for a row that sees no key.
     m : ndarray, shape (*batch, Nq), float64
-        Row max of ``S`` over visible keys; ``-inf`` for a row that sees no key.
+        Row max of the final scores ``S`` over visible keys (and the sink); ``-inf`` for a row that
+        sees no key and has no sink.
     l : ndarray, shape (*batch, Nq), float64
-        ``sum(exp(S - m))`` over visible keys (natural exp); 0 for a row that
-        sees no key. ``m + log(l)`` is the row's logsumexp.
+        ``sum(exp(S - m))`` over visible keys (and the sink; natural exp); 0 for a row that
+        sees no key and has no sink. ``m + log(l)`` is the row's logsumexp.
 
     Notes
     -----
@@ -109,23 +179,31 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None):
     --------
     cupyflash.blocked.forward : the same result computed tile by tile, as the kernel does.
     """
+    _check_variants(window, softcap)
     q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
     batch, n_q, _ = broadcast_shapes(q, k, v)
     q = np.broadcast_to(q, (*batch, n_q, q.shape[-1]))
     scale = resolve_scale(softmax_scale, q.shape[-1])
 
-    vis = _visible(n_q, k.shape[-2], causal)        # (Nq, Nk) or None
-    S = _naive_scores(q, k, scale, vis)             # (*batch, Nq, Nk)
+    scores = _Scores(q, k, scale, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                     bias=bias, mask=mask)
+    S = scores.S                                    # (*batch, Nq, Nk)
     m = S.max(axis=-1, initial=NEG_INF)             # (*batch, Nq)
+    if sink is not None:
+        sink = np.broadcast_to(np.asarray(sink, np.float64), m.shape[:-1])[..., None]   # (*batch, 1)
+        m = np.maximum(m, sink)
     P_unnormalised = np.exp(S - exp_shift(m)[..., None])
     l = P_unnormalised.sum(axis=-1)                 # (*batch, Nq)
+    if sink is not None:
+        l = l + np.exp(sink - exp_shift(m))
     P = P_unnormalised * reciprocal_or_zero(l)[..., None]
-    o = visible_matmul(P, v, vis)                  # (*batch, Nq, D)
+    o = visible_matmul(P, v, scores.visible)       # (*batch, Nq, D)
     return o, m, l
 
 
 @np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
-def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None):
+def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=None, softcap=None,
+                       alibi_slopes=None, bias=None, mask=None, sink=None, bias_grad=False):
     """Naive attention backward in float64: the ground truth.
 
     Parameters
@@ -144,16 +222,20 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
         Forward row max (``-inf`` for a row that sees no key).
     l : array_like, shape (*batch, Nq)
         Forward row sum of ``exp(S - m)`` (0 for a row that sees no key).
-    causal : bool, optional
-        Bottom-right aligned causal mask, as in `attention_forward`.
-    softmax_scale : float, optional
-        Defaults to ``1 / sqrt(D)``.
+    causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink
+        As in `attention_forward`.
+    bias_grad : bool, optional
+        Also return ``dbias`` (needs ``bias``).
 
     Returns
     -------
     dq, dk, dv : ndarray, float64
         Gradients with exactly the shapes of ``q``, ``k`` and ``v``; summed
         over the batch dims each was broadcast along.
+    dbias : ndarray, float64
+        With ``bias_grad``: the gradient of ``bias``, of its shape (summed over its broadcast dims).
+    dsink : ndarray, float64
+        With ``sink``: the gradient of ``sink``, of its shape.
 
     Notes
     -----
@@ -162,26 +244,131 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
     gradients), then::
 
         dV = P^T dO,  dP = dO V^T,  D = rowsum(dO * O),
-        dS = P * (dP - D),  dQ = scale dS K,  dK = scale dS^T Q.
+        dS = P * (dP - D),  dbias = dS,  dsink = -sum_i P_sink,i D_i,
+        dS' = dS (1 - (s_capped / c)^2) (softcap),  dQ = scale dS' K,  dK = scale dS'^T Q.
 
     See Also
     --------
     cupyflash.blocked.backward : the same gradients computed tile by tile.
     """
+    _check_variants(window, softcap)
+    if bias_grad and bias is None:
+        raise ValueError("bias_grad=True needs a bias")
     shapes = [np.shape(x) for x in (q, k, v)]
     do, q, k, v, o, m, l = (np.asarray(x).astype(np.float64) for x in (do, q, k, v, o, m, l))
     batch, n_q, _ = broadcast_shapes(q, k, v)
     q = np.broadcast_to(q, (*batch, n_q, q.shape[-1]))
     scale = resolve_scale(softmax_scale, q.shape[-1])
 
-    vis = _visible(n_q, k.shape[-2], causal)                                 # (Nq, Nk) or None
-    vis_t = None if vis is None else vis.T
-    S = _naive_scores(q, k, scale, vis)                                      # (*batch, Nq, Nk)
-    P = np.exp(S - exp_shift(m)[..., None]) * reciprocal_or_zero(l)[..., None]
+    scores = _Scores(q, k, scale, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                     bias=bias, mask=mask)
+    vis = scores.visible                                                     # broadcastable or None
+    vis_t = None if vis is None else transpose(vis)
+    inv_l = reciprocal_or_zero(l)
+    P = np.exp(scores.S - exp_shift(m)[..., None]) * inv_l[..., None]        # (*batch, Nq, Nk)
     dV = visible_matmul(transpose(P), do, vis_t)                           # (*batch, Nk, D)
     dP = do @ transpose(v)                                                  # (*batch, Nq, Nk)
     D = np.sum(do * o, axis=-1)                                              # (*batch, Nq)
     dS = P * (dP - D[..., None])                                             # (*batch, Nq, Nk)
-    dQ = scale * visible_matmul(dS, k, vis)                                 # (*batch, Nq, D)
-    dK = scale * visible_matmul(transpose(dS), q, vis_t)                   # (*batch, Nk, D)
-    return tuple(unbroadcast(g, shape) for g, shape in zip((dQ, dK, dV), shapes))
+    if vis is not None:
+        dS = np.where(vis, dS, 0)   # a hidden pair has no term, even where dP is not finite
+    dS_raw = scores.raw_grad(dS)
+    dQ = scale * visible_matmul(dS_raw, k, vis)                             # (*batch, Nq, D)
+    dK = scale * visible_matmul(transpose(dS_raw), q, vis_t)               # (*batch, Nk, D)
+    grads = [unbroadcast(g, shape) for g, shape in zip((dQ, dK, dV), shapes)]
+    if bias_grad:
+        grads.append(unbroadcast(np.broadcast_to(dS, (*batch, n_q, k.shape[-2])), np.shape(bias)))
+    if sink is not None:
+        sink_b = np.broadcast_to(np.asarray(sink, np.float64), batch)[..., None]   # (*batch, 1)
+        P_sink = np.exp(sink_b - exp_shift(m)) * inv_l                          # (*batch, Nq)
+        grads.append(unbroadcast(-(P_sink * D).sum(axis=-1), np.shape(sink)))
+    return tuple(grads)
+
+
+def _sequence_bounds(cu_seqlens, total, name):
+    """``cu_seqlens`` as Python ints, checked: 1-D integers starting at 0, nondecreasing, ending at ``total``."""
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 1 or not np.issubdtype(cu.dtype, np.integer):
+        raise ValueError(f"{name} must be a 1-D integer array of n_seq + 1 offsets, got shape {cu.shape}, {cu.dtype}")
+    if cu[0] != 0 or cu[-1] != total or (np.diff(cu) < 0).any():
+        raise ValueError(f"{name} must start at 0, not decrease and end at {total} (the packed length), "
+                         f"got {cu.tolist()}")
+    return [int(x) for x in cu]
+
+
+def _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+    """(query slice, key slice) of each packed sequence."""
+    cq = _sequence_bounds(cu_seqlens_q, np.shape(q)[-2], "cu_seqlens_q")
+    ck = _sequence_bounds(cu_seqlens_k, np.shape(k)[-2], "cu_seqlens_k")
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, "
+                         f"got {len(cq) - 1} and {len(ck) - 1}")
+    return [(slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])) for s in range(len(cq) - 1)]
+
+
+def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None, window=None,
+                             softcap=None, alibi_slopes=None, sink=None):
+    """Naive forward of packed variable-length sequences, in float64.
+
+    Parameters
+    ----------
+    q : array_like, shape (..., total_q, D)
+        The queries of every sequence, one after another along the rows.
+    k, v : array_like, shape (..., total_k, D)
+        The keys and values, packed the same way; batch dims broadcast as in `attention_forward`.
+    cu_seqlens_q, cu_seqlens_k : array_like of int, shape (n_seq + 1,)
+        Sequence ``s`` holds query rows ``cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1`` and key rows
+        ``cu_seqlens_k[s] .. cu_seqlens_k[s + 1] - 1``: 0 first, nondecreasing, the totals last.
+    causal, softmax_scale, window, softcap, alibi_slopes, sink
+        As in `attention_forward`, applied per sequence (causal and the window bottom-right aligned
+        in each).
+
+    Returns
+    -------
+    o : ndarray, shape (*batch, total_q, D), float64
+    m, l : ndarray, shape (*batch, total_q), float64
+        Each sequence's rows as `attention_forward` gives them for that sequence alone.
+    """
+    kw = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+              sink=sink)
+    parts = [attention_forward(np.asarray(q)[..., rq, :], np.asarray(k)[..., rk, :], np.asarray(v)[..., rk, :], **kw)
+             for rq, rk in _sequences(q, k, cu_seqlens_q, cu_seqlens_k)]
+    if not parts:
+        batch = np.broadcast_shapes(np.shape(q)[:-2], np.shape(k)[:-2], np.shape(v)[:-2])
+        return np.zeros((*batch, 0, np.shape(q)[-1])), np.zeros((*batch, 0)), np.zeros((*batch, 0))
+    return (np.concatenate([p[0] for p in parts], axis=-2), np.concatenate([p[1] for p in parts], axis=-1),
+            np.concatenate([p[2] for p in parts], axis=-1))
+
+
+def attention_varlen_backward(do, q, k, v, o, m, l, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None,
+                              window=None, softcap=None, alibi_slopes=None, sink=None):
+    """Naive backward of packed variable-length sequences, in float64.
+
+    Parameters
+    ----------
+    do, o : array_like, shape (*batch, total_q, D)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, softcap, alibi_slopes, sink
+        As in `attention_varlen_forward`.
+    m, l : array_like, shape (*batch, total_q)
+        The forward's statistics.
+
+    Returns
+    -------
+    dq, dk, dv : ndarray, float64
+        Of the shapes of ``q``, ``k``, ``v``.
+    dsink : ndarray, float64
+        With ``sink``: its gradient, summed over the sequences.
+    """
+    kw = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+              sink=sink)
+    q, k, v, do, o, m, l = (np.asarray(x) for x in (q, k, v, do, o, m, l))
+    grads = [np.zeros(x.shape) for x in (q, k, v)] + ([np.zeros(np.shape(sink))] if sink is not None else [])
+    for rq, rk in _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+        part = attention_backward(do[..., rq, :], q[..., rq, :], k[..., rk, :], v[..., rk, :], o[..., rq, :],
+                                  m[..., rq], l[..., rq], **kw)
+        grads[0][..., rq, :] += part[0]
+        grads[1][..., rk, :] += part[1]
+        grads[2][..., rk, :] += part[2]
+        if sink is not None:
+            grads[3] += part[3]
+    return tuple(grads)

@@ -1,10 +1,10 @@
 """CPU tests of cupyflash._mask.MaskGeometry against the visibility rule checked pair by pair.
 
-The rule (bottom-right aligned causal): query i sees key j iff
-j < Nk and (not causal or j <= i + (Nk - Nq)). Every answer of the geometry,
-element masks, K/V stops, Q starts and tile kinds, is compared with a brute
-force over the pairs it speaks for, on ragged lengths (Nq != Nk, 1, 17, 113)
-and tiles of 1 to 128 rows and keys.
+The rule (bottom-right aligned, off = Nk - Nq): query i sees key j iff j < Nk, not causal or
+j <= i + off, and with a window (left, right) i + off - left <= j <= i + off + right. Every answer
+of the geometry, element masks, K/V starts and stops, Q starts and stops and tile kinds, is compared
+with a brute force over the pairs it speaks for, on ragged lengths (Nq != Nk, 1, 17, 113), windows
+from 0 wide to unbounded, and tiles of 1 to 128 rows and keys.
 """
 
 import numpy as np
@@ -20,7 +20,10 @@ TILE_SIZES = (1, 3, 16, 17, 64, 128)
 
 def sees(geometry, i, j):
     """The rule itself, for one pair."""
-    return j < geometry.n_k and (not geometry.causal or j <= i + (geometry.n_k - geometry.n_q))
+    diag = i + geometry.n_k - geometry.n_q
+    return (0 <= j < geometry.n_k and (not geometry.causal or j <= diag)
+            and (geometry.left is None or j >= diag - geometry.left)
+            and (geometry.right is None or j <= diag + geometry.right))
 
 
 def lengths():
@@ -30,8 +33,11 @@ def lengths():
 
 @st.composite
 def geometries(draw):
-    """A MaskGeometry of drawn lengths (Nq and Nk drawn apart) and causality."""
-    return MaskGeometry(draw(lengths()), draw(lengths()), draw(st.booleans()))
+    """A MaskGeometry of drawn lengths (Nq and Nk drawn apart), causality and window sides."""
+    side = st.one_of(st.none(), st.sampled_from([0, 1, 16]), st.integers(0, 140))
+    windowed = draw(st.booleans())
+    return MaskGeometry(draw(lengths()), draw(lengths()), draw(st.booleans()),
+                        *((draw(side), draw(side)) if windowed else (None, None)))
 
 
 @st.composite
@@ -66,11 +72,35 @@ def test_kv_stop_is_one_past_the_last_key_any_row_sees(data):
 
 @settings(deadline=None, max_examples=300)
 @given(st.data())
-def test_q_start_is_the_first_row_that_sees_the_key(data):
+def test_kv_start_is_the_first_key_any_row_sees(data):
     geometry = data.draw(geometries())
-    k0 = data.draw(st.integers(0, geometry.n_k - 1))
-    rows = [i for i in range(geometry.n_q) if sees(geometry, i, k0)]
+    q0, q1, _, _ = data.draw(tiles(geometry))
+    seen = [j for i in range(q0, q1) for j in range(geometry.n_k) if sees(geometry, i, j)]
+    assert geometry.kv_start(q0, q1) == (min(seen) if seen else geometry.n_k)
+
+
+@settings(deadline=None, max_examples=300)
+@given(st.data())
+def test_q_start_and_q_stop_bound_the_rows_that_see_a_key_range(data):
+    geometry = data.draw(geometries())
+    k0 = data.draw(st.integers(0, geometry.n_k))
+    rows = [i for i in range(geometry.n_q) if any(sees(geometry, i, j) for j in range(k0, geometry.n_k))]
     assert geometry.q_start(k0) == (rows[0] if rows else geometry.n_q)
+    rows = [i for i in range(geometry.n_q) if any(sees(geometry, i, j) for j in range(k0))]
+    assert geometry.q_stop(k0) == (rows[-1] + 1 if rows else 0)
+
+
+@settings(deadline=None, max_examples=200)
+@given(geometries())
+def test_the_rows_that_see_anything_start_at_first_row(geometry):
+    rows = [i for i in range(geometry.n_q) if any(sees(geometry, i, j) for j in range(geometry.n_k))]
+    assert rows == list(range(geometry.first_row, geometry.n_q))
+
+
+def test_under_the_causal_mask_alone_q_start_is_the_first_row_that_sees_the_key():
+    geometry = MaskGeometry(17, 113, True)
+    for k0 in range(113):
+        assert geometry.q_start(k0) == next((i for i in range(17) if sees(geometry, i, k0)), 17)
 
 
 @settings(deadline=None, max_examples=500)
@@ -86,8 +116,9 @@ def test_tile_kind_is_what_its_pairs_say(data):
 @settings(deadline=None, max_examples=100)
 @given(geometries(), st.integers(1, 128), st.integers(1, 128))
 def test_tiles_from_q_start_on_cover_every_visible_pair(geometry, B_r, B_c):
-    """The walk the CPU path takes (cupyflash.blocked._tiles: per K/V tile, Q tiles from q_start on,
-    EMPTY ones skipped) visits every visible pair exactly once and masks every tile but the FULL ones."""
+    """The walk the CPU path takes (cupyflash.blocked._tiles: per K/V tile, the Q tiles from q_start
+    to q_stop, EMPTY ones skipped) visits every visible pair exactly once and masks every tile but
+    the FULL ones."""
     covered = np.zeros((geometry.n_q, geometry.n_k), int)
     for rows, cols, partial in _tiles(geometry, B_r, B_c):
         visible = geometry.visible(rows, cols)
@@ -106,11 +137,13 @@ def test_a_tile_with_no_row_or_no_key_is_empty():
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_has_masked_pairs_is_a_masked_pair_inside_the_ragged_ends(data):
-    """has_masked_pairs(q0, k0, k1) (the kernels' Mask::has_masked_pairs) is true exactly when some
-    row of the tile's rows [q0, Nq) misses some key of [k0, min(k1, Nk)); the rows after q0 see more."""
+    """has_masked_pairs(q0, k0, k1[, q1]) (the kernels' Mask::has_masked_pairs, rows to Nq) is true
+    exactly when some row of [q0, q1) misses some key of [k0, min(k1, Nk))."""
     geometry = data.draw(geometries())
-    q0, _, k0, k1 = data.draw(tiles(geometry))
+    q0, q1, k0, k1 = data.draw(tiles(geometry))
     brute = any(not sees(geometry, i, j) for i in range(q0, geometry.n_q) for j in range(k0, min(k1, geometry.n_k)))
     assert geometry.has_masked_pairs(q0, k0, k1) == brute
+    brute = any(not sees(geometry, i, j) for i in range(q0, q1) for j in range(k0, min(k1, geometry.n_k)))
+    assert geometry.has_masked_pairs(q0, k0, k1, q1) == brute
     whole = any(not sees(geometry, i, j) for i in range(geometry.n_q) for j in range(geometry.n_k))
     assert geometry.has_masked_pairs(0, 0, geometry.n_k) == whole

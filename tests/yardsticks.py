@@ -11,9 +11,15 @@ import numpy as np
 
 from cupyflash._numpy_ops import (NEG_INF, accumulator_dtype, broadcast_shapes, exp_shift, reciprocal_or_zero,
                                   resolve_scale, transpose, unbroadcast)
-from cupyflash.reference import _naive_scores, _visible
+from cupyflash.reference import _visibility
 
 __all__ = ["naive_same_precision_forward", "naive_same_precision_backward"]
+
+
+def _naive_scores(q, k, scale, visible):
+    """S = scale q k^T in the dtype of q and k, -inf where ``visible`` (None: everywhere) is False."""
+    S = scale * (q @ transpose(k))   # (*batch, Nq, Nk)
+    return S if visible is None else np.where(visible, S, NEG_INF)
 
 
 def _rounded(x, dtype):
@@ -30,7 +36,7 @@ def _same_precision_forward(q, k, v, causal, softmax_scale):
     q = np.broadcast_to(q, (*batch, n_q, q.shape[-1]))
     scale = acc.type(resolve_scale(softmax_scale, q.shape[-1]))
 
-    vis = _visible(n_q, k.shape[-2], causal)
+    vis = _visibility(n_q, k.shape[-2], causal, None, None)
     S = _rounded(_naive_scores(q.astype(acc), k.astype(acc), scale, vis), dtype)     # (*batch, Nq, Nk)
     S_acc = S.astype(acc)
     m = S_acc.max(axis=-1, initial=NEG_INF)                                          # (*batch, Nq)
