@@ -17,6 +17,7 @@ the outputs, and one ``(*batch, B_r, B_c)`` tile at a time.
 import numpy as np
 
 from ._mask import EMPTY, PARTIAL, MaskGeometry
+from ._philox import check_dropout, dropout_keep
 from ._numpy_ops import (NEG_INF, accumulator_dtype, broadcast_shapes, exp_shift, reciprocal_or_zero,
                          resolve_scale, transpose, unbroadcast, visible_matmul)
 
@@ -84,8 +85,11 @@ class _Variants:
     ``mask``), tile by tile; their backward chain; and the sink. Arrays are broadcast views of the
     full ``(*batch, Nq, Nk)`` (``(*batch,)`` for the per-head ones), never copied to full size."""
 
-    def __init__(self, batch, n_q, n_k, acc, softcap=None, alibi_slopes=None, bias=None, mask=None, sink=None):
-        self.n_q, self.n_k, self.acc = n_q, n_k, acc
+    def __init__(self, batch, n_q, n_k, acc, softcap=None, alibi_slopes=None, bias=None, mask=None, sink=None,
+                 dropout_p=0.0, seed=None):
+        check_dropout(dropout_p, seed)
+        self.batch, self.n_q, self.n_k, self.acc = batch, n_q, n_k, acc
+        self.dropout_p, self.seed = dropout_p, seed
         self.softcap = None if softcap is None else acc.type(softcap)
         self.slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, acc)[..., None, None]
         self.bias = None if bias is None else np.broadcast_to(np.asarray(bias), (*batch, n_q, n_k))
@@ -117,6 +121,14 @@ class _Variants:
             np.copyto(S_ij, NEG_INF, where=~visible)
         return S_ij, capped, visible
 
+    def dropout_scale(self, rows, cols):
+        """Z_ij = keep_ij / (1 - p) of the tile (the reference's keep set, drawn for the tile alone),
+        (*batch, B_r, B_c); None without dropout."""
+        if not self.dropout_p:
+            return None
+        keep = dropout_keep(self.seed, self.dropout_p, self.batch, self.n_q, self.n_k, rows, cols)
+        return keep.astype(self.acc) / self.acc.type(1 - self.dropout_p)
+
     def raw_grad(self, dS_ij, capped):
         """d loss / d((scale Q_i) K_j^T) from d loss / d S_ij: the softcap's derivative, in place."""
         if capped is not None:
@@ -128,7 +140,7 @@ class _Variants:
 
 @np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
 def forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None, alibi_slopes=None, bias=None,
-            mask=None, sink=None, block_r=FORWARD_TILE[0], block_c=FORWARD_TILE[1]):
+            mask=None, sink=None, dropout_p=0.0, seed=None, block_r=FORWARD_TILE[0], block_c=FORWARD_TILE[1]):
     """FlashAttention V1 forward (Algorithm 1), tile by tile in NumPy: the CPU path.
 
     Parameters
@@ -144,7 +156,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=N
         ``j <= i + (Nk - Nq)``.
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(D)``.
-    window, softcap, alibi_slopes, bias, mask, sink : optional
+    window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed : optional
         The variants of `cupyflash.reference.attention_forward`, with its meanings; tiles outside
         the causal mask and the window are never visited.
     block_r : int, optional
@@ -191,7 +203,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=N
     q, k, v = (np.asarray(x) for x in (q, k, v))
     batch, acc, scale, geometry, Q, K, V = _operands(q, k, v, causal, softmax_scale, window)   # Q: (*batch, Nq, D)
     n_q = geometry.n_q
-    mods = _Variants(batch, n_q, geometry.n_k, acc, softcap, alibi_slopes, bias, mask, sink)
+    mods = _Variants(batch, n_q, geometry.n_k, acc, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed)
     O = np.zeros((*batch, n_q, v.shape[-1]), acc)          # "HBM", (*batch, Nq, D), normalised output
     m = np.full((*batch, n_q), NEG_INF, acc)               # (*batch, Nq)
     l = np.zeros((*batch, n_q), acc)                       # (*batch, Nq)
@@ -213,6 +225,9 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=N
         alpha = np.exp(m_i - shift)                         # alpha = exp(m_i - m_i^new)
         l_new = alpha * l_i + P_tilde.sum(axis=-1)          # l_i^new = alpha l_i + rowsum(P~_ij)
         inv_l_new = reciprocal_or_zero(l_new)
+        Z_ij = mods.dropout_scale(rows, cols)
+        if Z_ij is not None:
+            P_tilde *= Z_ij                                 # dropout after l: m, l are the scores' own
         PV = visible_matmul(_as_operand(P_tilde, q.dtype), V_j, visible)   # P~_ij V_j, (*batch, B_r, D)
         PV *= inv_l_new[..., None]
         O_i *= (alpha * l_i * inv_l_new)[..., None]
@@ -225,7 +240,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=N
 
 @np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
 def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=None, softcap=None, alibi_slopes=None,
-             bias=None, mask=None, sink=None, bias_grad=False, block_r=BACKWARD_TILE[0], block_c=BACKWARD_TILE[1]):
+             bias=None, mask=None, sink=None, dropout_p=0.0, seed=None, bias_grad=False, block_r=BACKWARD_TILE[0],
+             block_c=BACKWARD_TILE[1]):
     """FlashAttention V1 backward, tile by tile in NumPy: the CPU path.
 
     Parameters
@@ -248,8 +264,8 @@ def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=N
         Bottom-right aligned causal mask, as in `forward`.
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(D)``.
-    window, softcap, alibi_slopes, bias, mask, sink : optional
-        As in `forward`.
+    window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed : optional
+        As in `forward` (the same seed drops the same pairs).
     bias_grad : bool, optional
         Also return ``dbias`` (needs ``bias``).
     block_r : int, optional
@@ -295,7 +311,7 @@ def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=N
         raise ValueError("bias_grad=True needs a bias")
     do, q, k, v, o, m, l = (np.asarray(x) for x in (do, q, k, v, o, m, l))
     batch, acc, scale, geometry, Q, K, V = _operands(q, k, v, causal, softmax_scale, window)   # Q: (*batch, Nq, D)
-    mods = _Variants(batch, geometry.n_q, geometry.n_k, acc, softcap, alibi_slopes, bias, mask, sink)
+    mods = _Variants(batch, geometry.n_q, geometry.n_k, acc, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed)
     dB = np.zeros(np.shape(bias), acc) if bias_grad else None   # dbias, bias's own shape
     dB_2d = None if dB is None else dB.reshape((1,) * max(0, 2 - dB.ndim) + dB.shape)   # its (Nq, Nk) dims, 1 if none
     dO = do.astype(acc, copy=False)                         # (*batch, Nq, D)
@@ -318,8 +334,12 @@ def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=N
         S_ij -= shift[..., r0:r1, None]
         P_ij = np.exp(S_ij, out=S_ij)
         P_ij *= inv_l[..., r0:r1, None]                     # P_ij = diag(l_i)^-1 exp(S_ij - m_i), in place
-        dV_j += visible_matmul(transpose(_as_operand(P_ij, q.dtype)), dO_i, visible_t)   # dV_j += P_ij^T dO_i
+        Z_ij = mods.dropout_scale(rows, cols)               # dropout: keep / (1 - p), else None
+        P_kept = P_ij if Z_ij is None else P_ij * Z_ij
+        dV_j += visible_matmul(transpose(_as_operand(P_kept, q.dtype)), dO_i, visible_t)   # dV_j += (Z P_ij)^T dO_i
         dS_ij = dO_i @ transpose(V_j)                       # dP_ij = dO_i V_j^T, (*batch, B_r, B_c)
+        if Z_ij is not None:
+            dS_ij *= Z_ij
         dS_ij -= D[..., r0:r1, None]
         dS_ij *= P_ij                                       # dS_ij = P_ij * (dP_ij - D_i), in place
         if visible is not None:

@@ -43,6 +43,7 @@ formed). A NaN score makes its row's ``m``, ``l`` and ``o`` NaN.
 import numpy as np
 
 from . import blocked
+from ._philox import check_dropout, dropout_keep
 from ._numpy_ops import (NEG_INF, broadcast_shapes, exp_shift, reciprocal_or_zero, resolve_scale, transpose,
                          unbroadcast, visible_matmul)
 
@@ -123,7 +124,7 @@ class _Scores:
 
 @np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None,
-                      alibi_slopes=None, bias=None, mask=None, sink=None):
+                      alibi_slopes=None, bias=None, mask=None, sink=None, dropout_p=0.0, seed=None):
     """Naive attention forward in float64: the ground truth.
 
     Parameters
@@ -158,6 +159,13 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window=None,
     sink : array_like, optional
         Broadcastable to the batch shape: the logit of one extra key per batch entry whose value
         is zero. It counts in ``m`` and adds ``exp(sink - m)`` to ``l``.
+    dropout_p : float, optional
+        Dropout on ``P``: with probability ``p`` (0 <= p < 1) a pair's weight becomes 0, the others
+        are scaled by ``1 / (1 - p)``; the kept set is ``cupyflash._philox.dropout_keep(seed, p,
+        batch, Nq, Nk)``. A dropped pair keeps its term (``0 · v``). ``m`` and ``l`` are those of
+        the scores before dropout.
+    seed : int, optional
+        The dropout seed, in [0, 2^64); needed when ``dropout_p > 0``.
 
     Returns
     -------
@@ -180,6 +188,7 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window=None,
     cupyflash.blocked.forward : the same result computed tile by tile, as the kernel does.
     """
     _check_variants(window, softcap)
+    check_dropout(dropout_p, seed)
     q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
     batch, n_q, _ = broadcast_shapes(q, k, v)
     q = np.broadcast_to(q, (*batch, n_q, q.shape[-1]))
@@ -197,13 +206,15 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window=None,
     if sink is not None:
         l = l + np.exp(sink - exp_shift(m))
     P = P_unnormalised * reciprocal_or_zero(l)[..., None]
+    if dropout_p:
+        P = P * (dropout_keep(seed, dropout_p, batch, n_q, k.shape[-2]) / (1 - dropout_p))
     o = visible_matmul(P, v, scores.visible)       # (*batch, Nq, D)
     return o, m, l
 
 
 @np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
 def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=None, softcap=None,
-                       alibi_slopes=None, bias=None, mask=None, sink=None, bias_grad=False):
+                       alibi_slopes=None, bias=None, mask=None, sink=None, dropout_p=0.0, seed=None, bias_grad=False):
     """Naive attention backward in float64: the ground truth.
 
     Parameters
@@ -222,8 +233,8 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
         Forward row max (``-inf`` for a row that sees no key).
     l : array_like, shape (*batch, Nq)
         Forward row sum of ``exp(S - m)`` (0 for a row that sees no key).
-    causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink
-        As in `attention_forward`.
+    causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed
+        As in `attention_forward` (the same seed drops the same pairs).
     bias_grad : bool, optional
         Also return ``dbias`` (needs ``bias``).
 
@@ -243,7 +254,7 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
     ``m``, ``l`` (pass those of `attention_forward` for exact float64
     gradients), then::
 
-        dV = P^T dO,  dP = dO V^T,  D = rowsum(dO * O),
+        dV = P_d^T dO,  dP = Z (dO V^T),  D = rowsum(dO * O)   (dropout: Z = keep / (1 - p), P_d = Z P),
         dS = P * (dP - D),  dbias = dS,  dsink = -sum_i P_sink,i D_i,
         dS' = dS (1 - (s_capped / c)^2) (softcap),  dQ = scale dS' K,  dK = scale dS'^T Q.
 
@@ -252,6 +263,7 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
     cupyflash.blocked.backward : the same gradients computed tile by tile.
     """
     _check_variants(window, softcap)
+    check_dropout(dropout_p, seed)
     if bias_grad and bias is None:
         raise ValueError("bias_grad=True needs a bias")
     shapes = [np.shape(x) for x in (q, k, v)]
@@ -266,8 +278,9 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
     vis_t = None if vis is None else transpose(vis)
     inv_l = reciprocal_or_zero(l)
     P = np.exp(scores.S - exp_shift(m)[..., None]) * inv_l[..., None]        # (*batch, Nq, Nk)
-    dV = visible_matmul(transpose(P), do, vis_t)                           # (*batch, Nk, D)
-    dP = do @ transpose(v)                                                  # (*batch, Nq, Nk)
+    Z = dropout_keep(seed, dropout_p, batch, n_q, k.shape[-2]) / (1 - dropout_p) if dropout_p else 1.0
+    dV = visible_matmul(transpose(P * Z), do, vis_t)                       # (*batch, Nk, D)
+    dP = (do @ transpose(v)) * Z                                            # (*batch, Nq, Nk)
     D = np.sum(do * o, axis=-1)                                              # (*batch, Nq)
     dS = P * (dP - D[..., None])                                             # (*batch, Nq, Nk)
     if vis is not None:

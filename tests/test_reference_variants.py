@@ -405,3 +405,108 @@ def test_the_blocked_path_keeps_its_precision_with_every_variant(dtype, rtol):
         assert g.shape == w.shape
         err = np.linalg.norm(g.astype(np.float64) - w) / np.linalg.norm(w)
         assert err <= 4 * rtol
+
+
+# ---------------------------------------------------------------------------
+# Dropout: the counter-based keep set (cupyflash._philox) and its use in the reference and the CPU path
+
+PHILOX_KNOWN_ANSWERS = (   # Random123's kat_vectors for Philox4x32-10: counter, key, output
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+)
+
+
+@pytest.mark.parametrize("counter, key, want", PHILOX_KNOWN_ANSWERS)
+def test_philox_gives_the_known_answers(counter, key, want):
+    from cupyflash._philox import philox4x32
+
+    assert tuple(int(w) for w in philox4x32(counter, key)) == want
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_the_keep_rate_is_one_minus_p(p):
+    from cupyflash._philox import dropout_keep
+
+    keep = dropout_keep(12345, p, (4, 8), 128, 256)
+    n = keep.size
+    assert abs(keep.mean() - (1 - p)) <= 5 * math.sqrt(p * (1 - p) / n)
+    # and the pairs are not alike along any axis: each row's and column's rate is near 1 - p as well
+    assert np.abs(keep.mean(axis=(0, 1, 3)) - (1 - p)).max() <= 6 * math.sqrt(p * (1 - p) / (32 * 256))
+    assert np.abs(keep.mean(axis=(0, 1, 2)) - (1 - p)).max() <= 6 * math.sqrt(p * (1 - p) / (32 * 128))
+
+
+def test_a_tile_draws_the_same_pairs_as_the_whole_and_seeds_differ():
+    from cupyflash._philox import dropout_keep
+
+    whole = dropout_keep(7, 0.3, (2, 3), 50, 70)
+    tile = dropout_keep(7, 0.3, (2, 3), 50, 70, rows=range(13, 29), cols=range(5, 67))
+    assert np.array_equal(tile, whole[..., 13:29, 5:67])
+    assert not np.array_equal(whole, dropout_keep(8, 0.3, (2, 3), 50, 70))
+    assert (dropout_keep(2**64 - 1, 0.0, (1,), 3, 3)).all()
+
+
+def test_dropout_scales_the_kept_weights_and_leaves_m_and_l():
+    from cupyflash._philox import dropout_keep
+
+    rng = np.random.default_rng(8)
+    q, k, v = (rng.standard_normal(s) for s in ((B, H, 9, 4), (B, H, 11, 4), (B, H, 11, 4)))
+    o0, m0, l0 = attention_forward(q, k, v, causal=True)
+    o, m, l = attention_forward(q, k, v, causal=True, dropout_p=0.25, seed=99)
+    assert np.array_equal(m, m0) and np.array_equal(l, l0)
+    S = np.where(np.arange(11)[None, :] <= np.arange(9)[:, None] + 2, q @ np.swapaxes(k, -1, -2) / 2.0, -np.inf)
+    P = np.exp(S - m[..., None]) / l[..., None]
+    want = (P * dropout_keep(99, 0.25, (B, H), 9, 11) / 0.75) @ v
+    np.testing.assert_allclose(o, want, rtol=1e-12, atol=1e-14)
+    assert not np.allclose(o, o0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(variant_problems(), st.sampled_from([0.2, 0.6]), st.integers(0, 2**64 - 1))
+def test_dropout_gradients_match_finite_differences(problem, p, seed):
+    q, k, v, do, kw = problem
+    kw = dict(kw, dropout_p=p, seed=seed)
+    bias_grad = kw["bias"] is not None
+    o, m, l = attention_forward(q, k, v, **kw)
+    grads = attention_backward(do, q, k, v, o, m, l, bias_grad=bias_grad, **kw)
+    inputs = [q, k, v] + ([kw["bias"]] if bias_grad else []) + ([kw["sink"]] if kw["sink"] is not None else [])
+    for got, x in zip(grads, inputs):
+        want = _numeric_grad(lambda: _loss(q, k, v, do, kw), x)
+        np.testing.assert_allclose(got, want, rtol=0, atol=GRAD_RTOL * max(1.0, np.abs(want).max()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(variant_problems(), st.sampled_from([(1, 1), (2, 3), (64, 64)]), st.integers(0, 2**64 - 1))
+def test_the_blocked_path_drops_the_pairs_the_reference_drops(problem, tile, seed):
+    from cupyflash import blocked
+
+    q, k, v, do, kw = problem
+    kw = dict(kw, dropout_p=0.4, seed=seed)
+    want = attention_forward(q, k, v, **kw)
+    got = blocked.forward(q, k, v, block_r=tile[0], block_c=tile[1], **kw)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-13)
+    want = attention_backward(do, q, k, v, *want, **kw)
+    got = blocked.backward(do, q, k, v, *got, block_r=tile[0], block_c=tile[1], **kw)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12 * max(1.0, np.abs(w).max()))
+
+
+@pytest.mark.parametrize("kw, match", [(dict(dropout_p=1.0, seed=1), "dropout_p"), (dict(dropout_p=-0.1, seed=1), "dropout_p"),
+                                       (dict(dropout_p=0.5), "seed"), (dict(dropout_p=0.5, seed=-1), "seed"),
+                                       (dict(dropout_p=0.5, seed=2**64), "seed"), (dict(dropout_p=0.5, seed=1.5), "seed")])
+def test_bad_dropout_values_raise(kw, match):
+    x = np.ones((2, 4))
+    with pytest.raises(ValueError, match=match):
+        attention_forward(x, x, x, **kw)
+
+
+def test_a_word_at_the_threshold_is_kept():
+    """Pair (0, 0) of entry 0 under seed 0 draws word 0 of Philox at counter 0, key 0 (0x6627E8D5, the
+    first known answer): kept at p = that / 2^32 (threshold equal to the word), dropped one step above."""
+    from cupyflash._philox import dropout_keep
+
+    word = 0x6627E8D5
+    assert dropout_keep(0, word / 2**32, (1,), 1, 1)[0, 0, 0]
+    assert not dropout_keep(0, (word + 1) / 2**32, (1,), 1, 1)[0, 0, 0]
