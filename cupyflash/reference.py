@@ -11,6 +11,8 @@ Two kinds of reference live here, both pure NumPy (importable without CuPy):
 ``attention_varlen_forward`` / ``attention_varlen_backward``
     The same over packed variable-length sequences (``cu_seqlens_q``,
     ``cu_seqlens_k``), one sequence at a time.
+``merge_attention``
+    The ``(o, m, l)`` of a key set from those of its disjoint parts.
 ``blocked_forward`` / ``blocked_backward``
     The CPU path, `cupyflash.blocked.forward` / `cupyflash.blocked.backward`
     under these names: FlashAttention V1 (Algorithm 1 and its backward)
@@ -52,6 +54,7 @@ __all__ = [
     "attention_backward",
     "attention_varlen_forward",
     "attention_varlen_backward",
+    "merge_attention",
     "blocked_forward",
     "blocked_backward",
 ]
@@ -385,3 +388,32 @@ def attention_varlen_backward(do, q, k, v, o, m, l, cu_seqlens_q, cu_seqlens_k, 
         if sink is not None:
             grads[3] += part[3]
     return tuple(grads)
+
+
+@np.errstate(invalid="ignore")   # inf - inf of non-finite statistics is NaN, quietly
+def merge_attention(parts):
+    """The attention of a key set from the attentions of its parts, in float64 (issue #18's ground truth).
+
+    Parameters
+    ----------
+    parts : sequence of (o, m, l)
+        ``o (*batch, Nq, D)``, ``m, l (*batch, Nq)`` of the same queries over disjoint key sets (as
+        `attention_forward` returns them: ``m`` the row max, ``l`` the row exp-sum after it).
+
+    Returns
+    -------
+    o : ndarray, shape (*batch, Nq, D), float64
+    m, l : ndarray, shape (*batch, Nq), float64
+        Those of the union of the key sets: ``m = max m_i``, ``l = sum l_i exp(m_i - m)``,
+        ``o = sum l_i exp(m_i - m) o_i / l``. A part whose row saw no key (``m_i = -inf``,
+        ``l_i = 0``) adds nothing; a row no part saw gets ``o = 0``, ``m = -inf``, ``l = 0``.
+    """
+    if not parts:
+        raise ValueError("merge_attention needs at least one (o, m, l) part")
+    os_, ms, ls = zip(*((np.asarray(o, np.float64), np.asarray(m, np.float64), np.asarray(l, np.float64))
+                        for o, m, l in parts))
+    m = np.max(np.stack(np.broadcast_arrays(*ms)), axis=0)
+    weights = [l_i * np.exp(m_i - exp_shift(m)) for m_i, l_i in zip(ms, ls)]   # l_i e^(m_i - m), 0 for empty parts
+    l = sum(weights)
+    o = sum(w[..., None] * o_i for w, o_i in zip(weights, os_))
+    return o * reciprocal_or_zero(l)[..., None], m, l

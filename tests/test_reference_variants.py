@@ -510,3 +510,63 @@ def test_a_word_at_the_threshold_is_kept():
     word = 0x6627E8D5
     assert dropout_keep(0, word / 2**32, (1,), 1, 1)[0, 0, 0]
     assert not dropout_keep(0, (word + 1) / 2**32, (1,), 1, 1)[0, 0, 0]
+
+
+# ---------------------------------------------------------------------------
+# Merging partial attentions (issue #18's ground truth)
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 12), st.integers(1, 4), st.integers(1, 4), st.booleans(),
+       st.integers(0, 2**32 - 1))
+def test_merging_the_parts_of_a_key_set_gives_its_attention(n_q, n_k, n_parts, d, causal, seed):
+    """Keys split into n_parts disjoint sets (by a mask, any split; some parts empty for some rows):
+    the merge of the parts' (o, m, l) is the whole's, and with the merged statistics each part's
+    backward gives its keys' dK, dV and its share of dQ, which sum to the whole backward's."""
+    from cupyflash.reference import merge_attention
+
+    rng = np.random.default_rng(seed)
+    q, k, v, do = (rng.standard_normal(s) for s in ((H, n_q, d), (H, n_k, d), (H, n_k, d), (H, n_q, d)))
+    owner = rng.integers(0, n_parts, size=n_k)          # which part holds each key
+    whole = attention_forward(q, k, v, causal=causal)
+    parts = [attention_forward(q, k, v, causal=causal, mask=np.broadcast_to(owner == p, (n_q, n_k)))
+             for p in range(n_parts)]
+    merged = merge_attention(parts)
+    for name, g, w in zip("oml", merged, whole):
+        assert np.array_equal(np.isinf(g), np.isinf(w)), name
+        finite = np.isfinite(w)
+        np.testing.assert_allclose(g[finite], w[finite], rtol=1e-12, atol=1e-14, err_msg=name)
+    full = attention_backward(do, q, k, v, *whole, causal=causal)
+    shares = [attention_backward(do, q, k, v, *merged, causal=causal, mask=np.broadcast_to(owner == p, (n_q, n_k)))
+              for p in range(n_parts)]
+    np.testing.assert_allclose(sum(s[0] for s in shares), full[0], rtol=1e-10, atol=1e-12)
+    for p, s in enumerate(shares):
+        mine = owner == p
+        np.testing.assert_allclose(s[1][:, mine], full[1][:, mine], rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(s[2][:, mine], full[2][:, mine], rtol=1e-10, atol=1e-12)
+        assert not s[1][:, ~mine].any() and not s[2][:, ~mine].any()
+
+
+def test_empty_parts_add_nothing_and_a_row_no_part_saw_is_empty():
+    from cupyflash.reference import merge_attention
+
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal((n, 3)) for n in (4, 5, 5))
+    part = attention_forward(q, k, v)
+    empty = (np.zeros((4, 3)), np.full(4, -np.inf), np.zeros(4))
+    for g, w in zip(merge_attention([empty, part, empty]), part):
+        np.testing.assert_allclose(g, w, rtol=1e-15, atol=0)
+    o, m, l = merge_attention([empty, empty])
+    assert not o.any() and (m == -np.inf).all() and not l.any()
+    with pytest.raises(ValueError, match="at least one"):
+        merge_attention([])
+
+
+def test_a_non_finite_value_in_one_part_reaches_the_merged_rows_that_saw_it():
+    from cupyflash.reference import merge_attention
+
+    rng = np.random.default_rng(10)
+    q, k, v = (rng.standard_normal((n, 3)) for n in (4, 6, 6))
+    v[4, 0] = np.nan
+    first, second = (attention_forward(q, k[s], v[s]) for s in (slice(0, 3), slice(3, 6)))
+    o, m, l = merge_attention([first, second])
+    assert np.isnan(o[:, 0]).all() and np.isfinite(o[:, 1:]).all() and np.isfinite(m).all() and np.isfinite(l).all()
