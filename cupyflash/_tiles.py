@@ -382,7 +382,7 @@ class KernelSpec:
     max_head_dim: int
     tiles: Callable                # (family, head dim, dtype name, shared memory) -> TileConfig or None
     smem: Callable                 # TileConfig -> dynamic shared-memory bytes
-    min_head_dim: int = 1
+    min_head_dim: int = 1          # the smallest head dim it takes (the wide Hopper backward: 129)
     ordered: bool = False          # comes in a deterministic (grid-ordered sums) variant too
     any_head_dim: bool = False     # one specialisation per dtype serves every head dim
     fp32_products: bool = False    # its float32 products follow ``precision`` (FP32_PRODUCTS)
