@@ -1,9 +1,13 @@
-"""CPU tests of the attention variants of cupyflash.reference (issue #17's ground truth; no CuPy needed).
+"""CPU tests of the attention variants of cupyflash.reference and the CPU path (issues #17 and #18's
+ground truth; no CuPy needed).
 
 The naive float64 reference with windows, softcap, ALiBi, bias, boolean masks and sinks is checked
 against an independent row-by-row computation (plain Python loops over the visible keys), its
 gradients (dq, dk, dv, dbias, dsink) against central finite differences, and its rules: a hidden
-pair has no term, a row that sees nothing is empty, bad values raise.
+pair has no term, a row that sees nothing is empty, bad values raise. The blocked CPU path is held
+to the reference with every variant on tiles of 1 to 64; packed sequences to one dense call with a
+block-diagonal mask; dropout's Philox to Random123's known answers, its keep set to its rate and
+its definition; merging to the attention of the union of the parts.
 """
 
 import math
@@ -23,12 +27,13 @@ GRAD_RTOL = 1e-6                 # of the gradient's largest entry
 EXACT_RTOL = 1e-12               # reference against the row-by-row loops
 
 # broadcastable shapes of each per-problem array, as a user passes them (None: not passed)
-BIAS_SHAPES = (None, "full", "heads")        # (B, H, Nq, Nk), (1, H, Nq, Nk) with Nk broadcast: (H, Nq, 1)
-MASK_SHAPES = (None, "full", "shared")       # (B, H, Nq, Nk), (Nq, Nk)
-PER_HEAD = (None, "heads", "batch")          # (H,), (B, 1)
+BIAS_SHAPES = (None, "full", "heads")        # (B, H, Nq, Nk); (H, Nq, 1): shared over the batch and the keys
+MASK_SHAPES = (None, "full", "shared")       # (B, H, Nq, Nk); (Nq, Nk)
+PER_HEAD = (None, "heads", "batch")          # (H,); (B, 1)
 
 
 def _array(rng, kind, n_q, n_k, what):
+    """A random ``what`` ("bias", "mask", "alibi" or "sink") of the shape ``kind`` names; None for None."""
     if kind is None:
         return None
     if what == "bias":
