@@ -239,8 +239,9 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
         As in the forward.
     schedule : {'auto', 'v1', 'v2'}, optional
         'v1' runs the portable recomputation kernel (below); 'v2' and 'auto'
-        run the Hopper warpgroup-MMA kernel for float16/bfloat16 with
-        D <= 128 on sm_90 GPUs, and the portable kernel everywhere else. Both
+        run the Hopper warpgroup-MMA kernels for float16/bfloat16 on sm_90
+        GPUs (one for D <= 128, one for 128 < D <= 256), and the portable
+        kernel everywhere else. All
         walk FlashAttention-2's loop order (K/V tiles outer, dQ accumulated
         with atomics) and return the same gradients up to rounding.
     precision : {'highest', 'tf32'}, optional
