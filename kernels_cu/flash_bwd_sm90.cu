@@ -169,8 +169,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
         const int ctid = tid - WG_THREADS;                // thread among the consumers
         acc_t* dq_acc = p.dq_acc.at(bi);
         constexpr unsigned ATOM = SW_ATOM_BYTES;
-        constexpr unsigned Q_BLOCK = B_R * SW_COLS * sizeof(elem_t), K_BLOCK = B_C * SW_COLS * sizeof(elem_t);
-        constexpr int DV_N = DP;                          // dV, dK columns per instruction (64 or 128)
+        constexpr unsigned K_BLOCK = B_C * SW_COLS * sizeof(elem_t);
 
         const acc_t scale = (acc_t)p.scale, scale_log2 = scale * (acc_t)LOG2E;
         acc_t dK[DP / 8][4], dV[DP / 8][4];               // (16, DP) per warp
@@ -212,12 +211,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
 
             // dV_j += P_ij^T dO_i,  dK_j += dS_ij^T Q_i (scaled at the end)            (64, DP)
             wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < B_R / 16; ++kk)
-                Wgmma<DV_N>::rs(dV, Pf[kk], sw128_desc(s_dOs + sw128_offset<B_R>(kk * 16, 0), Q_BLOCK, ATOM));
-#pragma unroll
-            for (int kk = 0; kk < B_R / 16; ++kk)
-                Wgmma<DV_N>::rs(dK, dSf[kk], sw128_desc(s_Qs + sw128_offset<B_R>(kk * 16, 0), Q_BLOCK, ATOM));
+            wgmma_rs_tile<DP, B_R / 16>(dV, Pf, s_dOs);
+            wgmma_rs_tile<DP, B_R / 16>(dK, dSf, s_Qs);
             wgmma_commit();
 
             // dS_ij^T into shared memory (this step's parity): the A operand (M-major) of dQ_i += dS_ij K_j

@@ -57,7 +57,6 @@ constexpr int STAGES = FLASH_Q_STAGES;
 constexpr bool ORDERED = FLASH_ORDERED;
 constexpr int TILE_KV = B_C * DP, TILE_Q = B_R * DP, TILE_DS = B_C * B_R;   // elements
 constexpr int DQ_PITCH = DP + 4;                   // floats: rows 16 bytes apart in banks
-constexpr int GRAD_N = DP % 128 == 0 ? 128 : 64;   // columns of dV_j, dK_j per instruction
 constexpr int N_BARRIERS = 1 + 2 * STAGES;
 constexpr int SMEM_BYTES = (2 * TILE_KV + 2 * STAGES * TILE_Q + TILE_DS) * (int)sizeof(elem_t)
                            + TILE_DS * (int)sizeof(float) + B_R * DQ_PITCH * (int)sizeof(float)
@@ -97,17 +96,11 @@ __device__ __forceinline__ void probabilities(acc_t (&S)[B_R / 8][4], const acc_
 }
 
 // G (64, DP) += A (64, B_R) B_i (B_R, DP) of a consumer, issued (not waited for): A = P^T or dS^T as
-// A fragments, 16 queries at a time, B_i = dO_i or Q_i (N-major, 64-column blocks B_R lines apart)
+// A fragments, 16 queries at a time, B_i = dO_i or Q_i (N-major)
 __device__ __forceinline__ void issue_grad(acc_t (&G)[DP / 8][4], const unsigned (&A)[B_R / 16][4],
                                            const elem_t* s_B) {
-    constexpr unsigned Q_BLOCK = B_R * SW_COLS * sizeof(elem_t);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < B_R / 16; ++kk)
-#pragma unroll
-        for (int nb = 0; nb < DP / GRAD_N; ++nb)
-            Wgmma<GRAD_N>::rs(*reinterpret_cast<acc_t(*)[GRAD_N / 8][4]>(&G[nb * GRAD_N / 8]), A[kk],
-                              sw128_desc(s_B + sw128_offset<B_R>(kk * 16, nb * GRAD_N), Q_BLOCK, SW_ATOM_BYTES));
+    wgmma_rs_tile<DP, B_R / 16>(G, A, s_B);
     wgmma_commit();
 }
 

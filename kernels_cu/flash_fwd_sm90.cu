@@ -64,7 +64,6 @@ constexpr int CONSUMERS = NTHREADS / WG_THREADS - 1;    // consumer warpgroups, 
 constexpr int STAGES = 2;
 constexpr int Q_STAGES = FLASH_Q_STAGES;               // two where they fit (the host's choice)
 constexpr int TILE_Q = B_R * DP, TILE_KV = B_C * DP;   // elements
-constexpr int PV_N = DP % 128 == 0 ? 128 : 64;         // columns of O_i per P~ V instruction
 constexpr int N_BARRIERS = 2 * Q_STAGES + 4 * STAGES;
 constexpr int SMEM_BYTES = (Q_STAGES * TILE_Q + 2 * STAGES * TILE_KV) * (int)sizeof(elem_t) + N_BARRIERS * 8
                            + (Q_STAGES + 1) * 8        // s_index, s_claim (8 bytes apart)
@@ -103,16 +102,10 @@ __device__ __forceinline__ void issue_scores(acc_t (&S)[B_C / 8][4], const elem_
     wgmma_commit();
 }
 
-// O (64, DP) += P~ V_j for this warpgroup, issued (not waited for); V's 64-column blocks lie B_C lines apart
+// O (64, DP) += P~ V_j for this warpgroup, issued (not waited for)
 __device__ __forceinline__ void issue_values(acc_t (&O)[DP / 8][4], const unsigned (&P)[B_C / 16][4],
                                              const elem_t* s_Vj) {
-    constexpr unsigned V_BLOCK = B_C * SW_COLS * sizeof(elem_t);
-#pragma unroll
-    for (int kk = 0; kk < B_C / 16; ++kk)
-#pragma unroll
-        for (int nb = 0; nb < DP / PV_N; ++nb)
-            Wgmma<PV_N>::rs(*reinterpret_cast<acc_t(*)[PV_N / 8][4]>(&O[nb * PV_N / 8]), P[kk],
-                            sw128_desc(s_Vj + sw128_offset<B_C>(kk * 16, nb * PV_N), V_BLOCK, SW_ATOM_BYTES));
+    wgmma_rs_tile<DP, B_C / 16>(O, P, s_Vj);
     wgmma_commit();
 }
 

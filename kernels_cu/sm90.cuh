@@ -227,3 +227,18 @@ template <> struct Wgmma<128> {
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
     }
 };
+
+// D (64, COLS) += A (64, 16 KT) B (16 KT, COLS) of a warpgroup, issued (the caller fences before and
+// commits after): A as KT fragments in registers, B N-major in a swizzled (16 KT, COLS) tile, in
+// instructions of 128 columns where COLS allows, else 64
+template <int COLS, int KT>
+__device__ __forceinline__ void wgmma_rs_tile(acc_t (&d)[COLS / 8][4], const unsigned (&a)[KT][4], const elem_t* s_b) {
+    constexpr int N = COLS % 128 == 0 ? 128 : 64;
+    constexpr unsigned BLOCK = 16 * KT * SW_COLS * sizeof(elem_t);   // bytes from one 64-column block to the next
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk)
+#pragma unroll
+        for (int nb = 0; nb < COLS / N; ++nb)
+            Wgmma<N>::rs(*reinterpret_cast<acc_t(*)[N / 8][4]>(&d[nb * N / 8]), a[kk],
+                         sw128_desc(s_b + sw128_offset<16 * KT>(kk * 16, nb * N), BLOCK, SW_ATOM_BYTES));
+}
