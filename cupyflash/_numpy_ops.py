@@ -4,6 +4,8 @@ import math
 
 import numpy as np
 
+from ._philox import check_dropout
+
 NEG_INF = -np.inf  # score of a key a query may not see; m of a row that has seen no key
 
 
@@ -21,6 +23,20 @@ def accumulator_dtype(dtype):
 def resolve_scale(softmax_scale, head_dim):
     """The softmax scale, ``1 / sqrt(D)`` unless given."""
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+def check_variants(window, softcap, dropout_p, seed, bias=None, bias_grad=False):
+    """The variant keywords' values: ``window`` a pair of ints >= 0 or None, ``softcap`` > 0,
+    ``dropout_p`` in [0, 1) with a seed where it is not 0 (``_philox.check_dropout``), and a
+    ``bias`` wherever ``bias_grad`` asks for its gradient."""
+    if window is not None:
+        if len(window) != 2 or any(w is not None and (int(w) != w or w < 0) for w in window):
+            raise ValueError(f"window must be (left, right) of ints >= 0 or None, got {window!r}")
+    if softcap is not None and not (np.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a finite float > 0, got {softcap!r}")
+    check_dropout(dropout_p, seed)
+    if bias_grad and bias is None:
+        raise ValueError("bias_grad=True needs a bias")
 
 
 def exp_shift(m):
@@ -59,7 +75,8 @@ def visible_matmul(A, B, visible):
     out = A @ np.where(finite, B, 0)
     for *b, k, j in np.argwhere(~finite):   # the visible terms of B's non-finite values, one by one
         at = tuple(b)
-        out[(*at, slice(None), j)] += np.where(visible[(*at, slice(None), k)], A[(*at, slice(None), k)] * B[(*at, k, j)], 0)
+        rows = (*at, slice(None), k)
+        out[(*at, slice(None), j)] += np.where(visible[rows], A[rows] * B[(*at, k, j)], 0)
     return out
 
 

@@ -241,9 +241,9 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
         'v1' runs the portable recomputation kernel (below); 'v2' and 'auto'
         run the Hopper warpgroup-MMA kernels for float16/bfloat16 on sm_90
         GPUs (one for D <= 128, one for 128 < D <= 256), and the portable
-        kernel everywhere else. All
-        walk FlashAttention-2's loop order (K/V tiles outer, dQ accumulated
-        with atomics) and return the same gradients up to rounding.
+        kernel everywhere else. All walk FlashAttention-2's loop order (K/V
+        tiles outer, dQ accumulated with atomics) and return the same
+        gradients up to rounding.
     precision : {'highest', 'tf32'}, optional
         As in the forward, for the backward's products.
     deterministic : bool, optional

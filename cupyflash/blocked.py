@@ -17,9 +17,9 @@ the outputs, and one ``(*batch, B_r, B_c)`` tile at a time.
 import numpy as np
 
 from ._mask import EMPTY, PARTIAL, MaskGeometry
-from ._philox import check_dropout, dropout_keep
-from ._numpy_ops import (NEG_INF, accumulator_dtype, broadcast_shapes, exp_shift, reciprocal_or_zero,
-                         resolve_scale, transpose, unbroadcast, visible_matmul)
+from ._philox import dropout_keep
+from ._numpy_ops import (NEG_INF, accumulator_dtype, broadcast_shapes, check_variants, exp_shift,
+                         reciprocal_or_zero, resolve_scale, transpose, unbroadcast, visible_matmul)
 
 __all__ = ["forward", "backward", "FORWARD_TILE", "BACKWARD_TILE"]
 
@@ -87,7 +87,6 @@ class _Variants:
 
     def __init__(self, batch, n_q, n_k, acc, softcap=None, alibi_slopes=None, bias=None, mask=None, sink=None,
                  dropout_p=0.0, seed=None):
-        check_dropout(dropout_p, seed)
         self.batch, self.n_q, self.n_k, self.acc = batch, n_q, n_k, acc
         self.dropout_p, self.seed = dropout_p, seed
         self.softcap = None if softcap is None else acc.type(softcap)
@@ -200,6 +199,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=N
     --------
     cupyflash.reference.attention_forward : the naive float64 truth.
     """
+    check_variants(window, softcap, dropout_p, seed)
     q, k, v = (np.asarray(x) for x in (q, k, v))
     batch, acc, scale, geometry, Q, K, V = _operands(q, k, v, causal, softmax_scale, window)   # Q: (*batch, Nq, D)
     n_q = geometry.n_q
@@ -307,8 +307,7 @@ def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=N
     --------
     cupyflash.reference.attention_backward : the naive float64 truth.
     """
-    if bias_grad and bias is None:
-        raise ValueError("bias_grad=True needs a bias")
+    check_variants(window, softcap, dropout_p, seed, bias, bias_grad)
     do, q, k, v, o, m, l = (np.asarray(x) for x in (do, q, k, v, o, m, l))
     batch, acc, scale, geometry, Q, K, V = _operands(q, k, v, causal, softmax_scale, window)   # Q: (*batch, Nq, D)
     mods = _Variants(batch, geometry.n_q, geometry.n_k, acc, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed)

@@ -45,9 +45,9 @@ formed). A NaN score makes its row's ``m``, ``l`` and ``o`` NaN.
 import numpy as np
 
 from . import blocked
-from ._philox import check_dropout, dropout_keep
-from ._numpy_ops import (NEG_INF, broadcast_shapes, exp_shift, reciprocal_or_zero, resolve_scale, transpose,
-                         unbroadcast, visible_matmul)
+from ._philox import dropout_keep
+from ._numpy_ops import (NEG_INF, broadcast_shapes, check_variants, exp_shift, reciprocal_or_zero, resolve_scale,
+                         transpose, unbroadcast, visible_matmul)
 
 __all__ = [
     "attention_forward",
@@ -67,15 +67,6 @@ blocked_backward = blocked.backward
 # ---------------------------------------------------------------------------
 # Naive float64 reference
 # ---------------------------------------------------------------------------
-
-def _check_variants(window, softcap):
-    """The variant keywords' values: ``window`` a pair of ints >= 0 or None, ``softcap`` > 0."""
-    if window is not None:
-        if len(window) != 2 or any(w is not None and (int(w) != w or w < 0) for w in window):
-            raise ValueError(f"window must be (left, right) of ints >= 0 or None, got {window!r}")
-    if softcap is not None and not (np.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be a finite float > 0, got {softcap!r}")
-
 
 def _visibility(n_q, n_k, causal, window, mask):
     """Which key each query sees, broadcastable to ``(*batch, Nq, Nk)``; None when every query sees
@@ -190,8 +181,7 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window=None,
     --------
     cupyflash.blocked.forward : the same result computed tile by tile, as the kernel does.
     """
-    _check_variants(window, softcap)
-    check_dropout(dropout_p, seed)
+    check_variants(window, softcap, dropout_p, seed)
     q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
     batch, n_q, _ = broadcast_shapes(q, k, v)
     q = np.broadcast_to(q, (*batch, n_q, q.shape[-1]))
@@ -265,10 +255,7 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
     --------
     cupyflash.blocked.backward : the same gradients computed tile by tile.
     """
-    _check_variants(window, softcap)
-    check_dropout(dropout_p, seed)
-    if bias_grad and bias is None:
-        raise ValueError("bias_grad=True needs a bias")
+    check_variants(window, softcap, dropout_p, seed, bias, bias_grad)
     shapes = [np.shape(x) for x in (q, k, v)]
     do, q, k, v, o, m, l = (np.asarray(x).astype(np.float64) for x in (do, q, k, v, o, m, l))
     batch, n_q, _ = broadcast_shapes(q, k, v)

@@ -251,20 +251,33 @@ def test_dbias_sums_over_the_dims_it_broadcasts_along():
     np.testing.assert_allclose(d_shared, d_full.sum(axis=(0, 3), keepdims=True), rtol=1e-12, atol=1e-15)
 
 
-@pytest.mark.parametrize("kw, match", [(dict(window=(-1, 0)), "window"), (dict(window=(1,)), "window"),
-                                       (dict(window=(1.5, 0)), "window"), (dict(softcap=0.0), "softcap"),
-                                       (dict(softcap=-2.0), "softcap"), (dict(softcap=math.inf), "softcap")])
-def test_bad_variant_values_raise(kw, match):
+BAD_VARIANTS = [(dict(window=(-1, 0)), "window"), (dict(window=(1,)), "window"), (dict(window=(1.5, 0)), "window"),
+                (dict(softcap=0.0), "softcap"), (dict(softcap=-2.0), "softcap"), (dict(softcap=math.inf), "softcap"),
+                (dict(dropout_p=1.0, seed=1), "dropout_p"), (dict(dropout_p=-0.1, seed=1), "dropout_p"),
+                (dict(dropout_p=0.5), "seed"), (dict(dropout_p=0.5, seed=-1), "seed"),
+                (dict(dropout_p=0.5, seed=2**64), "seed"), (dict(dropout_p=0.5, seed=1.5), "seed")]
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("kw, match", BAD_VARIANTS)
+def test_bad_variant_values_raise(kw, match, path):
+    """In the reference and on the CPU path, forward and backward, before anything is computed."""
+    forward, backward = PATHS[path]
     x = np.ones((2, 4))
     with pytest.raises(ValueError, match=match):
-        attention_forward(x, x, x, **kw)
+        forward(x, x, x, **kw)
+    o, m, l = forward(x, x, x)
+    with pytest.raises(ValueError, match=match):
+        backward(x, x, x, x, o, m, l, **kw)
 
 
-def test_bias_grad_needs_a_bias():
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_bias_grad_needs_a_bias(path):
+    forward, backward = PATHS[path]
     x = np.ones((2, 4))
-    o, m, l = attention_forward(x, x, x)
+    o, m, l = forward(x, x, x)
     with pytest.raises(ValueError, match="bias_grad"):
-        attention_backward(x, x, x, x, o, m, l, bias_grad=True)
+        backward(x, x, x, x, o, m, l, bias_grad=True)
 
 
 @st.composite
@@ -496,15 +509,6 @@ def test_the_blocked_path_drops_the_pairs_the_reference_drops(problem, tile, see
     got = blocked.backward(do, q, k, v, *got, block_r=tile[0], block_c=tile[1], **kw)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12 * max(1.0, np.abs(w).max()))
-
-
-@pytest.mark.parametrize("kw, match", [(dict(dropout_p=1.0, seed=1), "dropout_p"), (dict(dropout_p=-0.1, seed=1), "dropout_p"),
-                                       (dict(dropout_p=0.5), "seed"), (dict(dropout_p=0.5, seed=-1), "seed"),
-                                       (dict(dropout_p=0.5, seed=2**64), "seed"), (dict(dropout_p=0.5, seed=1.5), "seed")])
-def test_bad_dropout_values_raise(kw, match):
-    x = np.ones((2, 4))
-    with pytest.raises(ValueError, match=match):
-        attention_forward(x, x, x, **kw)
 
 
 def test_a_word_at_the_threshold_is_kept():
