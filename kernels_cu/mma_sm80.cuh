@@ -210,27 +210,33 @@ __device__ __forceinline__ void mma_1688_tf32(float (&c)[4], const unsigned (&a)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// x rounded to TF32, to nearest with ties away from zero
 __device__ __forceinline__ unsigned tf32_rna(float x) {
     unsigned r;
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
     return r;
 }
 
+// the same for a finite x (sm_90 runs cvt.rna.tf32.f32 as integer instructions: these, without its
+// test for inf and NaN)
+__device__ __forceinline__ unsigned tf32_rna_finite(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+
 // x = hi + lo: hi x rounded to TF32 (11 significant bits; |lo| <= 2^-11 |x|), lo the rest (exact in
 // float32) rounded to TF32. Where rounding would carry x past the float32 range, hi is x truncated
-// to TF32 instead (|lo| < 2^-10 |x|). For a non-finite x, hi is x (a NaN canonical, so that no
-// payload reads as inf), lo = 0, and `small`, the hi that meets the other operand's lo, is 0: the
-// two small terms then add 0 and the product is that of a float32 FMA (x times a finite y: inf or
-// NaN as x * y is).
+// to TF32 instead (|lo| < 2^-10 |x|). For a non-finite x, hi is x (a NaN the canonical one, so that no
+// payload reads as inf), lo = 0, and `small`, the hi that meets the other operand's lo, is 0: the two small
+// terms then add 0 and the product is that of a float32 FMA (x times a finite y: inf or NaN as
+// x * y is). Selects only: a branch per element would serialise the splits against the mma
+// instructions they feed.
 struct Tf32Split { unsigned hi, lo, small; };
 
 __device__ __forceinline__ Tf32Split split_tf32(float x) {
-    if (isfinite(x)) {
-        unsigned hi = tf32_rna(x);
-        if ((hi & 0x7f800000u) == 0x7f800000u) hi = __float_as_uint(x) & 0xffffe000u;
-        return {hi, tf32_rna(x - __uint_as_float(hi)), hi};
-    }
-    return {isnan(x) ? 0x7fc00000u : __float_as_uint(x), 0u, 0u};
+    unsigned hi = tf32_rna_finite(x);
+    if (fabsf(__uint_as_float(hi)) == POS_INF) hi = __float_as_uint(x) & 0xffffe000u;   // overflowed, or x = inf
+    if (isnan(x)) hi = 0x7fffffffu;
+    const bool finite = fabsf(x) < POS_INF;
+    const unsigned lo = tf32_rna_finite(x - __uint_as_float(hi));
+    return {hi, finite ? lo : 0u, finite ? hi : 0u};
 }
 
 // Four 8x4 float32 blocks of shared memory, one register each: ldmatrix moves 16-byte rows, and
