@@ -44,16 +44,11 @@ __device__ __forceinline__ void load_tile_sw128(elem_t* __restrict__ s_tile, con
                                                 i64 row_stride, int rows_valid, int d, bool vec, int tid) {
     constexpr int CHUNKS = COLS / VEC, ROWS_PER_PASS = THREADS / CHUNKS;
     static_assert(COLS % SW_COLS == 0 && ROWS % 8 == 0, "swizzled tiles are whole 64-column blocks of 8-row atoms");
-    if (vec && THREADS % CHUNKS) {   // rows do not split evenly over the threads (D = 192)
-#pragma unroll 1
-        for (int c = tid; c < ROWS * CHUNKS; c += THREADS) {
-            const int r = c / CHUNKS, col = (c % CHUNKS) * VEC;
-            const bool valid = r < rows_valid && col < d;
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                         :: "r"(smem_addr(s_tile + sw128_offset<ROWS>(r, col))),
-                            "l"(valid ? g + r * row_stride + col : g), "r"(valid ? 16 : 0)
-                         : "memory");
-        }
+    if (vec && THREADS % CHUNKS) {   // rows do not split evenly over the threads (DP = 192): a column block at a time
+#pragma unroll
+        for (int cb = 0; cb < COLS / SW_COLS; ++cb)
+            load_tile_sw128<ROWS, SW_COLS, THREADS>(s_tile + cb * ROWS * SW_COLS, g + cb * SW_COLS, row_stride,
+                                                    rows_valid, d - cb * SW_COLS, vec, tid);
     } else if (vec) {
         const int r_first = tid / CHUNKS, col = (tid % CHUNKS) * VEC;
         const elem_t* src = g + r_first * row_stride + col;
