@@ -113,6 +113,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
     // load K_j, V_j from HBM into SRAM
     load_tile<B_C, DP>(s_K, k + kv0 * k_sn, k_sn, min(B_C, Nk - kv0), D, vec, tid, NTHREADS);
     load_tile<B_C, DP>(s_V, v + kv0 * v_sn, v_sn, min(B_C, Nk - kv0), D, vec, tid, NTHREADS);
+    // 3xTF32 splits K_j, V_j, Q_i, dO_i without guards where all are finite and below 2^127 (Split;
+    // P and dS are not checked); each thread checks what it copied, the CTA votes at each step's barrier
+    bool kv_plain = false;
+    if constexpr (TF32_SPLITS)
+        kv_plain = own_copies_plain<B_C, DP>(s_K, vec, tid, NTHREADS) && own_copies_plain<B_C, DP>(s_V, vec, tid, NTHREADS);
 
     const int key0 = kv0 + 16 * warp;                  // first key row of this warp
     elem_t* s_dSw = s_dS + 16 * warp * DS_PITCH;       // (16, B_R) this warp's rows of P^T / dS^T
@@ -140,7 +145,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
             s_inv_l[r] = in ? inv_l[q0 + r] : (acc_t)0;
             s_D[r] = in ? Dsum[q0 + r] : (acc_t)0;
         }
-        __syncthreads();
+        bool plain = false;
+        if constexpr (TF32_SPLITS)
+            plain = __syncthreads_and(kv_plain && own_copies_plain<B_R, DP>(s_Q, vec, tid, NTHREADS)
+                                      && own_copies_plain<B_R, DP>(s_dO, vec, tid, NTHREADS));
+        else
+            __syncthreads();
         if (mask.causal && i == i_first
             && (rows_nonfinite(s_K, B_C, DP, QKV_PITCH, tid, NTHREADS)
                 || rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS)))
@@ -154,7 +164,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         // S_ij^T = K_j Q_i^T                                               (16, B_R)
         acc_t P[B_R / 8][4];
         zero_frag(P);
-        warp_mma<B_R / 8, DP, false, false>(P, s_K + 16 * warp * QKV_PITCH, QKV_PITCH, s_Q, QKV_PITCH);
+        if (plain) warp_mma<B_R / 8, DP, false, false, PLAIN>(P, s_K + 16 * warp * QKV_PITCH, QKV_PITCH, s_Q, QKV_PITCH);
+        else       warp_mma<B_R / 8, DP, false, false>(P, s_K + 16 * warp * QKV_PITCH, QKV_PITCH, s_Q, QKV_PITCH);
 
         // P_ij^T = exp(scale S_ij^T - m_i) / l_i; a tile whose pairs are all visible (most of them) takes
         // the path without the mask
@@ -164,12 +175,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         __syncwarp();
 
         // dV_j += P_ij^T dO_i                                              (16, DC)
-        warp_mma<DC / 8, B_R, false, true>(dV, s_dSw, DS_PITCH, s_dO + c0, QKV_PITCH);
+        if (plain) warp_mma<DC / 8, B_R, false, true, B_PLAIN>(dV, s_dSw, DS_PITCH, s_dO + c0, QKV_PITCH);
+        else       warp_mma<DC / 8, B_R, false, true>(dV, s_dSw, DS_PITCH, s_dO + c0, QKV_PITCH);
 
         // dP_ij^T = V_j dO_i^T                                             (16, B_R)
         acc_t dP[B_R / 8][4];
         zero_frag(dP);
-        warp_mma<B_R / 8, DP, false, false>(dP, s_V + 16 * warp * QKV_PITCH, QKV_PITCH, s_dO, QKV_PITCH);
+        if (plain) warp_mma<B_R / 8, DP, false, false, PLAIN>(dP, s_V + 16 * warp * QKV_PITCH, QKV_PITCH, s_dO, QKV_PITCH);
+        else       warp_mma<B_R / 8, DP, false, false>(dP, s_V + 16 * warp * QKV_PITCH, QKV_PITCH, s_dO, QKV_PITCH);
 
         // dS_ij^T = P_ij^T o (dP_ij^T - D_i)
 #pragma unroll
@@ -181,7 +194,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         __syncwarp();
 
         // dK_j += dS_ij^T Q_i   (scaled at the end)                        (16, DC)
-        warp_mma<DC / 8, B_R, false, true>(dK, s_dSw, DS_PITCH, s_Q + c0, QKV_PITCH);
+        if (plain) warp_mma<DC / 8, B_R, false, true, B_PLAIN>(dK, s_dSw, DS_PITCH, s_Q + c0, QKV_PITCH);
+        else       warp_mma<DC / 8, B_R, false, true>(dK, s_dSw, DS_PITCH, s_Q + c0, QKV_PITCH);
         // tile j adds the j-th term of dQ_i: every K/V tile before it reaches Q tile i too
         unsigned* dq_turn = ORDERED ? p.dq_turns + ((bh * T_r + i) * n_chunks + c0 / DC) : nullptr;
         if (ORDERED && tid == 0) wait_turn(dq_turn, j);
@@ -193,7 +207,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
             const int col0 = c0 + wn * DQ_NT * 8;
             acc_t dQ[DQ_NT][4];
             zero_frag(dQ);
-            warp_mma<DQ_NT, B_C, true, true>(dQ, s_dS + wm * 16, DS_PITCH, s_K + col0, QKV_PITCH);
+            if (plain) warp_mma<DQ_NT, B_C, true, true, B_PLAIN>(dQ, s_dS + wm * 16, DS_PITCH, s_K + col0, QKV_PITCH);
+            else       warp_mma<DQ_NT, B_C, true, true>(dQ, s_dS + wm * 16, DS_PITCH, s_K + col0, QKV_PITCH);
 #pragma unroll
             for (int n = 0; n < DQ_NT; ++n)
 #pragma unroll

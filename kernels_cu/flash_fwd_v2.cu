@@ -41,6 +41,9 @@ constexpr int SMEM_BYTES = (B_R * QKV_PITCH + STAGES * KV_STAGE + (FLASH_TENSOR_
 // half the registers.
 constexpr bool Q_IN_REGISTERS = FLASH_TENSOR_CORES && DP > 64 && DP <= 128;
 
+// the TF32 products' k-steps unrolled (mma_sm80.cuh) where O_i leaves the registers for it
+constexpr bool TF32_UNROLL = DP <= 192;
+
 static_assert(B_R == 16 * FLASH_WARPS, "each warp owns 16 query rows of the Q tile");
 static_assert(B_C % 16 == 0 && DP % 16 == 0, "tile shapes");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
@@ -97,6 +100,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
         load_a_frags<Q_IN_REGISTERS ? DP : 16>(Q_frag, s_Qw, QKV_PITCH);
     }
 #endif
+    // 3xTF32 splits Q_i, K_j, V_j without guards where all are finite and below 2^127 (Split);
+    // each thread checks what it copied, the CTA votes at each tile's barrier
+    bool q_plain = false;
+    if constexpr (TF32_SPLITS) q_plain = own_copies_plain<16, DP>(s_Qw, vec, lane, WARP_SIZE);
     acc_t O[DP / 8][4];                                 // (16, DP) unnormalised O_i
     zero_frag(O);
     acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
@@ -112,7 +119,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
         } else {
             cp_async_wait<0>();
         }
-        __syncthreads();
+        bool plain = false;
+        if constexpr (TF32_SPLITS)
+            plain = __syncthreads_and(q_plain && own_copies_plain<B_C, DP>(s_K, vec, tid, NTHREADS)
+                                      && own_copies_plain<B_C, DP>(s_V, vec, tid, NTHREADS));
+        else
+            __syncthreads();
         // where Q tile i has masked pairs in tile j and V_j holds an inf or NaN, P~_ij V_j may spread it
         // to them (nonfinite.cuh): flag the tile for the repair
         if (mask.has_masked_pairs(i * B_R, kv0, B_C) && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS))
@@ -125,7 +137,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
         if (Q_IN_REGISTERS) warp_mma_ra<B_C / 8, Q_IN_REGISTERS ? DP : 16, false>(S, Q_frag, s_K, QKV_PITCH);
         else                warp_mma<B_C / 8, DP, false, false>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
 #else
-        warp_mma<B_C / 8, DP, false, false>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
+        if (plain) warp_mma<B_C / 8, DP, false, false, PLAIN, TF32_UNROLL>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
+        else       warp_mma<B_C / 8, DP, false, false, GUARDED, TF32_UNROLL>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
 #endif
         scale_and_mask(S, scale, mask, r0, kv0);
 
@@ -155,10 +168,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
         __syncwarp();
         // FMA tiles hold a partial sum per accumulator: take O_i in chunks of PV_NT column tiles
         constexpr int PV_NT = DP / 8 < 8 ? DP / 8 : 8;
+        // (P~_ij is not checked: a score past the float32 range makes it NaN)
 #pragma unroll
-        for (int n0 = 0; n0 < DP / 8; n0 += PV_NT)
-            warp_mma<PV_NT, B_C, false, true>(*reinterpret_cast<acc_t(*)[PV_NT][4]>(&O[n0]), s_Pw, P_PITCH,
-                                              s_V + n0 * 8, QKV_PITCH);
+        for (int n0 = 0; n0 < DP / 8; n0 += PV_NT) {
+            acc_t (&O_n)[PV_NT][4] = *reinterpret_cast<acc_t(*)[PV_NT][4]>(&O[n0]);
+            if (plain) warp_mma<PV_NT, B_C, false, true, B_PLAIN, TF32_UNROLL>(O_n, s_Pw, P_PITCH, s_V + n0 * 8, QKV_PITCH);
+            else       warp_mma<PV_NT, B_C, false, true, GUARDED, TF32_UNROLL>(O_n, s_Pw, P_PITCH, s_V + n0 * 8, QKV_PITCH);
+        }
         __syncwarp();
 #endif
         __syncthreads();   // every warp is done with this stage before it is refilled

@@ -21,6 +21,18 @@ __device__ __forceinline__ void zero_frag(acc_t (&c)[NT][4]) {
         for (int e = 0; e < 4; ++e) c[n][e] = (acc_t)0;
 }
 
+// How 3xTF32 splits the operands of a product (warp_mma's SPLIT; the other products ignore it):
+// GUARDED handles every float32 value; an operand marked plain has been checked to be finite and
+// below 2^127 in magnitude (nonfinite.cuh: own_copies_plain), where the split needs no guards.
+// UNROLL (the TF32 products only) unrolls each K_BLOCK's k-steps: faster where the registers allow
+// it (the V2 forward: measured 1.1-1.3x on the H200), spills in the backward.
+enum Split : int { GUARDED = 0, A_PLAIN = 1, B_PLAIN = 2, PLAIN = A_PLAIN | B_PLAIN };
+#if FLASH_DTYPE == 2 && FLASH_FP32_MMA == 1
+constexpr bool TF32_SPLITS = true;    // float32 as 3xTF32: the kernels check operand tiles to pick a Split
+#else
+constexpr bool TF32_SPLITS = false;
+#endif
+
 // ---------------------------------------------------------------------------
 // Warp tile products. A warp computes C (16, 8*NT) += A (16, K) * B (K, 8*NT)
 // with A and B in shared memory:
@@ -55,7 +67,7 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4],
 #endif
 }
 
-template <int NT, int K, bool A_T, bool B_T>
+template <int NT, int K, bool A_T, bool B_T, int SPLIT = GUARDED, bool UNROLL = false>
 __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
                                          const elem_t* __restrict__ a, int lda,
                                          const elem_t* __restrict__ b, int ldb) {
@@ -172,7 +184,7 @@ __device__ __forceinline__ void dmma(double (&d)[4], const double (&a)[2], const
 // The products go straight into c, k-step after k-step, as cuBLAS's DGEMM sums them: a float64
 // sum of K <= 256 terms needs no two-level sum, and the registers a partial sum would take are
 // what keeps O_i (up to (16, 256) float64 per warp) out of local memory.
-template <int NT, int K, bool A_T, bool B_T>
+template <int NT, int K, bool A_T, bool B_T, int SPLIT = GUARDED, bool UNROLL = false>
 __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
                                          const elem_t* __restrict__ a, int lda,
                                          const elem_t* __restrict__ b, int ldb) {
@@ -228,6 +240,8 @@ __device__ __forceinline__ unsigned tf32_rna_finite(float x) { return (__float_a
 // terms then add 0 and the product is that of a float32 FMA (x times a finite y: inf or NaN as
 // x * y is). Selects only: a branch per element would serialise the splits against the mma
 // instructions they feed.
+// The tensor cores take a subnormal TF32 operand as 0 (measured on the H200), so a lo below 2^-126
+// is lost: an x under about 2^-103 in magnitude keeps only hi's accuracy, and a subnormal x counts as 0.
 struct Tf32Split { unsigned hi, lo, small; };
 
 __device__ __forceinline__ Tf32Split split_tf32(float x) {
@@ -238,6 +252,15 @@ __device__ __forceinline__ Tf32Split split_tf32(float x) {
     const unsigned lo = tf32_rna_finite(x - __uint_as_float(hi));
     return {hi, finite ? lo : 0u, finite ? hi : 0u};
 }
+
+// The split of an x known finite and below 2^127 (no rounding overflows): hi and lo rounded, small = hi
+__device__ __forceinline__ Tf32Split split_tf32_plain(float x) {
+    const unsigned hi = tf32_rna_finite(x);
+    return {hi, tf32_rna_finite(x - __uint_as_float(hi)), hi};
+}
+
+template <bool PLAIN>
+__device__ __forceinline__ Tf32Split split_operand(float x) { return PLAIN ? split_tf32_plain(x) : split_tf32(x); }
 
 // Four 8x4 float32 blocks of shared memory, one register each: ldmatrix moves 16-byte rows, and
 // lane 4*g + t's word of block b is row g, column t of the block whose row addresses lanes 8b .. 8b+7
@@ -283,13 +306,13 @@ __device__ __forceinline__ void load_b_tf32(float (&bv)[4], const float* b, int 
 
 // 3xTF32 (FLASH_FP32_MMA 1): each product is a_lo b_hi + a_hi b_lo + a_hi b_hi (the small terms
 // first), a_lo b_lo (below 2^-22 of it) dropped; one TF32 product (2): a b with both rounded to TF32.
-template <int NT, int K, bool A_T, bool B_T>
+template <int NT, int K, bool A_T, bool B_T, int SPLIT = GUARDED, bool UNROLL = false>
 __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
                                          const elem_t* __restrict__ a, int lda,
                                          const elem_t* __restrict__ b, int ldb) {
     static_assert(NT % 2 == 0, "TF32 warp tiles take column tiles in pairs");
     sum_in_blocks<NT, K>(c, [&](acc_t (&part)[NT][4], int k0) {
-#pragma unroll 1
+#pragma unroll(UNROLL ? K_BLOCK / 8 : 1)
         for (int ks = k0; ks < k0 + K_BLOCK; ks += 8) {
             float av[4];
             load_a_tf32<A_T>(av, a, lda, ks);
@@ -297,7 +320,7 @@ __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
             unsigned a_hi[4], a_lo[4], a_small[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const Tf32Split x = split_tf32(av[e]);
+                const Tf32Split x = split_operand<(SPLIT & A_PLAIN) != 0>(av[e]);
                 a_hi[e] = x.hi;
                 a_lo[e] = x.lo;
                 a_small[e] = x.small;
@@ -308,7 +331,7 @@ __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
                 load_b_tf32<B_T>(bv, b, ldb, ks, n);
                 Tf32Split x[4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) x[e] = split_tf32(bv[e]);
+                for (int e = 0; e < 4; ++e) x[e] = split_operand<(SPLIT & B_PLAIN) != 0>(bv[e]);
                 // the two tiles' products alternate, so that no mma waits on the one before it
 #pragma unroll
                 for (int h = 0; h < 2; ++h) mma_1688_tf32(part[n + h], a_lo, x[2 * h].small, x[2 * h + 1].small);
@@ -336,7 +359,7 @@ __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
 
 #else  // exact float32 FMA
 
-template <int NT, int K, bool A_T, bool B_T>
+template <int NT, int K, bool A_T, bool B_T, int SPLIT = GUARDED, bool UNROLL = false>
 __device__ __forceinline__ void warp_mma(acc_t (&c)[NT][4],
                                          const elem_t* __restrict__ a, int lda,
                                          const elem_t* __restrict__ b, int ldb) {

@@ -77,3 +77,27 @@ __device__ __forceinline__ bool values_nonfinite(const acc_t* s, int n, int tid,
     for (int c = tid; c < n; c += threads) acc = fma(s[c], (acc_t)0, acc);
     return acc != acc;
 }
+
+// Whether every value this thread copied into a (ROWS, COLS) tile (its chunks or elements in
+// copy.cuh's load_tile / load_tile_async order, so visible to it without a barrier) is finite and
+// below 2^127 in magnitude: the operands 3xTF32 may split without guards (mma_sm80.cuh, Split).
+// One compare per value, of its magnitude bits against those of 2^127.
+template <int ROWS, int COLS>
+__device__ __forceinline__ bool own_copies_plain(const elem_t* s_tile, bool vec, int tid, int nthreads) {
+    constexpr int PITCH = COLS + PAD;
+    static_assert(sizeof(elem_t) == 4, "a float32 question");
+    const unsigned* s = reinterpret_cast<const unsigned*>(s_tile);
+    unsigned most = 0;   // the largest magnitude's bits (a NaN's exceed inf's)
+    if (vec) {
+        constexpr int CHUNKS = COLS / VEC;
+#pragma unroll 1
+        for (int c = tid; c < ROWS * CHUNKS; c += nthreads) {
+            const uint4 x = *reinterpret_cast<const uint4*>(s + (c / CHUNKS) * PITCH + (c % CHUNKS) * VEC);
+            most = max(most, max(max(x.x & 0x7fffffffu, x.y & 0x7fffffffu), max(x.z & 0x7fffffffu, x.w & 0x7fffffffu)));
+        }
+    } else {
+#pragma unroll 1
+        for (int c = tid; c < ROWS * COLS; c += nthreads) most = max(most, s[(c / COLS) * PITCH + c % COLS] & 0x7fffffffu);
+    }
+    return most < 0x7f000000u;
+}

@@ -69,3 +69,35 @@ def test_precision_changes_nothing_for_other_dtypes():
         b = cupyflash.flash_attention_forward(q, k, v, causal=True, precision="tf32")
         for x, y in zip(a, b):
             assert x.get().tobytes() == y.get().tobytes()
+
+
+@pytest.mark.parametrize("schedule", ["v1", "v2"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_operands_whose_tf32_rounding_would_overflow_are_split_exactly(causal, schedule, monkeypatch):
+    """3xTF32 splits an operand without guards only where its tile is finite and below 2^127
+    (mma_sm80.cuh, Split): a q, k or v element at the top of the float32 range (where rounding to TF32
+    would carry past it) must make its tiles take the guarded split and still give FMA's result."""
+    rng = numpy.random.default_rng(17)
+    q, k, v = (rng.standard_normal((1, 2, 200, 64)).astype(numpy.float32) for _ in range(3))
+    big = numpy.uint32(0x7F7FF800).view(numpy.float32)   # 3.4027e38: rounded to TF32 it would be inf
+    assert (int(big.view(numpy.uint32)) + 0x1000) & 0xFFFFE000 == 0x7F800000
+    # q . k stays finite; 2^-100 keeps the low TF32 parts of the small factors normal (the tensor cores
+    # count subnormal operands as 0, README: precision), the scale keeps the softmax from saturating
+    tiny = lambda x: numpy.copysign(1 + numpy.abs(x), x) * numpy.float32(2.0**-100)
+    scale = 2.0**-30
+    q[0, 0, 150, 3], k[..., 3] = big, tiny(k[..., 3])
+    k[0, 1, 7, 10], q[..., 10] = -big, tiny(q[..., 10])
+    v[0, 0, 11, 20] = big   # P~ V stays finite: one key holds it
+
+    def run():
+        a, b, c = to_gpu(q, k, v)
+        return [x.get() for x in cupyflash.flash_attention_forward(a, b, c, causal=causal, softmax_scale=scale,
+                                                                    schedule=schedule)]
+
+    tensor_cores = run()
+    monkeypatch.setitem(_tiles.FP32_PRODUCTS, "highest", 0)
+    monkeypatch.setattr(_launch, "PLANS", {})
+    fma = run()
+    for name, tc, ref in zip("oml", tensor_cores, fma):
+        assert numpy.isfinite(ref).all() and numpy.isfinite(tc).all(), name
+        numpy.testing.assert_allclose(tc, ref, rtol=1e-5, atol=1e-5, err_msg=name)
