@@ -115,9 +115,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
     load_tile<B_C, DP>(s_V, v + kv0 * v_sn, v_sn, min(B_C, Nk - kv0), D, vec, tid, NTHREADS);
     // 3xTF32 splits K_j, V_j, Q_i, dO_i without guards where all are finite and below 2^127 (Split;
     // P and dS are not checked); each thread checks what it copied, the CTA votes at each step's barrier
-    bool kv_plain = false;
-    if constexpr (TF32_SPLITS)
-        kv_plain = own_copies_plain<B_C, DP>(s_K, vec, tid, NTHREADS) && own_copies_plain<B_C, DP>(s_V, vec, tid, NTHREADS);
+    const bool kv_plain = own_copies_plain<B_C, DP>(s_K, vec, tid, NTHREADS) && own_copies_plain<B_C, DP>(s_V, vec, tid, NTHREADS);
 
     const int key0 = kv0 + 16 * warp;                  // first key row of this warp
     elem_t* s_dSw = s_dS + 16 * warp * DS_PITCH;       // (16, B_R) this warp's rows of P^T / dS^T
@@ -145,12 +143,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
             s_inv_l[r] = in ? inv_l[q0 + r] : (acc_t)0;
             s_D[r] = in ? Dsum[q0 + r] : (acc_t)0;
         }
-        bool plain = false;
-        if constexpr (TF32_SPLITS)
-            plain = __syncthreads_and(kv_plain && own_copies_plain<B_R, DP>(s_Q, vec, tid, NTHREADS)
-                                      && own_copies_plain<B_R, DP>(s_dO, vec, tid, NTHREADS));
-        else
-            __syncthreads();
+        const bool plain = sync_all_plain(kv_plain && own_copies_plain<B_R, DP>(s_Q, vec, tid, NTHREADS)
+                                          && own_copies_plain<B_R, DP>(s_dO, vec, tid, NTHREADS));
         if (mask.causal && i == i_first
             && (rows_nonfinite(s_K, B_C, DP, QKV_PITCH, tid, NTHREADS)
                 || rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS)))

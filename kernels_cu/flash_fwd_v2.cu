@@ -102,8 +102,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
 #endif
     // 3xTF32 splits Q_i, K_j, V_j without guards where all are finite and below 2^127 (Split);
     // each thread checks what it copied, the CTA votes at each tile's barrier
-    bool q_plain = false;
-    if constexpr (TF32_SPLITS) q_plain = own_copies_plain<16, DP>(s_Qw, vec, lane, WARP_SIZE);
+    const bool q_plain = own_copies_plain<16, DP>(s_Qw, vec, lane, WARP_SIZE);
     acc_t O[DP / 8][4];                                 // (16, DP) unnormalised O_i
     zero_frag(O);
     acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
@@ -119,12 +118,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
         } else {
             cp_async_wait<0>();
         }
-        bool plain = false;
-        if constexpr (TF32_SPLITS)
-            plain = __syncthreads_and(q_plain && own_copies_plain<B_C, DP>(s_K, vec, tid, NTHREADS)
-                                      && own_copies_plain<B_C, DP>(s_V, vec, tid, NTHREADS));
-        else
-            __syncthreads();
+        const bool plain = sync_all_plain(q_plain && own_copies_plain<B_C, DP>(s_K, vec, tid, NTHREADS)
+                                          && own_copies_plain<B_C, DP>(s_V, vec, tid, NTHREADS));
         // where Q tile i has masked pairs in tile j and V_j holds an inf or NaN, P~_ij V_j may spread it
         // to them (nonfinite.cuh): flag the tile for the repair
         if (mask.has_masked_pairs(i * B_R, kv0, B_C) && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS))

@@ -27,11 +27,6 @@ __device__ __forceinline__ void zero_frag(acc_t (&c)[NT][4]) {
 // UNROLL (the TF32 products only) unrolls each K_BLOCK's k-steps: faster where the registers allow
 // it (the V2 forward: measured 1.1-1.3x on the H200), spills in the backward.
 enum Split : int { GUARDED = 0, A_PLAIN = 1, B_PLAIN = 2, PLAIN = A_PLAIN | B_PLAIN };
-#if FLASH_DTYPE == 2 && FLASH_FP32_MMA == 1
-constexpr bool TF32_SPLITS = true;    // float32 as 3xTF32: the kernels check operand tiles to pick a Split
-#else
-constexpr bool TF32_SPLITS = false;
-#endif
 
 // ---------------------------------------------------------------------------
 // Warp tile products. A warp computes C (16, 8*NT) += A (16, K) * B (K, 8*NT)

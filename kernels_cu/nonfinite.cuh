@@ -81,11 +81,12 @@ __device__ __forceinline__ bool values_nonfinite(const acc_t* s, int n, int tid,
 // Whether every value this thread copied into a (ROWS, COLS) tile (its chunks or elements in
 // copy.cuh's load_tile / load_tile_async order, so visible to it without a barrier) is finite and
 // below 2^127 in magnitude: the operands 3xTF32 may split without guards (mma_sm80.cuh, Split).
-// One compare per value, of its magnitude bits against those of 2^127.
+// One compare per value, of its magnitude bits against those of 2^127; false but for 3xTF32.
 template <int ROWS, int COLS>
 __device__ __forceinline__ bool own_copies_plain(const elem_t* s_tile, bool vec, int tid, int nthreads) {
+    if constexpr (!TF32_SPLITS) return false;
     constexpr int PITCH = COLS + PAD;
-    static_assert(sizeof(elem_t) == 4, "a float32 question");
+    static_assert(!TF32_SPLITS || sizeof(elem_t) == 4, "a float32 question");
     const unsigned* s = reinterpret_cast<const unsigned*>(s_tile);
     unsigned most = 0;   // the largest magnitude's bits (a NaN's exceed inf's)
     if (vec) {
@@ -100,4 +101,11 @@ __device__ __forceinline__ bool own_copies_plain(const elem_t* s_tile, bool vec,
         for (int c = tid; c < ROWS * COLS; c += nthreads) most = max(most, s[(c / COLS) * PITCH + c % COLS] & 0x7fffffffu);
     }
     return most < 0x7f000000u;
+}
+
+// __syncthreads(), and for 3xTF32 whether `mine` (own_copies_plain answers) holds in every thread
+__device__ __forceinline__ bool sync_all_plain(bool mine) {
+    if constexpr (TF32_SPLITS) return __syncthreads_and(mine);
+    __syncthreads();
+    return false;
 }

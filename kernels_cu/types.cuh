@@ -46,6 +46,13 @@ typedef double acc_t;
 #define FLASH_TENSOR_CORES 0
 #endif
 
+// float32 as 3xTF32: the kernels check their operand tiles to pick how they split (mma_sm80.cuh, Split)
+#if FLASH_DTYPE == 2 && FLASH_FP32_MMA == 1
+constexpr bool TF32_SPLITS = true;
+#else
+constexpr bool TF32_SPLITS = false;
+#endif
+
 #define POS_INF ((acc_t)__int_as_float(0x7f800000))
 #define NEG_INF (-POS_INF)
 
