@@ -84,23 +84,25 @@ __device__ __forceinline__ bool values_nonfinite(const acc_t* s, int n, int tid,
 // One compare per value, of its magnitude bits against those of 2^127; false but for 3xTF32.
 template <int ROWS, int COLS>
 __device__ __forceinline__ bool own_copies_plain(const elem_t* s_tile, bool vec, int tid, int nthreads) {
-    if constexpr (!TF32_SPLITS) return false;
-    constexpr int PITCH = COLS + PAD;
-    static_assert(!TF32_SPLITS || sizeof(elem_t) == 4, "a float32 question");
-    const unsigned* s = reinterpret_cast<const unsigned*>(s_tile);
-    unsigned most = 0;   // the largest magnitude's bits (a NaN's exceed inf's)
-    if (vec) {
-        constexpr int CHUNKS = COLS / VEC;
-#pragma unroll 1
-        for (int c = tid; c < ROWS * CHUNKS; c += nthreads) {
-            const uint4 x = *reinterpret_cast<const uint4*>(s + (c / CHUNKS) * PITCH + (c % CHUNKS) * VEC);
-            most = max(most, max(max(x.x & 0x7fffffffu, x.y & 0x7fffffffu), max(x.z & 0x7fffffffu, x.w & 0x7fffffffu)));
-        }
+    if constexpr (!TF32_SPLITS) {
+        return false;
     } else {
+        constexpr int PITCH = COLS + PAD;
+        const unsigned* s = reinterpret_cast<const unsigned*>(s_tile);
+        unsigned most = 0;   // the largest magnitude's bits (a NaN's exceed inf's)
+        if (vec) {
+            constexpr int CHUNKS = COLS / VEC;
 #pragma unroll 1
-        for (int c = tid; c < ROWS * COLS; c += nthreads) most = max(most, s[(c / COLS) * PITCH + c % COLS] & 0x7fffffffu);
+            for (int c = tid; c < ROWS * CHUNKS; c += nthreads) {
+                const uint4 x = *reinterpret_cast<const uint4*>(s + (c / CHUNKS) * PITCH + (c % CHUNKS) * VEC);
+                most = max(most, max(max(x.x & 0x7fffffffu, x.y & 0x7fffffffu), max(x.z & 0x7fffffffu, x.w & 0x7fffffffu)));
+            }
+        } else {
+#pragma unroll 1
+            for (int c = tid; c < ROWS * COLS; c += nthreads) most = max(most, s[(c / COLS) * PITCH + c % COLS] & 0x7fffffffu);
+        }
+        return most < 0x7f000000u;
     }
-    return most < 0x7f000000u;
 }
 
 // __syncthreads(), and for 3xTF32 whether `mine` (own_copies_plain answers) holds in every thread
