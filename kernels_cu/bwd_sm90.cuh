@@ -27,6 +27,20 @@ struct BwdRing {
     unsigned long long *kv_full, *q_full, *q_empty;
 };
 
+// Thread 0 sets up the ring's mbarriers (the consumers' `consumer_threads` arrive on q_empty); every
+// thread of the CTA waits for it
+template <int STAGES>
+__device__ __forceinline__ void init_ring(const BwdRing& r, unsigned consumer_threads) {
+    if (threadIdx.x == 0) {
+        mbar_init(r.kv_full, BWD_WG_THREADS);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(&r.q_full[s], BWD_WG_THREADS);
+            mbar_init(&r.q_empty[s], consumer_threads);
+        }
+    }
+    __syncthreads();
+}
+
 // Producer: one 4-byte cp.async per statistic of the rows q0 .. q0+B_R-1. Past Nq they are zero:
 // those rows of Q_i and dO_i are zero too, so their P_ij^T = 1 meets dO = 0 and dP - D = 0.
 template <int B_R>

@@ -140,18 +140,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
     const int kv0 = j * B_C;
     const int i_first = mask.q_tile_first<B_R>(kv0);   // the Q tiles that see K_j: i_first .. T_r - 1
     const int steps = T_r - i_first;
-
     const BatchIndex bi = p.batch.split(bh);
     const BwdRing ring{s_K, s_V, s_Q, s_dO, s_stat, kv_full, q_full, q_empty};
-
-    if (tid == 0) {
-        mbar_init(kv_full, WG_THREADS);
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(&q_full[s], WG_THREADS);
-            mbar_init(&q_empty[s], CONSUMERS * WG_THREADS);
-        }
-    }
-    __syncthreads();
+    init_ring<STAGES>(ring, CONSUMERS * WG_THREADS);
 
     if (wg == 0) {
         // producer: K_j, V_j; then Q_i, dO_i, statistics into stage n % STAGES once it is released

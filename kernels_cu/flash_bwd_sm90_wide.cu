@@ -144,20 +144,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
     const int i_first = mask.q_tile_first<B_R>(kv0);   // the Q tiles that see K_j: i_first .. T_r - 1
     const int steps = T_r - i_first;
     const BatchIndex bi = p.batch.split(bh);
-
-    if (tid == 0) {
-        mbar_init(kv_full, WG_THREADS);
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(&q_full[s], WG_THREADS);
-            mbar_init(&q_empty[s], CONSUMER_THREADS);
-        }
-    }
-    __syncthreads();
+    const BwdRing ring{s_K, s_V, s_Q, s_dO, s_stat, kv_full, q_full, q_empty};
+    init_ring<STAGES>(ring, CONSUMER_THREADS);
 
     if (wg == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
-        produce_bwd<B_R, B_C, DP, STAGES>(p, BwdRing{s_K, s_V, s_Q, s_dO, s_stat, kv_full, q_full, q_empty}, bh, j,
-                                          i_first, steps, tid);
+        produce_bwd<B_R, B_C, DP, STAGES>(p, ring, bh, j, i_first, steps, tid);
         return;
     }
 
