@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy
 
+from ._mask import MaskGeometry
 from ._tiles import MAX_HEAD_DIM, accumulator_dtype, dtype_name
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -54,6 +55,12 @@ class Problem:
     D: int
     scale: float
     causal: bool
+    window: tuple = (None, None)   # (left, right): ints >= 0 or None (unbounded)
+
+    @property
+    def geometry(self) -> MaskGeometry:
+        """Which pairs are visible: the causal mask and the window (``_mask.MaskGeometry``)."""
+        return MaskGeometry(self.Nq, self.Nk, self.causal, *self.window)
 
 
 SCHEDULES = ("auto", "v1", "v2")
@@ -74,7 +81,25 @@ def check_choice(name: str, value, choices) -> str:
     return value
 
 
-def check_forward(q, k, v, causal, softmax_scale) -> Problem:
+def check_window(window) -> tuple:
+    """``window`` as ``(left, right)``: None, or a pair whose sides are ints >= 0 or None."""
+    if window is None:
+        return (None, None)
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}")
+    sides = []
+    for name, side in zip(("left", "right"), window):
+        if side is not None:
+            if isinstance(side, (bool, numpy.bool_)) or not isinstance(side, (int, numpy.integer)):
+                raise TypeError(f"window's {name} side must be an int >= 0 or None, got {type(side).__name__}")
+            if side < 0:
+                raise ValueError(f"window's {name} side must be >= 0 or None, got {side} (window={window!r})")
+            side = int(side)
+        sides.append(side)
+    return tuple(sides)
+
+
+def check_forward(q, k, v, causal, softmax_scale, window=None) -> Problem:
     """Validate ``q, k, v`` and the flags of a forward call."""
     xp = array_module({"q": q, "k": k, "v": v})
     dtypes = {name: x.dtype for name, x in (("q", q), ("k", k), ("v", v))}
@@ -116,13 +141,14 @@ def check_forward(q, k, v, causal, softmax_scale) -> Problem:
         devices = {name: x.device.id for name, x in (("q", q), ("k", k), ("v", v))}
         if len(set(devices.values())) > 1:
             raise ValueError("q, k, v are on different devices: " + ", ".join(f"{n}: {d}" for n, d in devices.items()))
-    return Problem(xp, q.dtype, tuple(batch_shape), q.shape[-2], k.shape[-2], D, scale, bool(causal))
+    return Problem(xp, q.dtype, tuple(batch_shape), q.shape[-2], k.shape[-2], D, scale, bool(causal),
+                   check_window(window))
 
 
-def check_backward(do, q, k, v, o, m, l, causal, softmax_scale) -> Problem:
+def check_backward(do, q, k, v, o, m, l, causal, softmax_scale, window=None) -> Problem:
     """Validate a backward call: ``q, k, v`` as in the forward, then ``do, o, m, l`` against them."""
     array_module({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l})
-    prob = check_forward(q, k, v, causal, softmax_scale)
+    prob = check_forward(q, k, v, causal, softmax_scale, window)
     out_shape = (*prob.batch_shape, prob.Nq, prob.D)
     stats_shape = (*prob.batch_shape, prob.Nq)
     for name, x in (("do", do), ("o", o)):

@@ -349,21 +349,21 @@ def _launch_grid(n: int) -> int:
     return n
 
 
-def _masked_pairs(Nq: int, Nk: int, causal: bool) -> bool:
+def _masked_pairs(geometry: MaskGeometry) -> bool:
     """Some pair of the whole problem is masked inside the ragged ends: the tile of every row and key
-    has masked pairs (causal, unless the first query row already sees every key)."""
-    return MaskGeometry(Nq, Nk, causal).has_masked_pairs(0, 0, Nk)
+    has masked pairs (a causal mask or a window that bounds some row)."""
+    return geometry.has_masked_pairs(0, 0, geometry.n_k)
 
 
 @dataclass(frozen=True)
 class ForwardPlan:
     """A forward with everything but its arrays settled; ``plan(q, k, v)`` returns ``(o, m, l)``.
 
-    One ``FwdParams`` serves the main kernel and, causal, ``flash_fwd_repair`` after it, which
+    One ``FwdParams`` serves the main kernel and, masked, ``flash_fwd_repair`` after it, which
     recomputes the Q tiles the main kernel flagged (a masked pair met an inf or NaN).
     """
 
-    launches: tuple           # Launch of the main kernel, then of flash_fwd_repair when causal
+    launches: tuple           # Launch of the main kernel, then of flash_fwd_repair when masked
     device: int
     outputs: tuple            # ((shape, dtype) of o, m, l)
     fresh: Block              # o, m, l, the tile counter and the repair flags
@@ -403,7 +403,7 @@ def _repair(head_dim: int, dtype, flags: int):
     return get_kernels(cfg), min(flags, 4 * current_limits().sms)
 
 
-def forward_plan(q, k, v, *, schedule: str, precision: str, causal: bool, scale: float, batch_shape,
+def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeometry, scale: float, batch_shape,
                  layout: BatchLayout):
     """The ``schedule`` ('v1' or 'v2') forward of validated inputs ``q, k, v`` as a ``ForwardPlan``."""
     Nq, D = q.shape[-2:]
@@ -426,8 +426,8 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, causal: bool, scale:
     # V1's running O_i between outer steps: with a single K/V tile every step is the last
     o_run = BH * Nq * cfg.d_pad * acc.itemsize if cfg.kernel == "fwd_v1" and Nk > cfg.block_c else 0
     counter = 4 if cfg.kernel == "fwd_sm90" else 0
-    # causal: the kernel flags the Q tiles where a masked pair met an inf or NaN, flash_fwd_repair redoes them
-    flags = BH * T_r if _masked_pairs(Nq, Nk, causal) else 0
+    # masked: the kernel flags the Q tiles where a masked pair met an inf or NaN, flash_fwd_repair redoes them
+    flags = BH * T_r if _masked_pairs(geometry) else 0
     launches = [launch(kernel, grid, cfg.threads, cfg.smem_bytes)]
     if flags:
         kernels, repair_grid = _repair(D, q.dtype, flags)
@@ -435,7 +435,7 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, causal: bool, scale:
     params = Params(FWD, FWD_POINTERS,
                     q=_strides4(q, layout.strides[0]), k=_strides4(k, layout.strides[1]),
                     v=_strides4(v, layout.strides[2]), batch=(layout.sizes[1], layout.sizes[2], BH),
-                    mask=(Nq, Nk, int(causal)), D=D, vec=int(_vector_ok((q, k, v), D)),
+                    mask=geometry.kernel_fields(), D=D, vec=int(_vector_ok((q, k, v), D)),
                     head_group=head_group(BH, 2 * Nk * D * q.itemsize), n_splits=n_splits, tile_rows=cfg.block_r,
                     scale=float(acc.type(scale)))
     outputs = (((*batch_shape, Nq, D), q.dtype), ((*batch_shape, Nq), acc), ((*batch_shape, Nq), acc))
@@ -461,7 +461,7 @@ class BackwardPlan:
 
     Its steps share one ``BwdParams``: ``flash_bwd_prep`` (zeroes the sums; D_i and the statistics the
     main kernel reads), the main kernel (dQ summed into a float32/float64 workspace; dK, dV stored
-    directly, or summed when several batch entries share a K/V head), causal ``flash_bwd_repair``
+    directly, or summed when several batch entries share a K/V head), masked ``flash_bwd_repair``
     (the tiles the main kernel flagged) and, for 16-bit inputs, ``flash_convert`` of the sums.
     """
 
@@ -497,7 +497,7 @@ class BackwardPlan:
         return tuple(grads)
 
 
-def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, causal: bool, scale: float,
+def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: MaskGeometry, scale: float,
                   deterministic: bool, layout: BatchLayout):
     """The backward of ``schedule`` for validated inputs as a ``BackwardPlan``.
 
@@ -524,9 +524,9 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, causal: bool
     # deterministic: a counter per sum that several CTAs add into (layout.cuh, "Ordered sums")
     turns = (BH * T_r * n_chunks,) if deterministic else (0,)
     turns += tuple(math.prod(x.shape[:-2]) * T_c * n_chunks if deterministic and kv_atomic else 0 for x in (k, v))
-    # causal: the main kernel flags the dQ tiles and the dK, dV tiles (per batch entry) where a masked
+    # masked: the main kernel flags the dQ tiles and the dK, dV tiles (per batch entry) where a masked
     # pair met an inf or NaN, flash_bwd_repair redoes them
-    masked = _masked_pairs(Nq, Nk, causal)
+    masked = _masked_pairs(geometry)
     sizes = {
         "m_b": (rows * acc.itemsize * (not lse_stats), False), "inv_l": (rows * acc.itemsize * (not lse_stats), False),
         "lse2": (rows * acc.itemsize * lse_stats, False), "Dsum": (rows * acc.itemsize, False),
@@ -551,7 +551,7 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, causal: bool
                     q=_strides4(q, s_q), k=_strides4(k, s_k), v=_strides4(v, s_v), o=_strides4(o, s_o),
                     dO=_strides4(do, s_do), dq_acc=(*s_dq, D), dk=(*s_dk, D), dv=(*s_dv, D),
                     convert_elems=convert_elems, batch=(layout.sizes[1], layout.sizes[2], BH),
-                    mask=(Nq, Nk, int(causal)), D=D, vec=int(_vector_ok((q, k, v, do), D)),
+                    mask=geometry.kernel_fields(), D=D, vec=int(_vector_ok((q, k, v, do), D)),
                     prep_vec=int(_vector_ok((o, do), D)), head_group=group, kv_atomic=int(kv_atomic),
                     lse_stats=int(lse_stats), tile_r=main_cfg.block_r, tile_c=main_cfg.block_c,
                     zero=[(0, n) for n in zero_words], scale=float(acc.type(scale)))

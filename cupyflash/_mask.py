@@ -40,8 +40,7 @@ class MaskGeometry:
         Bottom-right aligned causal mask.
     left, right : int or None, optional
         A sliding window's sides (``window=(left, right)``, ints >= 0): query ``i`` sees key ``j``
-        only if ``i + off - left <= j <= i + off + right``. None: unbounded. The kernels' mask
-        struct (mask.cuh) does not take a window yet; the CPU path does.
+        only if ``i + off - left <= j <= i + off + right``. None: unbounded.
     """
 
     n_q: int
@@ -61,6 +60,19 @@ class MaskGeometry:
         smaller of both; None when unbounded."""
         bounds = [b for b in ((0 if self.causal else None), self.right) if b is not None]
         return min(bounds) if bounds else None
+
+    def kernel_fields(self) -> tuple:
+        """The kernels' ``Mask`` (mask.cuh): ``(Nq, Nk, lo, hi)``, the band ``lo <= j - i <= hi`` of the
+        keys ``j`` query ``i`` sees (``lo = off - left``, ``hi = off + right_bound``), with a side that
+        bounds no row at ``lo = -Nq`` or ``hi = Nk``: every field fits an int32, and a problem with no
+        masked pair has none there either."""
+        lo, hi = -self.n_q, self.n_k
+        if self.left is not None and self.left < self.n_k - 1:
+            lo = self.offset - self.left
+        r = self.right_bound
+        if r is not None and r < self.n_q - 1:
+            hi = self.offset + r
+        return self.n_q, self.n_k, lo, hi
 
     @property
     def first_row(self) -> int:

@@ -29,7 +29,7 @@ def _struct(fields) -> numpy.dtype:
 # Tensor<T>: base pointer, strides of the three collapsed batch dims and of a row (elements)
 TENSOR = _struct([("ptr", _ptr), ("s0", _i64), ("s1", _i64), ("s2", _i64), ("sn", _i64)])
 BATCH = _struct([("n1", _i64), ("n2", _i64), ("count", _i64)])
-MASK = _struct([("Nq", _i32), ("Nk", _i32), ("causal", _i32)])
+MASK = _struct([("Nq", _i32), ("Nk", _i32), ("lo", _i32), ("hi", _i32)])
 # ZeroRange: 4-byte words flash_bwd_prep zeroes
 ZERO_RANGE = _struct([("ptr", _ptr), ("words", _i64)])
 ZERO_RANGES = 4

@@ -18,14 +18,17 @@ if TYPE_CHECKING:
 # a NumPy array (the CPU path) or a CuPy array (the GPU kernels)
 Array = Union[numpy.ndarray, "cupy.ndarray"]
 Outputs = tuple[Array, Array, Array]
+# a sliding window's (left, right) sides: ints >= 0, None where unbounded
+Window = tuple[Optional[int], Optional[int]]
 
 FORWARD_OUTPUTS = ("o", "m", "l")
 BACKWARD_OUTPUTS = ("dq", "dk", "dv")
 
 
 def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False,
-                            softmax_scale: Optional[float] = None, schedule: str = "auto",
-                            precision: str = "highest", out: Optional[Outputs] = None) -> Outputs:
+                            softmax_scale: Optional[float] = None, window: Optional[Window] = None,
+                            schedule: str = "auto", precision: str = "highest",
+                            out: Optional[Outputs] = None) -> Outputs:
     """Exact attention with its softmax statistics (FlashAttention's fused forward).
 
     Parameters
@@ -42,6 +45,13 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         aligned; the lower triangle when ``Nq == Nk``).
     softmax_scale : float, optional
         Multiplies ``q kᵀ``; default ``1 / sqrt(D)``.
+    window : (int or None, int or None), optional
+        A sliding window ``(left, right)``: query ``i`` sees key ``j`` only if
+        ``i + off − left <= j <= i + off + right`` with ``off = Nk − Nq``
+        (aligned bottom-right, as ``causal``); a side that is None is
+        unbounded. With ``causal=True`` the right side is 0. The kernels
+        visit only the K/V tiles inside the band, so the cost grows with the
+        visible pairs, not with ``Nq · Nk``. Default None: no window.
     schedule : {'auto', 'v1', 'v2'}, optional
         Which GPU kernel runs; all return the same ``(o, m, l)``. 'v1' is
         FlashAttention's Algorithm 1 (K/V-outer, O/m/l through HBM between
@@ -70,7 +80,8 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         ``softmax(S) v`` with ``S = softmax_scale · q kᵀ``, in the input dtype,
         C-contiguous; ``batch`` is the broadcast batch shape.
     m : ndarray, shape (*batch, Nq)
-        Row max of ``S`` over visible keys; float32 (float64 for float64).
+        Row max of ``S`` over visible keys (those the causal mask and the
+        window leave); float32 (float64 for float64).
     l : ndarray, shape (*batch, Nq)
         ``Σ_j exp(S_j − m)`` over visible keys, natural exp; same dtype as
         ``m``. ``lse = m + log(l)``. A row that sees no key has ``o = 0``,
@@ -82,7 +93,8 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         Unsupported or mixed dtypes, non-array inputs, NumPy mixed with CuPy.
     ValueError
         Rank < 2, mismatched ``D`` or ``Nk``, batch dims that do not broadcast,
-        ``D`` outside [1, 256], inputs on different devices; an ``out`` array
+        ``D`` outside [1, 256], inputs on different devices, a negative window
+        side (a window that is not a pair of ints or None is a TypeError); an ``out`` array
         of the wrong shape, layout, device or alignment, or overlapping (a
         wrong count, kind or dtype of ``out`` is a TypeError).
 
@@ -109,10 +121,10 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     cupyflash.blocked.forward : the NumPy Algorithm 1 (CPU path).
     """
     plan, key = _kept_plan({"q": q, "k": k, "v": v}, out, FORWARD_OUTPUTS,
-                           (causal, softmax_scale, schedule, precision))
+                           (causal, softmax_scale, window, schedule, precision))
     if plan is not None:
         return plan(q, k, v, out)
-    prob = check_forward(q, k, v, causal, softmax_scale)
+    prob = check_forward(q, k, v, causal, softmax_scale, window)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
     acc = accumulator_dtype(prob.dtype)
@@ -121,7 +133,8 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         out = check_out(out, FORWARD_OUTPUTS, ((*stats, prob.D), stats, stats), (prob.dtype, acc, acc), prob,
                         _device_id(q, prob), {"q": q, "k": k, "v": v})
     if prob.xp is numpy:
-        return _into(out, blocked.forward(q, k, v, causal=prob.causal, softmax_scale=prob.scale))
+        return _into(out, blocked.forward(q, k, v, causal=prob.causal, softmax_scale=prob.scale,
+                                          window=prob.window))
     import cupy
 
     with q.device:
@@ -195,7 +208,7 @@ def _forward_gpu(q, k, v, batch_shape, prob, schedule, precision, key=None, out=
     strides = [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch_shape) for x in (q, k, v)]
     layout = _launch.collapse_batch(batch_shape, strides)
     if layout is not None:
-        plan = _launch.forward_plan(q, k, v, schedule=schedule, precision=precision, causal=prob.causal,
+        plan = _launch.forward_plan(q, k, v, schedule=schedule, precision=precision, geometry=prob.geometry,
                                     scale=prob.scale, batch_shape=batch_shape, layout=layout)
         _launch.keep_plan(key, plan)
         return plan(q, k, v, out)
@@ -217,7 +230,8 @@ def _take_leading(x, index, nb):
 
 
 def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, m: Array, l: Array, *,
-                             causal: bool = False, softmax_scale: Optional[float] = None, schedule: str = "auto",
+                             causal: bool = False, softmax_scale: Optional[float] = None,
+                             window: Optional[Window] = None, schedule: str = "auto",
                              precision: str = "highest", deterministic: bool = False,
                              out: Optional[Outputs] = None) -> Outputs:
     """Gradients of exact attention from the forward's outputs (FlashAttention's recomputation backward).
@@ -233,10 +247,8 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
         The forward's output.
     m, l : ndarray, shape (*batch, Nq)
         The forward's statistics, float32 (float64 for float64 inputs).
-    causal : bool, optional
-        As in the forward.
-    softmax_scale : float, optional
-        As in the forward.
+    causal, softmax_scale, window : optional
+        As in the forward (the same values the forward was called with).
     schedule : {'auto', 'v1', 'v2'}, optional
         'v1' runs the portable recomputation kernel (below); 'v2' and 'auto'
         run the Hopper warpgroup-MMA kernels for float16/bfloat16 on sm_90
@@ -288,10 +300,11 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     cupyflash.blocked.backward : the NumPy version (CPU path).
     """
     inputs = {"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}
-    plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS, (causal, softmax_scale, schedule, precision, deterministic))
+    plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS,
+                           (causal, softmax_scale, window, schedule, precision, deterministic))
     if plan is not None:
         return plan(do, q, k, v, o, m, l, out)
-    prob = check_backward(do, q, k, v, o, m, l, causal, softmax_scale)
+    prob = check_backward(do, q, k, v, o, m, l, causal, softmax_scale, window)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
     deterministic = check_bool("deterministic", deterministic)
@@ -300,7 +313,7 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
                         _device_id(q, prob), inputs)
     if prob.xp is numpy:
         return _into(out, blocked.backward(do, q, k, v, o, m, l, causal=prob.causal,
-                                           softmax_scale=prob.scale))
+                                           softmax_scale=prob.scale, window=prob.window))
     import cupy
 
     with q.device:
@@ -323,7 +336,7 @@ def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, precision, 
     strides += [_launch.batch_strides(x.shape, s, batch_shape) for x, s in zip((q, k, v), own)]
     layout = _launch.collapse_batch(batch_shape, strides)
     if layout is not None:
-        plan = _launch.backward_plan(do, q, k, v, o, schedule=schedule, precision=precision, causal=prob.causal,
+        plan = _launch.backward_plan(do, q, k, v, o, schedule=schedule, precision=precision, geometry=prob.geometry,
                                      scale=prob.scale, deterministic=deterministic, layout=layout)
         _launch.keep_plan(key, plan)
         return plan(do, q, k, v, o, m, l, out)
@@ -348,12 +361,12 @@ def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, precision, 
 
 
 def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softmax_scale: Optional[float] = None,
-                    schedule: str = "auto", precision: str = "highest") -> Array:
+                    window: Optional[Window] = None, schedule: str = "auto", precision: str = "highest") -> Array:
     """Exact attention ``softmax(softmax_scale · q kᵀ) v``; the ``o`` of :func:`flash_attention_forward`.
 
     Parameters
     ----------
-    q, k, v, causal, softmax_scale, schedule, precision
+    q, k, v, causal, softmax_scale, window, schedule, precision
         As in :func:`flash_attention_forward`.
 
     Returns
@@ -364,5 +377,6 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
     --------
     flash_attention_forward : also returns the statistics ``m`` and ``l``.
     """
-    return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, schedule=schedule,
+    return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                   schedule=schedule,
                                    precision=precision)[0]

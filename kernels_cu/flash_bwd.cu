@@ -123,7 +123,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
     zero_frag(dK);
     zero_frag(dV);
 
-    const int i_first = mask.q_tile_first<B_R>(kv0);     // the Q tiles that see K_j: i_first .. T_r - 1
+    const int i_first = mask.q_tile_first<B_R>(kv0);       // the Q tiles that see K_j: i_first .. i_stop - 1
+    const int i_stop = mask.q_tile_stop<B_R, B_C>(kv0);
     // Where a tile pair with masked pairs has an operand with an inf or NaN, its products may spread it
     // to them (nonfinite.cuh): flag dQ_i and dK_j, dV_j for the repair. This thread's share of K_j,
     // V_j at the first step, of Q_i, dO_i, D_i at each.
@@ -131,7 +132,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         p.dq_flags[bh * T_r + i] = 1u;
         p.kv_flags[bh * T_c + j] = 1u;
     };
-    for (int i = i_first; i < T_r; ++i) {
+    for (int i = i_first; i < i_stop; ++i) {
         const int q0 = i * B_R;
         // load Q_i, dO_i, m_i, l_i, D_i from HBM into SRAM
         __syncthreads();
@@ -145,12 +146,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         }
         const bool plain = sync_all_plain(kv_plain && own_copies_plain<B_R, DP>(s_Q, vec, tid, NTHREADS)
                                           && own_copies_plain<B_R, DP>(s_dO, vec, tid, NTHREADS));
-        if (mask.causal && i == i_first
+        if (mask.banded() && i == i_first
             && (rows_nonfinite(s_K, B_C, DP, QKV_PITCH, tid, NTHREADS)
                 || rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS)))
-            for (int ii = i_first; ii < T_r && mask.has_masked_pairs(ii * B_R, kv0, B_C); ++ii)
-                flag_pair(ii);
-        if (mask.has_masked_pairs(q0, kv0, B_C)
+            for (int ii = i_first; ii < i_stop; ++ii)
+                if (mask.has_masked_pairs(ii * B_R, B_R, kv0, B_C)) flag_pair(ii);
+        if (mask.has_masked_pairs(q0, B_R, kv0, B_C)
             && (rows_nonfinite(s_Q, B_R, DP, QKV_PITCH, tid, NTHREADS)
                 || rows_nonfinite(s_dO, B_R, DP, QKV_PITCH, tid, NTHREADS) || values_nonfinite(s_D, B_R, tid, NTHREADS)))
             flag_pair(i);
@@ -163,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
 
         // P_ij^T = exp(scale S_ij^T - m_i) / l_i; a tile whose pairs are all visible (most of them) takes
         // the path without the mask
-        if (mask.full(q0, key0, 16)) probabilities<false>(P, mask, q0, key0, s_m, s_inv_l, scale);
+        if (mask.full(q0, B_R, key0, 16)) probabilities<false>(P, mask, q0, key0, s_m, s_inv_l, scale);
         else                         probabilities<true>(P, mask, q0, key0, s_m, s_inv_l, scale);
         store_frag_smem(s_dSw, DS_PITCH, P);
         __syncwarp();
@@ -190,9 +191,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         // dK_j += dS_ij^T Q_i   (scaled at the end)                        (16, DC)
         if (plain) warp_mma<DC / 8, B_R, false, true, B_PLAIN>(dK, s_dSw, DS_PITCH, s_Q + c0, QKV_PITCH);
         else       warp_mma<DC / 8, B_R, false, true>(dK, s_dSw, DS_PITCH, s_Q + c0, QKV_PITCH);
-        // tile j adds the j-th term of dQ_i: every K/V tile before it reaches Q tile i too
+        // tile j adds term j - (Q tile i's first K/V tile) of dQ_i: every K/V tile before it that Q tile i
+        // sees reaches it too
         unsigned* dq_turn = ORDERED ? p.dq_turns + ((bh * T_r + i) * n_chunks + c0 / DC) : nullptr;
-        if (ORDERED && tid == 0) wait_turn(dq_turn, j);
+        if (ORDERED && tid == 0) wait_turn(dq_turn, j - mask.kv_tile_first<B_C>(q0));
         __syncthreads();   // every warp's rows of dS^T are in SRAM
 
         // dQ_i += scale dS_ij K_j                                          (B_R, DC) over the warps

@@ -141,8 +141,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
     const i64 bh = at.bh;
     const int j = at.tile;                             // the most Q tiles first when causal
     const int kv0 = j * B_C;
-    const int i_first = mask.q_tile_first<B_R>(kv0);   // the Q tiles that see K_j: i_first .. T_r - 1
-    const int steps = T_r - i_first;
+    const int i_first = mask.q_tile_first<B_R>(kv0);   // the Q tiles that see K_j: i_first .. i_first + steps - 1
+    const int steps = max(0, mask.q_tile_stop<B_R, B_C>(kv0) - i_first);
     const BatchIndex bi = p.batch.split(bh);
     const BwdRing ring{s_K, s_V, s_Q, s_dO, s_stat, kv_full, q_full, q_empty};
     init_ring<STAGES>(ring, CONSUMER_THREADS);
@@ -181,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
         if (c == 0) {
             scores(X, s_K, s_Qs);
             // A tile whose pairs are all visible (most of them) takes the path without the mask
-            if (mask.full(q0, key0, 16)) probabilities<false>(X, st, mask, q0, key0, scale_log2);
+            if (mask.full(q0, B_R, key0, 16)) probabilities<false>(X, st, mask, q0, key0, scale_log2);
             else                         probabilities<true>(X, st, mask, q0, key0, scale_log2);
 #pragma unroll
             for (int nn = 0; nn < B_R / 8; ++nn)
@@ -246,9 +246,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
                         make_float2(scale * dQ[nn][2 * h], scale * dQ[nn][2 * h + 1]);
         }
         fence_proxy_async();
-        // tile j adds the j-th term of dQ_i: every K/V tile before it reaches Q tile i too
+        // tile j adds term j - (Q tile i's first K/V tile) of dQ_i: every K/V tile before it that Q tile i
+        // sees reaches it too
         unsigned* dq_turn = ORDERED ? p.dq_turns + (bh * T_r + i_first + n) : nullptr;
-        if (ORDERED && ctid == 0) wait_turn(dq_turn, j);
+        if (ORDERED && ctid == 0) wait_turn(dq_turn, j - mask.kv_tile_first<B_C>(q0));
         named_barrier_sync(DQ_WRITTEN, CONSUMER_THREADS);   // s_dQ holds dQ_i
 
         // dQ_i into the workspace: a bulk add per row (rows of 16-byte multiples), else float atomics

@@ -14,8 +14,8 @@
 //
 //   producer   warpgroup 0 copies each Q_i into a ring of Q_STAGES buffers, then its K_j and V_j
 //              into a ring of STAGES buffers (cp.async), each buffer guarded by a "full" and an
-//              "empty" mbarrier; the K/V ring runs on from tile to tile; when causal it scans
-//              each diagonal V_j for inf and NaN (nonfinite.cuh) while it waits to refill
+//              "empty" mbarrier; the K/V ring runs on from tile to tile; it scans each V_j of a
+//              tile with masked pairs for inf and NaN (nonfinite.cuh) while it waits to refill
 //              the buffer;
 //   consumers  warpgroups 1 .. CONSUMERS own 64 query rows each and issue wgmma, which reads
 //              Q_i, K_j and V_j straight from swizzled shared memory (S_ij = Q_i K_j^T) and P~_ij
@@ -27,7 +27,7 @@
 // one step of a consumer also overlaps S_ij = Q_i K_j^T with P~_{i,j-1} V_{j-1}, and the
 // softmax of S_ij with the latter. The softmax takes the row max of raw scores Q K^T and
 // scales differences (scale > 0, checked on the host). Consumer step j (0 <= j <= T, T = K/V
-// tiles of Q tile i):
+// tiles of Q tile i, counted from the first that Q tile i sees):
 //
 //   wait K_j full, V_{j-1} full
 //   (my turn) issue S_ij = Q_i K_j^T, then O_i += P~_{i,j-1} V_{j-1} (next consumer's turn)
@@ -132,12 +132,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
     const int T_r = (Nq + B_R - 1) / B_R;
     const unsigned heads = (unsigned)p.batch.count, n_tiles = heads * T_r;
 
-    // Tile `index` of the grid order: its head, Q tile i (heaviest causal first) and the K/V tiles it needs
-    struct Work { i64 bh; int i, j_stop; };
+    // Tile `index` of the grid order: its head, Q tile i (heaviest causal first) and the K/V tiles it
+    // needs, j_first .. j_first + n_kv - 1 (ring positions kv .. kv + n_kv - 1)
+    struct Work { i64 bh; int i, j_first, n_kv; };
     auto work_at = [&](unsigned index) {
         const GridTile at = grid_tile_at(index, heads, T_r, p.head_group);
-        const int i = T_r - 1 - at.tile;
-        return Work{at.bh, i, mask.kv_tiles<B_C>(i * B_R, B_R)};
+        const int i = T_r - 1 - at.tile, j_first = mask.kv_tile_first<B_C>(i * B_R);
+        return Work{at.bh, i, j_first, mask.kv_tile_stop<B_C>(i * B_R, B_R) - j_first};
     };
 
     if (tid == 0) {
@@ -209,20 +210,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
                 mbar_arrive(&q_full[qs]);
                 *s_claim = gridDim.x + atomicAdd(p.tile_counter, 1u);   // under the wait for K_0's buffer
             }
-            for (int j = 0; j < w.j_stop; ++j) {
-                const int s = (kv + j) % STAGES, use = (kv + j) / STAGES, rows = min(B_C, Nk - j * B_C);
+            for (int j = w.j_first; j < w.j_first + w.n_kv; ++j) {
+                const int pos = kv + j - w.j_first, s = pos % STAGES, use = pos / STAGES, rows = min(B_C, Nk - j * B_C);
                 if (use > 0) mbar_wait(&k_empty[s], (use - 1) & 1);
                 produce_tile<B_C>(s_K + s * TILE_KV, k_h + (i64)j * B_C * k_sn, k_sn, rows, D, vec, &k_full[s], ptid);
                 if (use > 0) {
-                    scan_values(kv + j - STAGES);
+                    scan_values(pos - STAGES);
                     mbar_wait(&v_empty[s], (use - 1) & 1);
                 }
                 produce_tile<B_C>(s_V + s * TILE_KV, v_h + (i64)j * B_C * v_sn, v_sn, rows, D, vec, &v_full[s], ptid);
-                const unsigned flag = mask.has_masked_pairs(w.i * B_R, j * B_C, B_C) ? (unsigned)(w.bh * T_r + w.i) : NONE;
+                const unsigned flag = mask.has_masked_pairs(w.i * B_R, B_R, j * B_C, B_C) ? (unsigned)(w.bh * T_r + w.i) : NONE;
                 if (s == 0) pending0 = flag;
                 else        pending1 = flag;
             }
-            kv += w.j_stop;
+            kv += w.n_kv;
         }
         cp_async_wait<0>();   // no copy outlives its thread
     } else {
@@ -253,7 +254,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             const unsigned index = s_index[2 * qs];
             if (index >= n_tiles) break;
             const Work w = work_at(index);
-            const int i = w.i, j_stop = w.j_stop;
+            // j counts the tile's K/V tiles from 0 here: K/V tile w.j_first + j, ring position kv + j
+            const int i = w.i, j_stop = w.n_kv;
             const int r0 = i * B_R + 16 * warp;             // first query row of this warp
             const elem_t* s_Qg = s_Q + qs * TILE_Q + c * 64 * SW_COLS;
 
@@ -267,7 +269,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
 
             // S_ij -> P~_ij, its statistics into m_new, alpha, rowsum (masked online softmax)
             auto softmax_step = [&](int j) {
-                const int kv0 = j * B_C;
+                const int kv0 = (w.j_first + j) * B_C;
                 mask_scores(S, mask, r0, kv0);
                 online_softmax(S, m_i, m_new, alpha, rowsum, log2_scale);
             };
@@ -289,10 +291,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
                 frag_to_a(P, S);
             };
 
-            // The K/V tiles this warpgroup's rows need (fewer than the CTA's when causal; none for rows
-            // all past Nq). It still takes every turn and releases every tile, computing nothing there.
+            // The K/V tiles this warpgroup's rows need: the CTA's first to my_stop - 1 (fewer than the
+            // CTA's when causal; none for rows all past Nq). It still takes every turn and releases every
+            // tile, computing nothing there.
             const int row_first = i * B_R + 64 * c;
-            const int my_stop = row_first >= Nq ? 0 : mask.kv_tiles<B_C>(row_first, 64);
+            const int my_stop = row_first >= Nq ? 0 : mask.kv_tile_stop<B_C>(row_first, 64) - w.j_first;
 
             // a turn with nothing to multiply: release K_j and V_{j-1} once they have landed (an arrival
             // before the tile's own must not count towards the previous use of its buffer)

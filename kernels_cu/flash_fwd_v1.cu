@@ -84,14 +84,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
 
     const int T_r = (Nq + B_R - 1) / B_R;
     if (split >= T_r) return;
-    // the K/V tiles this CTA visits: those its last Q tile needs (the most when causal)
+    // the K/V tiles this CTA visits: from its first Q tile's first to its last Q tile's last
     const int i_own_last = split + (T_r - 1 - split) / n_splits * n_splits;
-    const int j_stop = mask.kv_tiles<B_C>(i_own_last * B_R, B_R);
+    const int j_first = mask.kv_tile_first<B_C>(split * B_R);
+    const int j_stop = mask.kv_tile_stop<B_C>(i_own_last * B_R, B_R);
 
     elem_t* s_Qw = s_Q + 16 * warp * QKV_PITCH;   // (16, DP) this warp's rows of Q_i
     elem_t* s_Pw = s_P + 16 * warp * P_PITCH;     // (16, B_C) this warp's rows of P~_ij
 
-    for (int j = 0; j < j_stop; ++j) {
+    for (int j = j_first; j < j_stop; ++j) {
         const int kv0 = j * B_C;
         // load K_j, V_j from HBM into SRAM
         __syncthreads();
@@ -100,25 +101,28 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
         __syncthreads();
         // this thread's share of V_j holds an inf or NaN: P~_ij V_j may spread it to the masked pairs of
         // the Q tiles below that have some (nonfinite.cuh), flagged for the repair
-        const bool v_nonfinite = mask.causal && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS);
+        const bool v_nonfinite = mask.banded() && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS);
 
         for (int i = split; i < T_r; i += n_splits) {
-            if (v_nonfinite && mask.has_masked_pairs(i * B_R, kv0, B_C) && j < mask.kv_tiles<B_C>(i * B_R, B_R))
+            if (v_nonfinite && mask.has_masked_pairs(i * B_R, B_R, kv0, B_C) && j >= mask.kv_tile_first<B_C>(i * B_R)
+                && j < mask.kv_tile_stop<B_C>(i * B_R, B_R))
                 p.repair_flags[bh * T_r + i] = 1u;
             const int r0 = i * B_R + 16 * warp;   // first query row of this warp
             if (r0 >= Nq) break;
-            const int j_last = mask.kv_tiles<B_C>(r0, 16) - 1;   // the last K/V tile this warp's rows see
-            if (j > j_last) continue;
+            // the K/V tiles this warp's rows see: j_own .. j_last
+            const int j_own = mask.kv_tile_first<B_C>(r0), j_last = mask.kv_tile_stop<B_C>(r0, 16) - 1;
+            if (j < j_own || j > j_last) continue;
+            const bool carry = j > j_own;         // O_i, m_i, l_i of earlier steps to read
 
-            // load O_i (first chunk), m_i, l_i and Q_i from HBM; nothing to read at the first outer step.
+            // load O_i (first chunk), m_i, l_i and Q_i from HBM; nothing to read at the warp's first step.
             // O_i and the statistics go to registers first, so their latency overlaps the Q_i load and S_ij.
             acc_t O_prev[DC / 8][4];
-            if (j > 0) load_o_chunk(O_prev, o_run, r0, 0, Nq);
+            if (carry) load_o_chunk(O_prev, o_run, r0, 0, Nq);
             acc_t m_i[2], l_i[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = r0 + g + 8 * h;
-                const bool read = j > 0 && row < Nq;
+                const bool read = carry && row < Nq;
                 m_i[h] = read ? m_run[row] : NEG_INF;
                 l_i[h] = read ? l_run[row] : (acc_t)0;
             }
@@ -165,14 +169,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
                         if (row >= Nq) continue;
                         acc_t o0 = PV[n][2 * h] * inv_l[h], o1 = PV[n][2 * h + 1] * inv_l[h];
                         if (l_new[h] == (acc_t)0) o0 = o1 = (acc_t)0;   // P~ V may hold 0 · NaN of a masked key
-                        else if (j > 0) {
+                        else if (carry) {
                             o0 += keep[h] * O_prev[n][2 * h];
                             o1 += keep[h] * O_prev[n][2 * h + 1];
                         }
                         if (last) store_row_pair(o + (i64)row * D, col, D, o0, o1);
                         else      store_acc_pair(o_run + (i64)row * DP + col, o0, o1);
                     }
-                if (j > 0 && c0 + DC < D) load_o_chunk(O_prev, o_run, r0, c0 + DC, Nq);
+                if (carry && c0 + DC < D) load_o_chunk(O_prev, o_run, r0, c0 + DC, Nq);
             }
 
             // write m_i^new, l_i^new back to HBM

@@ -87,10 +87,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
     acc_t* l_out = p.l + bh * Nq;
 
     const int r0 = i * B_R + 16 * warp;                 // first query row of this warp
-    const int j_stop = mask.kv_tiles<B_C>(i * B_R, B_R);   // the K/V tiles this CTA needs
+    // the K/V tiles this CTA needs: j_first .. j_stop - 1; tile j lies in stage j % STAGES
+    const int j_first = mask.kv_tile_first<B_C>(i * B_R), j_stop = mask.kv_tile_stop<B_C>(i * B_R, B_R);
+    // the tiles among them where every pair of Q tile i is visible: no element mask, nothing to repair
+    const int j_full_first = mask.full_tile_first<B_C>(i * B_R, B_R), j_full_stop = mask.full_tile_stop<B_C>(i * B_R);
 
     elem_t* s_Qw = s_Q + 16 * warp * QKV_PITCH;         // (16, DP) this warp's rows of Q_i
-    load_kv(s_KV, k, v, k_sn, v_sn, 0, Nk, D, vec);
+    load_kv(s_KV + (j_first % STAGES) * KV_STAGE, k, v, k_sn, v_sn, j_first * B_C, Nk, D, vec);
     load_tile<16, DP>(s_Qw, q + r0 * q_sn, q_sn, max(0, min(16, Nq - r0)), D, vec, lane, WARP_SIZE);
 
 #if FLASH_TENSOR_CORES
@@ -107,7 +110,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
     zero_frag(O);
     acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
 
-    for (int j = 0; j < j_stop; ++j) {
+    for (int j = j_first; j < j_stop; ++j) {
         const int kv0 = j * B_C;
         elem_t* s_K = s_KV + (j % STAGES) * KV_STAGE;   // (B_C, DP)
         elem_t* s_V = s_K + B_C * QKV_PITCH;            // (B_C, DP)
@@ -118,11 +121,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
         } else {
             cp_async_wait<0>();
         }
+        const bool edge = j < j_full_first || j >= j_full_stop;   // Q tile i x K_j has masked or ragged pairs
         const bool plain = sync_all_plain(q_plain && own_copies_plain<B_C, DP>(s_K, vec, tid, NTHREADS)
                                           && own_copies_plain<B_C, DP>(s_V, vec, tid, NTHREADS));
-        // where Q tile i has masked pairs in tile j and V_j holds an inf or NaN, P~_ij V_j may spread it
-        // to them (nonfinite.cuh): flag the tile for the repair
-        if (mask.has_masked_pairs(i * B_R, kv0, B_C) && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS))
+        // where Q tile i may have masked pairs in tile j and V_j holds an inf or NaN, P~_ij V_j may spread
+        // it to them (nonfinite.cuh): flag the tile for the repair
+        if (edge && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS))
             p.repair_flags[bh * T_r + i] = 1u;
 
         // S_ij = scale Q_i K_j^T                                           (16, B_C)
@@ -135,7 +139,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
         if (plain) warp_mma<B_C / 8, DP, false, false, PLAIN, TF32_UNROLL>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
         else       warp_mma<B_C / 8, DP, false, false, GUARDED, TF32_UNROLL>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
 #endif
-        scale_and_mask(S, scale, mask, r0, kv0);
+        scale_scores(S, scale);
+        if (edge) mask_scores(S, mask, r0, kv0);
 
         // m_i^new = max(m_i, rowmax(S_ij));  P~_ij = exp(S_ij - m_i^new)
         // l_i <- e^(m_i - m_i^new) l_i + rowsum(P~_ij);  O_i <- e^(m_i - m_i^new) O_i

@@ -160,8 +160,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_repair(const Fw
             acc_t q_i[RPL], o_i[RPL] = {};
             if (l_i != (acc_t)0) {
                 load_row(q_i, q_h + r * p.q.sn, D);
-                const int key_stop = mask.kv_stop(r, r + 1);
-                for (int j = 0; j < key_stop; ++j) {
+                for (int j = mask.key_start(r); j < mask.key_stop(r); ++j) {
                     acc_t k_j[RPL], v_j[RPL];
                     load_row(k_j, k_h + j * p.k.sn, D);
                     load_row(v_j, v_h + j * p.v.sn, D);
@@ -220,8 +219,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_repair(const Bw
                 acc_t q_i[RPL], do_i[RPL];
                 load_row(q_i, rows.q + i * p.q.sn, D);
                 load_row(do_i, rows.dO + i * p.dO.sn, D);
-                const int key_stop = mask.kv_stop(i, i + 1);
-                for (int j = 0; j < key_stop; ++j) {
+                for (int j = mask.key_start(i); j < mask.key_stop(i); ++j) {
                     acc_t k_j[RPL], v_j[RPL], P_ij, dS_ij;
                     load_row(k_j, rows.k + j * p.k.sn, D);
                     load_row(v_j, rows.v + j * p.v.sn, D);
@@ -249,7 +247,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_repair(const Bw
                 acc_t k_j[RPL], v_j[RPL];
                 load_row(k_j, rows.k + j * p.k.sn, D);
                 load_row(v_j, rows.v + j * p.v.sn, D);
-                for (int i = mask.q_start(j); i < Nq; ++i) {
+                for (int i = mask.q_start(j); i < mask.q_stop(j + 1); ++i) {   // the rows that see key j
                     acc_t q_i[RPL], do_i[RPL], P_ij, dS_ij;
                     load_row(q_i, rows.q + i * p.q.sn, D);
                     load_row(do_i, rows.dO + i * p.dO.sn, D);

@@ -1,10 +1,15 @@
 // mask.cuh — the mask geometry: the one place that decides which (query, key) pairs are visible.
 //
 // Every kernel asks a Mask which tiles a tile must visit, which tiles need a per-element mask and
-// which pairs are visible; no kernel writes a visibility expression of its own. Today it knows
-// ragged ends (keys j >= Nk) and the causal mask, bottom-right aligned: query i sees key j iff
-// j <= i + (Nk - Nq), the lower triangle when Nq == Nk. A window, a block mask or variable
-// lengths are changes to this struct and to its NumPy mirror (cupyflash/_mask.py).
+// which pairs are visible; no kernel writes a visibility expression of its own. A query row i sees
+// the keys j of a band around its diagonal:
+//     lo <= j - i <= hi,   0 <= j < Nk
+// The causal mask (bottom-right aligned, off = Nk - Nq) is hi = off; a sliding window (left,
+// right) is lo = off - left, hi = off + right; both together take the smaller hi. A side that
+// bounds nothing is lo = -Nq, hi = Nk (the host's MaskGeometry.kernel_fields, cupyflash/_mask.py,
+// the NumPy mirror with the same names). Both ends of a row's keys grow by one per row, so the keys
+// a block of rows sees, and the rows a block of keys is seen by, are intervals with closed forms.
+// Ragged ends (rows i >= Nq, keys j >= Nk) are never visible.
 //
 // Rows are query indices 0 <= i < Nq, keys 0 <= j; a query tile is rows [q0, q0 + rows), a key
 // tile keys [k0, k0 + cols).
@@ -15,48 +20,81 @@
 
 struct Mask {
     int Nq, Nk;
-    int causal;
+    int lo, hi;   // query i sees key j iff lo <= j - i <= hi (and j < Nk); -Nq <= lo <= hi <= Nk
 
-    // causal: query i sees the keys j <= i + offset()
-    __device__ __forceinline__ int offset() const { return Nk - Nq; }
+    // some pair inside the ragged ends is masked
+    __device__ __forceinline__ bool banded() const { return lo > 1 - Nq || hi < Nk - 1; }
 
-    // the keys query row i sees: [0, key_stop(i))
-    __device__ __forceinline__ int key_stop(int i) const { return causal ? max(0, min(i + offset() + 1, Nk)) : Nk; }
+    // per element: query i sees key j (j >= 0); one unsigned compare for the band
+    __device__ __forceinline__ bool visible(int i, int j) const {
+        return j < Nk && (unsigned)(j - i - lo) <= (unsigned)(hi - lo);
+    }
 
-    // per element: query i sees key j (a tile of query rows can hoist key_stop per row)
-    __device__ __forceinline__ bool visible(int i, int j) const { return j < key_stop(i); }
+    // the keys query row i sees: [key_start(i), key_stop(i)) (empty when key_stop <= key_start)
+    __device__ __forceinline__ int key_start(int i) const { return min(max(i + lo, 0), Nk); }
+    __device__ __forceinline__ int key_stop(int i) const { return min(max(i + hi + 1, 0), Nk); }
+
+    // the first query row that sees any key (every row from it on does); Nq if none does
+    __device__ __forceinline__ int first_row() const { return Nk == 0 ? Nq : min(Nq, max(0, -hi)); }
 
     // one past the last key that a row of [q0, q1) sees (rows past Nq count as row Nq - 1); 0: none
     __device__ __forceinline__ int kv_stop(int q0, int q1) const {
-        if (!causal) return Nk;
-        return max(0, min(min(q1, Nq) + offset(), Nk));
+        const int last = min(q1, Nq) - 1;
+        return last >= max(q0, first_row()) ? key_stop(last) : 0;
     }
 
-    // the first query row that sees key k0; Nq or more: none does
-    __device__ __forceinline__ int q_start(int k0) const { return causal ? max(0, k0 - offset()) : 0; }
+    // the first key that a row of [q0, ...) sees (the first row's that sees any)
+    __device__ __forceinline__ int kv_start(int q0) const { return key_start(max(q0, first_row())); }
 
-    // The K/V tiles of B_C keys that the rows [q0, q0 + rows) visit: 0 .. kv_tiles - 1. At least
-    // one: a row that sees no key still writes o = 0, m = -inf, l = 0 (its tile masks every key).
+    // the first query row that sees a key of [k0, Nk); Nq or more: none does
+    __device__ __forceinline__ int q_start(int k0) const { return max(first_row(), k0 - hi); }
+
+    // one past the last query row that sees a key of [0, k1)
+    __device__ __forceinline__ int q_stop(int k1) const { return min(Nq, max(0, k1 - lo)); }
+
+    // The K/V tiles of B_C keys that the rows [q0, q0 + rows) visit: kv_tile_first .. kv_tile_stop - 1,
+    // exactly the tiles with a visible pair. At least one: rows that see no key still write o = 0,
+    // m = -inf, l = 0 (their tile masks every key); that tile is the one the next rows start at, so
+    // it lies inside the range of any block of rows that holds these.
     template <int B_C>
-    __device__ __forceinline__ int kv_tiles(int q0, int rows) const {
-        return max(1, (kv_stop(q0, q0 + rows) + B_C - 1) / B_C);
+    __device__ __forceinline__ int kv_tile_first(int q0) const { return max(0, min(kv_start(q0), Nk - 1)) / B_C; }
+    template <int B_C>
+    __device__ __forceinline__ int kv_tile_stop(int q0, int rows) const {
+        return max(kv_tile_first<B_C>(q0) + 1, (kv_stop(q0, q0 + rows) + B_C - 1) / B_C);
     }
 
-    // The Q tiles of B_R rows that see the K/V tile of first key k0: q_tile_first .. T_r - 1
+    // The Q tiles of B_R rows that see a key of the K/V tile [k0, k0 + B_C): q_tile_first .. q_tile_stop - 1
+    // (none when q_tile_stop <= q_tile_first)
     template <int B_R>
     __device__ __forceinline__ int q_tile_first(int k0) const { return q_start(k0) / B_R; }
-
-    // Every pair of rows [q0, ...) x keys [k0, k0 + cols) is visible, so the tile needs no
-    // per-element mask (else some pair may be masked: visible() decides each)
-    __device__ __forceinline__ bool full(int q0, int k0, int cols) const {
-        return k0 + cols <= Nk && (!causal || k0 + cols - 1 <= q0 + offset());
+    template <int B_R, int B_C>
+    __device__ __forceinline__ int q_tile_stop(int k0) const {
+        const int start = q_start(k0), stop = q_stop(min(k0 + B_C, Nk));
+        return stop > start ? (stop + B_R - 1) / B_R : start / B_R;
     }
 
-    // The tile of rows [q0, ...) x keys [k0, k0 + cols) has a masked pair that is not past a ragged
-    // end (ragged rows and keys load as zeros): a key of the tile after the last one row q0 sees.
-    // Only such tiles can turn an inf or NaN operand into a NaN of a masked pair (nonfinite.cuh).
-    __device__ __forceinline__ bool has_masked_pairs(int q0, int k0, int cols) const {
-        return causal && min(k0 + cols, Nk) - 1 > q0 + offset();
+    // The K/V tiles of B_C keys in which every pair with the rows [q0, q0 + rows) is visible (`full`):
+    // full_tile_first .. full_tile_stop - 1, none when full_tile_stop <= full_tile_first
+    template <int B_C>
+    __device__ __forceinline__ int full_tile_first(int q0, int rows) const {
+        return max(0, (q0 + rows - 1 + lo + B_C - 1) / B_C);
+    }
+    template <int B_C>
+    __device__ __forceinline__ int full_tile_stop(int q0) const { return max(0, min(Nk, q0 + hi + 1)) / B_C; }
+
+    // Every pair of rows [q0, q0 + rows) x keys [k0, k0 + cols) is visible, so the tile needs no
+    // per-element mask (else some pair may be masked: visible() decides each). Ragged rows count
+    // as rows: a tile that holds them is full only where they would see every key too.
+    __device__ __forceinline__ bool full(int q0, int rows, int k0, int cols) const {
+        return k0 + cols <= Nk && k0 + cols - 1 - q0 <= hi && k0 - (q0 + rows - 1) >= lo;
+    }
+
+    // The tile of rows [q0, q0 + rows) x keys [k0, k0 + cols) has a masked pair that is not past a
+    // ragged end (ragged rows and keys load as zeros). Only such tiles can turn an inf or NaN operand
+    // into a NaN of a masked pair (nonfinite.cuh).
+    __device__ __forceinline__ bool has_masked_pairs(int q0, int rows, int k0, int cols) const {
+        const int last_row = min(q0 + rows, Nq) - 1, last_key = min(k0 + cols, Nk) - 1;
+        return last_row >= q0 && last_key >= k0 && (last_key - q0 > hi || k0 - last_row < lo);
     }
 };
 
@@ -64,7 +102,7 @@ struct Mask {
 // g + 8 of each lane (mma_sm80.cuh); nothing to do where the tile is `full`.
 template <int NT>
 __device__ __forceinline__ void mask_scores(acc_t (&S)[NT][4], const Mask& mask, int r0, int kv0) {
-    if (mask.full(r0, kv0, 8 * NT)) return;
+    if (mask.full(r0, 16, kv0, 8 * NT)) return;
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
 #pragma unroll

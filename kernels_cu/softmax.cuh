@@ -27,13 +27,19 @@ __device__ __forceinline__ acc_t quad_sum(acc_t x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// S_ij = scale Q_i K_j^T, rounded once as a naive attention rounds it; invisible pairs -> -inf.
+// S_ij = scale Q_i K_j^T, rounded once as a naive attention rounds it
 template <int NT>
-__device__ __forceinline__ void scale_and_mask(acc_t (&S)[NT][4], acc_t scale, const Mask& mask, int r0, int kv0) {
+__device__ __forceinline__ void scale_scores(acc_t (&S)[NT][4], acc_t scale) {
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) S[n][e] *= scale;
+}
+
+// ... and invisible pairs -> -inf
+template <int NT>
+__device__ __forceinline__ void scale_and_mask(acc_t (&S)[NT][4], acc_t scale, const Mask& mask, int r0, int kv0) {
+    scale_scores(S, scale);
     mask_scores(S, mask, r0, kv0);
 }
 

@@ -44,17 +44,18 @@ def api_schedule(schedule):
     return schedule.split("-")[0]
 
 
-def run_forward(q, k, v, causal, scale, schedule):
+def run_forward(q, k, v, causal, scale, schedule, window=None):
     poison_pool()
-    o, m, l = cupyflash.flash_attention_forward(*to_gpu(q, k, v), causal=causal, softmax_scale=scale,
+    o, m, l = cupyflash.flash_attention_forward(*to_gpu(q, k, v), causal=causal, softmax_scale=scale, window=window,
                                                 schedule=api_schedule(schedule))
     return o.get(), m.get(), l.get()
 
 
-def check_forward(dtype, q, k, v, causal, scale, schedule):
-    o, m, l = run_forward(q, k, v, causal, scale, schedule)
-    o_ref, m_ref, l_ref = reference.attention_forward(q, k, v, causal=causal, softmax_scale=scale)
-    o_naive, m_naive, l_naive = yardsticks.naive_same_precision_forward(q, k, v, causal=causal, softmax_scale=scale)
+def check_forward(dtype, q, k, v, causal, scale, schedule, window=None):
+    o, m, l = run_forward(q, k, v, causal, scale, schedule, window)
+    o_ref, m_ref, l_ref = reference.attention_forward(q, k, v, causal=causal, softmax_scale=scale, window=window)
+    o_naive, m_naive, l_naive = yardsticks.naive_same_precision_forward(q, k, v, causal=causal, softmax_scale=scale,
+                                                                        window=window)
     assert o.dtype == q.dtype and o.shape == o_ref.shape and o.flags.c_contiguous
     assert m.dtype == l.dtype == (numpy.float64 if dtype == "float64" else numpy.float32)
     assert_twice_naive("o", o, o_ref, o_naive, dtype, FWD_CEILING)
@@ -62,23 +63,21 @@ def check_forward(dtype, q, k, v, causal, scale, schedule):
     assert_twice_naive("l", l, l_ref, l_naive, dtype, L_CEILING)
 
 
-def check_backward(dtype, q, k, v, causal, scale, rng, schedule):
+def check_backward(dtype, q, k, v, causal, scale, rng, schedule, window=None, deterministic=False):
     import cupy
 
     qg, kg, vg = to_gpu(q, k, v)
-    o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, causal=causal, softmax_scale=scale,
-                                                schedule=api_schedule(schedule))
+    mask = dict(causal=causal, softmax_scale=scale, window=window)
+    o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, **mask, schedule=api_schedule(schedule))
     do = rng.standard_normal(o.shape).astype(DTYPE_BY_NAME[dtype])
     poison_pool()
-    grads = cupyflash.flash_attention_backward(cupy.asarray(do), qg, kg, vg, o, m, l, causal=causal,
-                                               softmax_scale=scale, schedule=api_schedule(schedule))
-    refs = reference.attention_backward(do, q, k, v, *reference.attention_forward(q, k, v, causal=causal,
-                                                                                  softmax_scale=scale),
-                                        causal=causal, softmax_scale=scale)
-    naive = yardsticks.naive_same_precision_backward(do, q, k, v, causal=causal, softmax_scale=scale)
+    grads = cupyflash.flash_attention_backward(cupy.asarray(do), qg, kg, vg, o, m, l, **mask,
+                                               schedule=api_schedule(schedule), deterministic=deterministic)
+    refs = reference.attention_backward(do, q, k, v, *reference.attention_forward(q, k, v, **mask), **mask)
+    naive = yardsticks.naive_same_precision_backward(do, q, k, v, **mask)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    mags = gradient_magnitudes(do, q, k, v, causal, scale)
-    logit = largest_logit(q, k, causal, scale)
+    mags = gradient_magnitudes(do, q, k, v, causal, scale, window)
+    logit = largest_logit(q, k, causal, scale, window)
     for name, g, ref, nv, mag, x in zip(("dq", "dk", "dv"), grads, refs, naive, mags, (q, k, v)):
         g = g.get()
         assert g.shape == x.shape and g.dtype == x.dtype and g.flags.c_contiguous

@@ -185,7 +185,7 @@ def test_a_packed_struct_is_the_template_with_the_call_pointers_behind_its_argum
     struct holds the plan's fields and the call's pointers, each where the mirror puts it."""
     from cupyflash import _params
 
-    params = _params.Params(_params.FWD, ("q.ptr", "o", "repair_flags"), q=(1, 2, 3, 4), mask=(5, 6, 1), D=64,
+    params = _params.Params(_params.FWD, ("q.ptr", "o", "repair_flags"), q=(1, 2, 3, 4), mask=(5, 6, -5, 1), D=64,
                             scale=0.125)
     buffer, address = params.pack((0x1000, 0x2000, 0x3000))
     raw = bytes(buffer)
@@ -193,7 +193,7 @@ def test_a_packed_struct_is_the_template_with_the_call_pointers_behind_its_argum
     struct = numpy.frombuffer(raw[8:], _params.FWD)[0]
     assert (struct["q"]["ptr"], struct["o"], struct["repair_flags"]) == (0x1000, 0x2000, 0x3000)
     assert (struct["q"]["s0"], struct["q"]["sn"], struct["k"]["ptr"], struct["m"]) == (1, 4, 0, 0)
-    assert tuple(struct["mask"]) == (5, 6, 1) and struct["D"] == 64 and struct["scale"] == 0.125
+    assert tuple(struct["mask"]) == (5, 6, -5, 1) and struct["D"] == 64 and struct["scale"] == 0.125
     again, _ = params.pack((7, 8, 9))   # a copy per call: the template is untouched
     assert numpy.frombuffer(bytes(again)[8:], _params.FWD)[0]["o"] == 8
     assert numpy.frombuffer(bytes(buffer)[8:], _params.FWD)[0]["o"] == 0x2000

@@ -109,12 +109,18 @@ def assert_twice_naive(name, got, ref, naive, dtype, ceilings, slack_units=1.0):
     assert err <= max(ceilings[dtype], base), f"{name}: error {err:.3e} over ceiling {ceilings[dtype]:.0e}"
 
 
-def _softmax_rows(q, k, causal, scale):
+def _visible(Nq, Nk, causal, window):
+    """Which pairs the causal mask and the window leave visible, (Nq, Nk); None: all."""
+    from cupyflash.reference import _visibility
+
+    return _visibility(Nq, Nk, causal, window, None)
+
+
+def _softmax_rows(q, k, causal, scale, window=None):
     """P (float64) of the reference semantics; rows that see no key are 0."""
     S = scale * (q @ numpy.swapaxes(k, -1, -2))
-    Nq, Nk = S.shape[-2:]
-    if causal:
-        visible = numpy.arange(Nk)[None, :] <= numpy.arange(Nq)[:, None] + (Nk - Nq)
+    visible = _visible(*S.shape[-2:], causal, window)
+    if visible is not None:
         S = numpy.where(visible, S, -numpy.inf)
     m = S.max(axis=-1, keepdims=True)
     P = numpy.exp(S - numpy.where(numpy.isfinite(m), m, 0))
@@ -122,10 +128,10 @@ def _softmax_rows(q, k, causal, scale):
     return P / numpy.where(denom > 0, denom, 1)
 
 
-def gradient_magnitudes(do, q, k, v, causal, scale):
+def gradient_magnitudes(do, q, k, v, causal, scale, window=None):
     """||dq||, ||dk||, ||dv|| computed from the absolute values of their terms (no cancellation)."""
     do, q, k, v = (numpy.asarray(x, numpy.float64) for x in (do, q, k, v))
-    P = _softmax_rows(q, k, causal, scale)
+    P = _softmax_rows(q, k, causal, scale, window)
     o = P @ v
     dS_bound = P * (numpy.abs(do) @ numpy.swapaxes(numpy.abs(v), -1, -2)
                     + numpy.abs((do * o).sum(-1, keepdims=True)))
@@ -134,12 +140,12 @@ def gradient_magnitudes(do, q, k, v, causal, scale):
     return [float(numpy.linalg.norm(m)) for m in mags]
 
 
-def largest_logit(q, k, causal, scale) -> float:
+def largest_logit(q, k, causal, scale, window=None) -> float:
     """max |scale q_i . k_j| over the visible pairs (0 where there are none)."""
     S = numpy.abs(scale * (numpy.asarray(q, numpy.float64) @ numpy.swapaxes(numpy.asarray(k, numpy.float64), -1, -2)))
-    Nq, Nk = S.shape[-2:]
-    if causal:
-        S = numpy.where(numpy.arange(Nk)[None, :] <= numpy.arange(Nq)[:, None] + (Nk - Nq), S, 0.0)
+    visible = _visible(*S.shape[-2:], causal, window)
+    if visible is not None:
+        S = numpy.where(visible, S, 0.0)
     return float(S.max(initial=0.0))
 
 

@@ -27,7 +27,7 @@ def _rounded(x, dtype):
     return x.astype(dtype)
 
 
-def _same_precision_forward(q, k, v, causal, softmax_scale):
+def _same_precision_forward(q, k, v, causal, softmax_scale, window=None):
     """Forward of `naive_same_precision_forward`, also returning the rounded P."""
     q, k, v = (np.asarray(x) for x in (q, k, v))
     dtype = q.dtype
@@ -36,7 +36,7 @@ def _same_precision_forward(q, k, v, causal, softmax_scale):
     q = np.broadcast_to(q, (*batch, n_q, q.shape[-1]))
     scale = acc.type(resolve_scale(softmax_scale, q.shape[-1]))
 
-    vis = _visibility(n_q, k.shape[-2], causal, None, None)
+    vis = _visibility(n_q, k.shape[-2], causal, window, None)
     S = _rounded(_naive_scores(q.astype(acc), k.astype(acc), scale, vis), dtype)     # (*batch, Nq, Nk)
     S_acc = S.astype(acc)
     m = S_acc.max(axis=-1, initial=NEG_INF)                                          # (*batch, Nq)
@@ -47,7 +47,7 @@ def _same_precision_forward(q, k, v, causal, softmax_scale):
     return o, m, l, P
 
 
-def naive_same_precision_forward(q, k, v, *, causal=False, softmax_scale=None):
+def naive_same_precision_forward(q, k, v, *, causal=False, softmax_scale=None, window=None):
     """Naive attention forward in the input precision.
 
     Emulates a naive GPU attention run in the input dtype: each product is
@@ -66,6 +66,8 @@ def naive_same_precision_forward(q, k, v, *, causal=False, softmax_scale=None):
         Values.
     causal : bool, optional
         Bottom-right aligned causal mask, as in `cupyflash.reference.attention_forward`.
+    window : (int or None, int or None), optional
+        A sliding window, as in `cupyflash.reference.attention_forward`.
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(D)``; applied to the ``q k^T`` product before
         it is rounded.
@@ -88,11 +90,11 @@ def naive_same_precision_forward(q, k, v, *, causal=False, softmax_scale=None):
     --------
     cupyflash.reference.attention_forward : the float64 truth this is compared against.
     """
-    o, m, l, _ = _same_precision_forward(q, k, v, causal, softmax_scale)
+    o, m, l, _ = _same_precision_forward(q, k, v, causal, softmax_scale, window)
     return o, m, l
 
 
-def naive_same_precision_backward(do, q, k, v, *, causal=False, softmax_scale=None):
+def naive_same_precision_backward(do, q, k, v, *, causal=False, softmax_scale=None, window=None):
     """Naive attention backward in the input precision.
 
     Recomputes the forward of `naive_same_precision_forward` and
@@ -110,6 +112,8 @@ def naive_same_precision_backward(do, q, k, v, *, causal=False, softmax_scale=No
         Values.
     causal : bool, optional
         Bottom-right aligned causal mask, as in `cupyflash.reference.attention_forward`.
+    window : (int or None, int or None), optional
+        A sliding window, as in `cupyflash.reference.attention_forward`.
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(D)``.
 
@@ -135,7 +139,7 @@ def naive_same_precision_backward(do, q, k, v, *, causal=False, softmax_scale=No
     cupyflash.reference.attention_backward : the float64 truth this is compared against.
     """
     shapes = [np.shape(x) for x in (q, k, v)]
-    o, _, _, P = _same_precision_forward(q, k, v, causal, softmax_scale)
+    o, _, _, P = _same_precision_forward(q, k, v, causal, softmax_scale, window)
     do, q, k, v = (np.asarray(x) for x in (do, q, k, v))
     dtype = q.dtype
     acc = accumulator_dtype(dtype)
