@@ -125,8 +125,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
         const bool plain = sync_all_plain(q_plain && own_copies_plain<B_C, DP>(s_K, vec, tid, NTHREADS)
                                           && own_copies_plain<B_C, DP>(s_V, vec, tid, NTHREADS));
         // where Q tile i may have masked pairs in tile j and V_j holds an inf or NaN, P~_ij V_j may spread
-        // it to them (nonfinite.cuh): flag the tile for the repair
-        if (edge && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS))
+        // it to them (nonfinite.cuh): flag the tile for the repair (flags exist where some pair is masked)
+        if (edge && mask.banded() && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS))
             p.repair_flags[bh * T_r + i] = 1u;
 
         // S_ij = scale Q_i K_j^T                                           (16, B_C)

@@ -68,6 +68,12 @@ def is_fast(cfg) -> bool:
     return cfg.kernel in ("fwd_v2", "fwd_sm90") and cfg.itemsize == 2 and cfg.d_pad <= 128
 
 
+# Spill bytes measured harmless, by (arch, kernel, dtype, DP): the float32 V2 forward at DP = 32 keeps two
+# pointers in local memory since the sliding window's tile range (16 bytes at most under NVRTC 13.5); its
+# speed is unchanged (H200, D = 32, N = 4096: 32.7 TFLOP/s against 32.8 before, benchmarks/RESULTS.md)
+SPILL_ALLOWANCE = {("sm_90", "fwd_v2", "float32", 32): 16}
+
+
 @pytest.mark.parametrize("arch, cfg", SPECIALISATIONS,
                          ids=[f"{a}-{c.kernel}-{c.dtype}-d{c.d_pad}{'-ordered' if c.ordered else ''}"
                               for a, c in SPECIALISATIONS])
@@ -77,7 +83,8 @@ def test_specialisation_compiles(arch, cfg, compiled):
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
     assert len(spills) == len(cfg.spec.entries), log   # ptxas' report of every entry is there to read
     if is_fast(cfg) and nvrtc_version() >= SPILL_RULE_NVRTC:
-        assert max(spills) == 0, f"{cfg} spills on {arch}:\n{log}"
+        allowed = SPILL_ALLOWANCE.get((arch, cfg.kernel, cfg.dtype, cfg.d_pad), 0)
+        assert max(spills) <= allowed, f"{cfg} spills on {arch} (allowed: {allowed} bytes):\n{log}"
     if cfg.spec.arch:
         assert "serialized" not in log, f"{cfg}: ptxas serialised the warpgroup MMAs:\n{log}"
 

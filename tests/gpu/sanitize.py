@@ -8,11 +8,12 @@ Run under each tool (zero errors is the pass mark), or all four with ``tests/gpu
     PYTHONPATH=$PWD compute-sanitizer --tool synccheck --error-exitcode 1 python3 tests/gpu/sanitize.py
 
 Cases: schedules v1, v2 and v2 on the portable kernels ("v2-mma", where the Hopper ones would
-run), the four dtypes (float32 under both precisions: 270 cases), one head dim per bucket, Nq != Nk ragged against every tile size, causal and
+run), the four dtypes (float32 under both precisions: 450 cases), one head dim per bucket, Nq != Nk ragged against every tile size, causal and
 not, causal with a NaN in each of q, k, v, do inside a diagonal tile (the scans, the flags and
-flash_repair.cu), K/V broadcast over a group of query heads, the backward unordered and deterministic.
+flash_repair.cu), a sliding window without and (causal) with the NaNs, K/V broadcast over a group of
+query heads, the backward unordered and deterministic.
 ``--quick`` keeps two head dims, ``--head-dims`` picks some, ``--dtypes`` some dtypes, ``--schedules`` some
-schedules (racecheck over all six head dims takes
+schedules, ``--masks`` some masks (racecheck over all six head dims takes
 longer than one 10-minute device call: run it in parts). The script also checks each result
 against the float64 reference, so a kernel that runs clean but wrong fails too.
 """
@@ -48,7 +49,13 @@ Q_SHAPE, KV_SHAPE = (1, 2, 2, 70), (1, 2, 1, 200)
 POISON = {"q": (0, 0, 1, 10, 3), "k": (0, 1, 0, 170, 2), "v": (0, 0, 0, 150, 1), "do": (0, 1, 1, 30, 0)}
 
 
-def run_case(dtype, precision, D, schedule, causal, poison, rng) -> float:
+# (causal, window, NaNs planted): without a mask, causal, causal with NaNs, a window whose both edges
+# cut tiles (keys i + 90 .. i + 140 of 200), a causal window (keys i + 40 .. i + 130) with NaNs
+MASKS = {"plain": (False, None, False), "causal": (True, None, False), "causal-nan": (True, None, True),
+         "window": (False, (40, 10), False), "window-nan": (True, (90, None), True)}
+
+
+def run_case(dtype, precision, D, schedule, causal, window, poison, rng) -> float:
     """Forward and backward of one case; the worst relative error against the reference."""
     import cupy
 
@@ -61,13 +68,13 @@ def run_case(dtype, precision, D, schedule, causal, poison, rng) -> float:
             x[POISON[name]] = numpy.nan
     api = schedule.split("-")[0]
     qg, kg, vg, dog = (cupy.asarray(x) for x in (q, k, v, do))
-    o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, causal=causal, schedule=api, precision=precision)
-    grads = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, causal=causal, schedule=api,
-                                               precision=precision)
-    ordered = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, causal=causal, schedule=api,
-                                                 precision=precision, deterministic=True)
-    refs = reference.attention_forward(q, k, v, causal=causal)
-    ref_grads = reference.attention_backward(do, q, k, v, *refs, causal=causal)
+    kw = dict(causal=causal, window=window)
+    o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, **kw, schedule=api, precision=precision)
+    grads = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, **kw, schedule=api, precision=precision)
+    ordered = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, **kw, schedule=api, precision=precision,
+                                                 deterministic=True)
+    refs = reference.attention_forward(q, k, v, **kw)
+    ref_grads = reference.attention_backward(do, q, k, v, *refs, **kw)
     worst = 0.0
     for got, ref in zip((o, m, l, *grads, *ordered), (*refs, *ref_grads, *ref_grads)):
         got, ref = got.get().astype(numpy.float64), numpy.asarray(ref, numpy.float64)
@@ -89,21 +96,24 @@ def main(argv=None) -> int:
                         help=f"these dtypes only (default all: {' '.join(v[0] for v in VARIANTS)})")
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, metavar="NAME",
                         help=f"these schedules only (default all: {' '.join(SCHEDULES)}; v2 runs the Hopper kernels)")
+    parser.add_argument("--masks", nargs="+", choices=list(MASKS), metavar="NAME",
+                        help=f"these masks only (default all: {' '.join(MASKS)})")
     args = parser.parse_args(argv)
     head_dims = args.head_dims or (QUICK_HEAD_DIMS if args.quick else HEAD_DIMS)
     if any(not 1 <= d <= _tiles.MAX_HEAD_DIM for d in head_dims):
         parser.error(f"--head-dims must lie in 1..{_tiles.MAX_HEAD_DIM}, got {head_dims}")
     rng = numpy.random.default_rng(0)
     failures = 0
-    masks = ((False, False), (True, False), (True, True))   # (causal, poison)
+    masks = [MASKS[name] for name in args.masks or MASKS]
     variants = [v for v in VARIANTS if not args.dtypes or v[0] in args.dtypes]
     cases = list(itertools.product(variants, head_dims, args.schedules or SCHEDULES, masks))
-    for (name, dtype, precision, tolerance), D, schedule, (causal, poison) in cases:
-        err = run_case(dtype, precision, D, schedule, causal, poison, rng)
+    for (name, dtype, precision, tolerance), D, schedule, (causal, window, poison) in cases:
+        err = run_case(dtype, precision, D, schedule, causal, window, poison, rng)
         ok = err <= SANITIZE_REL_ERR[tolerance]
         failures += not ok
         if not ok:
-            print(f"FAIL {name} D={D} {schedule} causal={causal} poison={poison}: relative error {err:.2e}",
+            print(f"FAIL {name} D={D} {schedule} causal={causal} window={window} poison={poison}: "
+                  f"relative error {err:.2e}",
                   flush=True)
     print(f"{len(cases) - failures} of {len(cases)} cases within tolerance", flush=True)
     return 1 if failures else 0
