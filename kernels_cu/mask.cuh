@@ -12,7 +12,8 @@
 // Ragged ends (rows i >= Nq, keys j >= Nk) are never visible.
 //
 // Rows are query indices 0 <= i < Nq, keys 0 <= j; a query tile is rows [q0, q0 + rows), a key
-// tile keys [k0, k0 + cols).
+// tile keys [k0, k0 + cols). The struct's functions also compile for the host, where
+// tests/test_mask.py checks every answer against the pairs it describes.
 
 #pragma once
 
@@ -23,52 +24,54 @@ struct Mask {
     int lo, hi;   // query i sees key j iff lo <= j - i <= hi (and j < Nk); -Nq <= lo <= hi <= Nk
 
     // some pair inside the ragged ends is masked
-    __device__ __forceinline__ bool banded() const { return lo > 1 - Nq || hi < Nk - 1; }
+    __host__ __device__ __forceinline__ bool banded() const { return lo > 1 - Nq || hi < Nk - 1; }
 
     // per element: query i sees key j (j >= 0); one unsigned compare for the band
-    __device__ __forceinline__ bool visible(int i, int j) const {
+    __host__ __device__ __forceinline__ bool visible(int i, int j) const {
         return j < Nk && (unsigned)(j - i - lo) <= (unsigned)(hi - lo);
     }
 
     // the keys query row i sees: [key_start(i), key_stop(i)) (empty when key_stop <= key_start)
-    __device__ __forceinline__ int key_start(int i) const { return min(max(i + lo, 0), Nk); }
-    __device__ __forceinline__ int key_stop(int i) const { return min(max(i + hi + 1, 0), Nk); }
+    __host__ __device__ __forceinline__ int key_start(int i) const { return min(max(i + lo, 0), Nk); }
+    __host__ __device__ __forceinline__ int key_stop(int i) const { return min(max(i + hi + 1, 0), Nk); }
 
     // the first query row that sees any key (every row from it on does); Nq if none does
-    __device__ __forceinline__ int first_row() const { return Nk == 0 ? Nq : min(Nq, max(0, -hi)); }
+    __host__ __device__ __forceinline__ int first_row() const { return Nk == 0 ? Nq : min(Nq, max(0, -hi)); }
 
     // one past the last key that a row of [q0, q1) sees (rows past Nq count as row Nq - 1); 0: none
-    __device__ __forceinline__ int kv_stop(int q0, int q1) const {
+    __host__ __device__ __forceinline__ int kv_stop(int q0, int q1) const {
         const int last = min(q1, Nq) - 1;
         return last >= max(q0, first_row()) ? key_stop(last) : 0;
     }
 
     // the first key that a row of [q0, ...) sees (the first row's that sees any)
-    __device__ __forceinline__ int kv_start(int q0) const { return key_start(max(q0, first_row())); }
+    __host__ __device__ __forceinline__ int kv_start(int q0) const { return key_start(max(q0, first_row())); }
 
     // the first query row that sees a key of [k0, Nk); Nq or more: none does
-    __device__ __forceinline__ int q_start(int k0) const { return max(first_row(), k0 - hi); }
+    __host__ __device__ __forceinline__ int q_start(int k0) const { return max(first_row(), k0 - hi); }
 
     // one past the last query row that sees a key of [0, k1)
-    __device__ __forceinline__ int q_stop(int k1) const { return min(Nq, max(0, k1 - lo)); }
+    __host__ __device__ __forceinline__ int q_stop(int k1) const { return min(Nq, max(0, k1 - lo)); }
 
     // The K/V tiles of B_C keys that the rows [q0, q0 + rows) visit: kv_tile_first .. kv_tile_stop - 1,
     // exactly the tiles with a visible pair. At least one: rows that see no key still write o = 0,
     // m = -inf, l = 0 (their tile masks every key); that tile is the one the next rows start at, so
     // it lies inside the range of any block of rows that holds these.
     template <int B_C>
-    __device__ __forceinline__ int kv_tile_first(int q0) const { return max(0, min(kv_start(q0), Nk - 1)) / B_C; }
+    __host__ __device__ __forceinline__ int kv_tile_first(int q0) const {
+        return max(0, min(kv_start(q0), Nk - 1)) / B_C;
+    }
     template <int B_C>
-    __device__ __forceinline__ int kv_tile_stop(int q0, int rows) const {
+    __host__ __device__ __forceinline__ int kv_tile_stop(int q0, int rows) const {
         return max(kv_tile_first<B_C>(q0) + 1, (kv_stop(q0, q0 + rows) + B_C - 1) / B_C);
     }
 
     // The Q tiles of B_R rows that see a key of the K/V tile [k0, k0 + B_C): q_tile_first .. q_tile_stop - 1
     // (none when q_tile_stop <= q_tile_first)
     template <int B_R>
-    __device__ __forceinline__ int q_tile_first(int k0) const { return q_start(k0) / B_R; }
+    __host__ __device__ __forceinline__ int q_tile_first(int k0) const { return q_start(k0) / B_R; }
     template <int B_R, int B_C>
-    __device__ __forceinline__ int q_tile_stop(int k0) const {
+    __host__ __device__ __forceinline__ int q_tile_stop(int k0) const {
         const int start = q_start(k0), stop = q_stop(min(k0 + B_C, Nk));
         return stop > start ? (stop + B_R - 1) / B_R : start / B_R;
     }
@@ -76,23 +79,23 @@ struct Mask {
     // The K/V tiles of B_C keys in which every pair with the rows [q0, q0 + rows) is visible (`full`):
     // full_tile_first .. full_tile_stop - 1, none when full_tile_stop <= full_tile_first
     template <int B_C>
-    __device__ __forceinline__ int full_tile_first(int q0, int rows) const {
+    __host__ __device__ __forceinline__ int full_tile_first(int q0, int rows) const {
         return max(0, (q0 + rows - 1 + lo + B_C - 1) / B_C);
     }
     template <int B_C>
-    __device__ __forceinline__ int full_tile_stop(int q0) const { return max(0, min(Nk, q0 + hi + 1)) / B_C; }
+    __host__ __device__ __forceinline__ int full_tile_stop(int q0) const { return max(0, min(Nk, q0 + hi + 1)) / B_C; }
 
     // Every pair of rows [q0, q0 + rows) x keys [k0, k0 + cols) is visible, so the tile needs no
     // per-element mask (else some pair may be masked: visible() decides each). Ragged rows count
     // as rows: a tile that holds them is full only where they would see every key too.
-    __device__ __forceinline__ bool full(int q0, int rows, int k0, int cols) const {
+    __host__ __device__ __forceinline__ bool full(int q0, int rows, int k0, int cols) const {
         return k0 + cols <= Nk && k0 + cols - 1 - q0 <= hi && k0 - (q0 + rows - 1) >= lo;
     }
 
     // The tile of rows [q0, q0 + rows) x keys [k0, k0 + cols) has a masked pair that is not past a
     // ragged end (ragged rows and keys load as zeros). Only such tiles can turn an inf or NaN operand
     // into a NaN of a masked pair (nonfinite.cuh).
-    __device__ __forceinline__ bool has_masked_pairs(int q0, int rows, int k0, int cols) const {
+    __host__ __device__ __forceinline__ bool has_masked_pairs(int q0, int rows, int k0, int cols) const {
         const int last_row = min(q0 + rows, Nq) - 1, last_key = min(k0 + cols, Nk) - 1;
         return last_row >= q0 && last_key >= k0 && (last_key - q0 > hi || k0 - last_row < lo);
     }
