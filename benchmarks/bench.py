@@ -386,6 +386,21 @@ def median_ms(run, clock: Clock, warmup: int, repeats: int) -> float:
     return statistics.median(clock.elapsed_ms(start, stop) for start, stop in events)
 
 
+def single_ms(run, clock: Clock, calls: int) -> float:
+    """Median time of ``calls`` calls of ``run()`` as a user meets one: the device idle first, then the
+    call between two events, its host cost included."""
+    times = []
+    for _ in range(calls):
+        start, stop = clock.new_event(), clock.new_event()
+        device_synchronize()
+        start.record()
+        run()
+        stop.record()
+        stop.synchronize()
+        times.append(clock.elapsed_ms(start, stop))
+    return statistics.median(times)
+
+
 def short(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:NOTE_CHARS]
@@ -536,18 +551,10 @@ def host_cost_check(systems) -> list:
                     run()
                 device_synchronize()
                 wall = (time.perf_counter() - started) / HOST_CALLS * US_PER_S
-                singles = []
-                for _ in range(HOST_SINGLE):
-                    start, stop = clock.new_event(), clock.new_event()
-                    device_synchronize()
-                    start.record()
-                    run()
-                    stop.record()
-                    stop.synchronize()
-                    singles.append(clock.elapsed_ms(start, stop) * 1e3)
+                single = single_ms(run, clock, HOST_SINGLE) * 1e3
                 queued = median_ms(run, clock, WARMUP, REPEATS) * 1e3
                 records.append(dict(system=system.name, shape=(B, H, N, D), mode=mode, wall_us=wall,
-                                    single_us=statistics.median(singles), queued_us=queued))
+                                    single_us=single, queued_us=queued))
                 print(f"host cost {system.name:<12} {mode} (B, H, N, D) = {(B, H, N, D)}: {wall:6.1f} us per "
                       f"back-to-back call, {records[-1]['single_us']:6.1f} us single, {queued:6.1f} us queued",
                       flush=True)

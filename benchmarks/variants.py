@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -85,20 +84,6 @@ def fa2_runs(x: bench.Inputs, window) -> dict:
     return {"fwd": run_forward, "bwd": run_backward}
 
 
-def single_ms(run, clock) -> float:
-    """Median of synchronised calls, each between two events: the host's cost included."""
-    times = []
-    for _ in range(SINGLE_CALLS):
-        start, stop = clock.new_event(), clock.new_event()
-        bench.device_synchronize()
-        start.record()
-        run()
-        stop.record()
-        stop.synchronize()
-        times.append(clock.elapsed_ms(start, stop))
-    return statistics.median(times)
-
-
 def window_cases(dtypes, head_dims, seqlens, windows):
     for dtype in dtypes:
         for D in head_dims:
@@ -128,7 +113,7 @@ def run(args) -> list:
             for mode, call in runs.items():
                 flops = 4.0 * cfg.B * cfg.H * cfg.D * pairs * (BWD_FLOP_FACTOR if mode == "bwd" else 1.0)
                 queued = bench.median_ms(call, clock, bench.WARMUP, bench.REPEATS)
-                single = single_ms(call, clock)
+                single = bench.single_ms(call, clock, SINGLE_CALLS)
                 record = dict(system=name, mode=mode, dtype=cfg.dtype, D=cfg.D, N=cfg.N, B=cfg.B, H=cfg.H,
                               window=list(window), visible_pairs=pairs, queued_ms=queued, single_ms=single,
                               tflops_queued=flops / queued / 1e9, tflops_single=flops / single / 1e9)

@@ -125,10 +125,6 @@ def gpu_schedule(request, monkeypatch):
     return request.param.split("-")[0]
 
 
-def _problem(dtype, q_shape, kv_shape, seed):
-    return random_inputs(numpy.random.default_rng(seed), dtype, q_shape, kv_shape)
-
-
 @gpu_test
 @SCHEDULES
 @GPU_SETTINGS
@@ -142,7 +138,7 @@ def _problem(dtype, q_shape, kv_shape, seed):
 @example(("float16", (4, 129, 64), (4, 1000, 64), False, None), (0, None), 6)          # rows see the end only
 def test_forward_with_a_window_matches_reference(gpu_schedule, problem, window, seed):
     dtype, q_shape, kv_shape, causal, scale = problem
-    q, k, v = _problem(dtype, q_shape, kv_shape, seed)
+    q, k, v = random_inputs(numpy.random.default_rng(seed), dtype, q_shape, kv_shape)
     check_forward(dtype, q, k, v, causal, scale, gpu_schedule, window)
 
 
