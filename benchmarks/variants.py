@@ -1,21 +1,29 @@
-"""Attention variants on the GPU against FlashAttention-2, side by side in one process on the same
-inputs (issue #17's targets). Today: sliding windows.
+"""Attention variants on the GPU against FlashAttention-2 and against our own plain kernels, side by
+side in one process on the same inputs (issue #17's targets): sliding windows and the score
+modifiers (softcap, ALiBi).
 
-    python benchmarks/variants.py [--dtypes fp16 bf16] [--head-dims 64 128] [--seqlens 4096 8192 16384]
-                                  [--windows 256 1024] [--out DIR]
+    python benchmarks/variants.py [--sweep windows mods] [--dtypes fp16 bf16] [--head-dims 64 128]
+                                  [--seqlens ...] [--windows 256 1024] [--out DIR]
 
-For each case of the FlashAttention papers' protocol (batch = 16384/N, H = 2048/D), causal with a
-window ``(w, 0)``, it times the forward and the backward of
+Windows (default N 4096 8192 16384): for each case of the FlashAttention papers' protocol
+(batch = 16384/N, H = 2048/D), causal with a window ``(w, 0)``, the forward and the backward of
 
 - ``cupyflash``: ``schedule="auto"`` with ``window=(w, 0)``,
 - ``fa2``: FlashAttention-2 through ``torch.ops.aten._flash_attention_forward``/``_backward`` with
   ``window_size_left=w, window_size_right=0`` (q, k, v viewed as (B, N, H, D) through DLPack, no copy),
-- ``cupyflash-causal``: our own causal call without a window (what the window saves),
+- ``cupyflash-causal``: our own causal call without a window (what the window saves).
 
-each two ways: queued (the median of calls issued back to back, one between two events: the GPU's
-time) and single (a synchronised call between two events: the host's cost included). TFLOP/s count
-the *visible* pairs only: ``4 · B · H · D · Σ_i |keys row i sees|`` forward, 2.5 times that
-backward. Writes ``variants_results.json`` and ``variants_results.md`` under ``--out``.
+TFLOP/s count the *visible* pairs only: ``4 · B · H · D · Σ_i |keys row i sees|`` forward, 2.5
+times that backward.
+
+Modifiers (default N 1024 4096 16384, causal and not): ``cupyflash`` plain, ``cupyflash-softcap``
+(``softcap=30``), ``cupyflash-alibi`` (ALiBi's geometric slopes ``2^(-8 (h + 1) / H)``), and FA2
+plain and with the same slopes (``alibi_slopes`` of ``_flash_attention_forward``). The target is
+softcap and ALiBi at >= 0.95x our own plain speed.
+
+Every call is timed two ways: queued (the median of calls issued back to back, one between two
+events: the GPU's time) and single (a synchronised call between two events: the host's cost
+included). Writes ``variants_results.json`` and ``variants_results.md`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -84,6 +92,125 @@ def fa2_runs(x: bench.Inputs, window) -> dict:
     return {"fwd": run_forward, "bwd": run_backward}
 
 
+SOFTCAP = 30.0   # Gemma 2's attention softcap is 50, Grok's 30
+
+
+def alibi_slopes(H: int) -> cupy.ndarray:
+    """ALiBi's geometric slopes for H heads (Press et al., 2022), float32."""
+    return cupy.asarray(2.0 ** (-8.0 * numpy.arange(1, H + 1) / H), dtype=numpy.float32)
+
+
+def modified_runs(x: bench.Inputs, mods: dict) -> dict:
+    kw = dict(causal=x.causal, **mods)
+    saved = cupyflash.flash_attention_forward(x.q, x.k, x.v, **kw)
+    return {"fwd": lambda: cupyflash.flash_attention_forward(x.q, x.k, x.v, **kw),
+            "bwd": lambda: cupyflash.flash_attention_backward(x.do, x.q, x.k, x.v, *saved, **kw)}
+
+
+def fa2_alibi_runs(x: bench.Inputs, slopes) -> dict:
+    """FlashAttention-2 through ATen, with ALiBi slopes (float32, (H,)) or without (None)."""
+    import torch
+
+    q, k, v, do = (torch.from_dlpack(a).transpose(1, 2) for a in (x.q, x.k, x.v, x.do))
+    B, N = q.shape[:2]
+    flags = dict(scale=None, window_size_left=-1, window_size_right=-1)
+    if slopes is not None:
+        flags["alibi_slopes"] = torch.from_dlpack(slopes)
+    forward = torch.ops.aten._flash_attention_forward
+
+    def run_forward():
+        return forward(q, k, v, None, None, N, N, 0.0, x.causal, False, **flags)
+
+    out, lse, rng_state, unused, _ = run_forward()
+    no_seqlens = torch.empty(0, dtype=torch.int32, device=q.device)
+    backward_flags = {key: value for key, value in flags.items() if key != "alibi_slopes"}
+    if slopes is not None:   # the backward schema has no alibi_slopes: FA2's ATen backward cannot take them
+        return {"fwd": run_forward}
+
+    def run_backward():
+        return torch.ops.aten._flash_attention_backward(do, q, k, v, out, lse, no_seqlens, no_seqlens, N, N, 0.0,
+                                                        x.causal, rng_state, unused, **backward_flags)
+
+    run_backward()
+    return {"fwd": run_forward, "bwd": run_backward}
+
+
+def mods_cases(dtypes, head_dims, seqlens):
+    for dtype in dtypes:
+        for D in head_dims:
+            for N in seqlens:
+                for causal in (False, True):
+                    yield bench.protocol_config(dtype, D, N, causal)
+
+
+def run_mods(args) -> list:
+    records = []
+    for cfg in mods_cases(args.dtypes, args.head_dims, args.seqlens or [1024, 4096, 16384]):
+        x = bench.make_inputs(cfg, bench.SEED)
+        slopes = alibi_slopes(cfg.H)
+        systems = {"cupyflash": (lambda: modified_runs(x, {}), bench.cupy_clock),
+                   "cupyflash-softcap": (lambda: modified_runs(x, {"softcap": SOFTCAP}), bench.cupy_clock),
+                   "cupyflash-alibi": (lambda: modified_runs(x, {"alibi_slopes": slopes}), bench.cupy_clock),
+                   "fa2": (lambda: fa2_alibi_runs(x, None), bench.torch_clock),
+                   "fa2-alibi": (lambda: fa2_alibi_runs(x, slopes), bench.torch_clock)}
+        pairs = visible_pairs(cfg.N, cfg.causal, (None, None))
+        for name, (runs_of, clock_of) in systems.items():
+            try:
+                runs = runs_of()
+            except Exception as error:  # noqa: BLE001 - recorded: a system that cannot run this case
+                records.append(dict(system=name, dtype=cfg.dtype, D=cfg.D, N=cfg.N, B=cfg.B, H=cfg.H,
+                                    causal=cfg.causal, note=bench.short(error)))
+                print(f"{name} {cfg}: {bench.short(error)}", flush=True)
+                continue
+            clock = clock_of()
+            for mode, call in runs.items():
+                records.append(timed(name, mode, cfg, call, clock, pairs, causal=cfg.causal))
+        del x
+        bench.free_memory()
+    return records
+
+
+def timed(name, mode, cfg, call, clock, pairs, **case) -> dict:
+    """One system's call timed queued and single, as a record (TFLOP/s of ``pairs`` visible pairs)."""
+    flops = 4.0 * cfg.B * cfg.H * cfg.D * pairs * (BWD_FLOP_FACTOR if mode == "bwd" else 1.0)
+    queued = bench.median_ms(call, clock, bench.WARMUP, bench.REPEATS)
+    single = bench.single_ms(call, clock, SINGLE_CALLS)
+    record = dict(system=name, mode=mode, dtype=cfg.dtype, D=cfg.D, N=cfg.N, B=cfg.B, H=cfg.H, **case,
+                  visible_pairs=pairs, queued_ms=queued, single_ms=single,
+                  tflops_queued=flops / queued / 1e9, tflops_single=flops / single / 1e9)
+    print(f"{name:<17} {mode} {cfg.dtype} D={cfg.D} N={cfg.N:>5} {case}: "
+          f"{record['tflops_queued']:6.1f} TFLOP/s queued, {record['tflops_single']:6.1f} single", flush=True)
+    return record
+
+
+def mods_table(records) -> str:
+    """A row per case and mode: our plain, softcap and ALiBi speeds, their ratios to plain, and ALiBi
+    against FA2's (queued; single in parentheses)."""
+    index = {(r["system"], r["mode"], r["dtype"], r["D"], r["N"], r["causal"]): r
+             for r in records if "mode" in r and "causal" in r}
+    lines = ["| dtype | D | N | causal | mode | plain TFLOP/s | softcap | ALiBi | softcap / plain | ALiBi / plain "
+             "| FA2 plain | FA2 ALiBi | ALiBi / FA2 ALiBi |",
+             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    speed = lambda r: f"{r['tflops_queued']:.1f}" if r else "—"   # noqa: E731
+
+    def ratio(a, b):
+        if not (a and b):
+            return "—"
+        return f"{a['tflops_queued'] / b['tflops_queued']:.2f} ({a['tflops_single'] / b['tflops_single']:.2f})"
+
+    for (system, mode, *case), plain in index.items():
+        if system != "cupyflash":
+            continue
+        got = {name: index.get((name, mode, *case)) for name in
+               ("cupyflash-softcap", "cupyflash-alibi", "fa2", "fa2-alibi")}
+        dtype, D, N, causal = case
+        lines.append(f"| {dtype} | {D} | {N} | {causal} | {mode} | {speed(plain)} | {speed(got['cupyflash-softcap'])} "
+                     f"| {speed(got['cupyflash-alibi'])} | {ratio(got['cupyflash-softcap'], plain)} "
+                     f"| {ratio(got['cupyflash-alibi'], plain)} | {speed(got['fa2'])} | {speed(got['fa2-alibi'])} "
+                     f"| {ratio(got['cupyflash-alibi'], got['fa2-alibi'])} |")
+    return "\n".join(lines) + "\n"
+
+
 def window_cases(dtypes, head_dims, seqlens, windows):
     for dtype in dtypes:
         for D in head_dims:
@@ -92,12 +219,12 @@ def window_cases(dtypes, head_dims, seqlens, windows):
                     yield bench.protocol_config(dtype, D, N, True), (w, 0)
 
 
-def run(args) -> list:
+def run_windows(args) -> list:
     records = []
     systems = {"cupyflash": (cupyflash_runs, bench.cupy_clock, None),
                "fa2": (fa2_runs, bench.torch_clock, None),
                "cupyflash-causal": (cupyflash_runs, bench.cupy_clock, (None, None))}
-    for cfg, window in window_cases(args.dtypes, args.head_dims, args.seqlens, args.windows):
+    for cfg, window in window_cases(args.dtypes, args.head_dims, args.seqlens or [4096, 8192, 16384], args.windows):
         x = bench.make_inputs(cfg, bench.SEED)
         for name, (runs_of, clock_of, own_window) in systems.items():
             w = window if own_window is None else own_window
@@ -111,16 +238,7 @@ def run(args) -> list:
                 continue
             clock = clock_of()
             for mode, call in runs.items():
-                flops = 4.0 * cfg.B * cfg.H * cfg.D * pairs * (BWD_FLOP_FACTOR if mode == "bwd" else 1.0)
-                queued = bench.median_ms(call, clock, bench.WARMUP, bench.REPEATS)
-                single = bench.single_ms(call, clock, SINGLE_CALLS)
-                record = dict(system=name, mode=mode, dtype=cfg.dtype, D=cfg.D, N=cfg.N, B=cfg.B, H=cfg.H,
-                              window=list(window), visible_pairs=pairs, queued_ms=queued, single_ms=single,
-                              tflops_queued=flops / queued / 1e9, tflops_single=flops / single / 1e9)
-                records.append(record)
-                print(f"{name:<17} {mode} {cfg.dtype} D={cfg.D} N={cfg.N:>5} window={window}: "
-                      f"{record['tflops_queued']:6.1f} TFLOP/s queued, {record['tflops_single']:6.1f} single",
-                      flush=True)
+                records.append(timed(name, mode, cfg, call, clock, pairs, window=list(window)))
         del x
         bench.free_memory()
     return records
@@ -129,7 +247,7 @@ def run(args) -> list:
 def table(records) -> str:
     """A row per case and mode: cupyflash, FA2 and their ratios, queued and single."""
     index = {(r["system"], r["mode"], r["dtype"], r["D"], r["N"], tuple(r["window"])): r
-             for r in records if "mode" in r}
+             for r in records if "mode" in r and "window" in r}
     lines = ["| dtype | D | N | window | mode | cupyflash TFLOP/s (queued / single) | FA2 (queued / single) "
              "| ratio queued | ratio single | causal, no window (queued) |",
              "|---|---:|---:|---|---|---:|---:|---:|---:|---:|"]
@@ -151,17 +269,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=["fp16", "bf16"])
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
-    parser.add_argument("--seqlens", nargs="+", type=int, default=[4096, 8192, 16384])
+    parser.add_argument("--sweep", nargs="+", default=["windows", "mods"], choices=["windows", "mods"])
+    parser.add_argument("--seqlens", nargs="+", type=int, default=None, help="default: per sweep (module doc)")
     parser.add_argument("--windows", nargs="+", type=int, default=[256, 1024])
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args(argv)
-    records = run(args)
+    records = (run_windows(args) if "windows" in args.sweep else []) + (run_mods(args) if "mods" in args.sweep else [])
     args.out.mkdir(parents=True, exist_ok=True)
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     (args.out / "variants_results.json").write_text(json.dumps(dict(device=device, commit=bench.git_commit(),
                                                                     records=records), indent=1))
-    (args.out / "variants_results.md").write_text(f"{device}, commit {bench.git_commit()}\n\n" + table(records))
-    print(table(records))
+    tables = table(records) + "\n" + mods_table(records)
+    (args.out / "variants_results.md").write_text(f"{device}, commit {bench.git_commit()}\n\n" + tables)
+    print(tables)
     return 0
 
 

@@ -7,7 +7,8 @@ settled in Python. Errors name the argument and the shapes or dtypes seen.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
 import numpy
 
@@ -56,6 +57,7 @@ class Problem:
     scale: float
     causal: bool
     window: tuple = (None, None)   # (left, right): ints >= 0 or None (unbounded)
+    softcap: Optional[float] = None   # c > 0: scores become c tanh(s / c)
 
     @property
     def geometry(self) -> MaskGeometry:
@@ -97,6 +99,65 @@ def check_window(window) -> tuple:
             side = int(side)
         sides.append(side)
     return tuple(sides)
+
+
+def check_softcap(softcap, dtype) -> Optional[float]:
+    """``softcap``: None, or a real number > 0 whose reciprocal is finite in the accumulator precision."""
+    if softcap is None:
+        return None
+    real = (int, float, numpy.integer, numpy.floating)
+    if isinstance(softcap, (bool, numpy.bool_)) or not isinstance(softcap, real):
+        raise TypeError(f"softcap must be a real number > 0 or None, got {type(softcap).__name__}")
+    acc = accumulator_dtype(dtype).type
+    with numpy.errstate(all="ignore"):
+        c = acc(softcap)
+        ok = numpy.isfinite(c) and c > 0 and numpy.isfinite(acc(1) / c)
+    if not ok:
+        raise ValueError(f"softcap must be a finite number > 0 (with a finite reciprocal in {numpy.dtype(acc)}), "
+                         f"got {softcap!r}")
+    return float(softcap)
+
+
+def check_alibi(alibi_slopes, prob: "Problem", device=None):
+    """``alibi_slopes`` as the kernels (or the NumPy path) read them: None, or an array of the inputs'
+    kind (on their device) in the accumulator dtype whose shape broadcasts to the batch shape. A
+    NumPy array or sequence is moved to the GPU for CuPy inputs, another float dtype converted."""
+    if alibi_slopes is None:
+        return None
+    acc = accumulator_dtype(prob.dtype)
+    cupy = _cupy() if prob.xp is not numpy else None
+    if cupy is not None and isinstance(alibi_slopes, cupy.ndarray):
+        if alibi_slopes.device.id != device:
+            raise ValueError(f"alibi_slopes is on device {alibi_slopes.device.id}, q on device {device}")
+        x = alibi_slopes
+    else:
+        try:
+            x = numpy.asarray(alibi_slopes)
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"alibi_slopes must be an array of floats, got {type(alibi_slopes).__name__}") from error
+    if x.dtype.kind not in "fiu" and x.dtype.name != "bfloat16":
+        raise TypeError(f"alibi_slopes must hold real numbers, got dtype {x.dtype}")
+    try:
+        fits = numpy.broadcast_shapes(x.shape, prob.batch_shape) == tuple(prob.batch_shape)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"alibi_slopes of shape {x.shape} does not broadcast to the batch shape "
+                         f"{tuple(prob.batch_shape)} (one slope per batch entry, e.g. (H,) for (B, H, N, D))")
+    if cupy is not None:
+        if not isinstance(x, cupy.ndarray) or x.dtype != acc:
+            with cupy.cuda.Device(device):
+                x = cupy.asarray(x, dtype=acc)
+        elif any(s < 0 or s % x.itemsize for s in x.strides):
+            with cupy.cuda.Device(device):
+                x = cupy.ascontiguousarray(x)
+        return x
+    return x.astype(acc, copy=False)
+
+
+def with_mods(prob: "Problem", softcap) -> "Problem":
+    """``prob`` with its validated ``softcap``."""
+    return replace(prob, softcap=check_softcap(softcap, prob.dtype))
 
 
 def check_forward(q, k, v, causal, softmax_scale, window=None) -> Problem:
@@ -236,5 +297,6 @@ def kernel_ready(x):
     return cupy.ascontiguousarray(x)
 
 
-__all__ = ["OUT_ALIGNMENT", "Problem", "SCHEDULES", "array_module", "check_backward", "check_bool", "check_choice",
+__all__ = ["OUT_ALIGNMENT", "Problem", "SCHEDULES", "array_module", "check_alibi", "check_backward", "check_bool",
+           "check_choice", "check_softcap", "with_mods",
            "check_disjoint", "check_forward", "check_out", "dtype_name", "kernel_ready", "readable_in_place"]

@@ -27,7 +27,7 @@ import numpy
 from ._compile import get_kernels
 from ._mask import MaskGeometry
 from ._params import BWD, FWD, ZERO_RANGES, Params
-from ._tiles import KERNELS, TileConfig, accumulator_dtype, auto_forward, choose_tiles, with_precision
+from ._tiles import KERNELS, TileConfig, accumulator_dtype, auto_forward, choose_tiles, with_mods, with_precision
 
 MAX_BATCH_DIMS = 3  # collapsed batch dims a kernel indexes (layout.cuh: split_batch)
 VECTOR_BYTES = 16   # width of the vectorised tile loads
@@ -349,6 +349,28 @@ def _launch_grid(n: int) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class Mods:
+    """The score modifiers of a call (``score_mod.cuh``): the softcap (None: none) and whether ALiBi
+    slopes come (their array follows the call's tensors in its batch layout and its call)."""
+
+    softcap: float | None = None
+    alibi: bool = False
+
+    def config(self, cfg: TileConfig) -> TileConfig:
+        """``cfg`` with these modifiers compiled in."""
+        return with_mods(cfg, self.softcap is not None, self.alibi)
+
+    def fields(self, layout: "BatchLayout") -> tuple:
+        """``ScoreMods`` but its pointer: the slopes' collapsed batch strides (the layout's last
+        tensor) and the softcap."""
+        strides = layout.strides[-1] if self.alibi else (0, 0, 0)
+        return (0, *strides, 0.0 if self.softcap is None else float(self.softcap))
+
+
+PLAIN = Mods()
+
+
 def _masked_pairs(geometry: MaskGeometry) -> bool:
     """Some pair of the whole problem is masked inside the ragged ends: the tile of every row and key
     has masked pairs (a causal mask or a window that bounds some row)."""
@@ -371,8 +393,9 @@ class ForwardPlan:
     o_run: int                # bytes of V1's running O_i (0: not used), a workspace of its own
     params: Params            # FwdParams
 
-    def __call__(self, q, k, v, out=None):
-        """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given."""
+    def __call__(self, q, k, v, out=None, alibi=None):
+        """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given; ``alibi`` the slopes
+        (with ``Mods.alibi``) as laid out for the plan."""
         with _on_device(self.device):
             stream, alloc = call_stream()
             if out is None:   # the outputs and the workspace in one allocation from CuPy's pool
@@ -387,30 +410,32 @@ class ForwardPlan:
                 parts = self.given.pointers(base)[3:]
             o_run = alloc(self.o_run) if self.o_run else None
             struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, m.data.ptr,
-                                                l.data.ptr, o_run.ptr if o_run else 0, *parts))
+                                                l.data.ptr, o_run.ptr if o_run else 0, *parts,
+                                                alibi.data.ptr if alibi is not None else 0))
             for step in self.launches:
                 step(stream, address)
         return o, m, l
 
 
-FWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o", "m", "l", "o_run", "tile_counter", "repair_flags")
+FWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o", "m", "l", "o_run", "tile_counter", "repair_flags", "mods.alibi")
 
 
-def _repair(head_dim: int, dtype, flags: int):
+def _repair(head_dim: int, dtype, flags: int, mods: Mods):
     """``flash_repair.cu``'s kernels and the grid over ``flags`` flags: a CTA per flag, at most four
     per SM, each reading its share of the flags in blocks of its threads."""
-    cfg = device_tiles("repair", head_dim, dtype)
+    cfg = mods.config(device_tiles("repair", head_dim, dtype))
     return get_kernels(cfg), min(flags, 4 * current_limits().sms)
 
 
 def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeometry, scale: float, batch_shape,
-                 layout: BatchLayout):
-    """The ``schedule`` ('v1' or 'v2') forward of validated inputs ``q, k, v`` as a ``ForwardPlan``."""
+                 layout: BatchLayout, mods: Mods = PLAIN):
+    """The ``schedule`` ('v1' or 'v2') forward of validated inputs ``q, k, v`` as a ``ForwardPlan``;
+    ``layout.strides`` holds q, k, v and, with ALiBi, the slopes."""
     Nq, D = q.shape[-2:]
     Nk = k.shape[-2]
     BH = layout.count
     acc = accumulator_dtype(q.dtype)
-    cfg = with_precision(device_tiles(forward_kernel(schedule, q.dtype, scale), D, q.dtype), precision)
+    cfg = mods.config(with_precision(device_tiles(forward_kernel(schedule, q.dtype, scale), D, q.dtype), precision))
     kernel = get_kernels(cfg)[cfg.spec.entries[0]]
     T_r = -(-Nq // cfg.block_r)
     limits = current_limits()
@@ -430,12 +455,12 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
     flags = BH * T_r if _masked_pairs(geometry) else 0
     launches = [launch(kernel, grid, cfg.threads, cfg.smem_bytes)]
     if flags:
-        kernels, repair_grid = _repair(D, q.dtype, flags)
+        kernels, repair_grid = _repair(D, q.dtype, flags, mods)
         launches.append(launch(kernels["flash_fwd_repair"], repair_grid, KERNELS_THREADS["repair"]))
     params = Params(FWD, FWD_POINTERS,
                     q=_strides4(q, layout.strides[0]), k=_strides4(k, layout.strides[1]),
                     v=_strides4(v, layout.strides[2]), batch=(layout.sizes[1], layout.sizes[2], BH),
-                    mask=geometry.kernel_fields(), D=D, vec=int(_vector_ok((q, k, v), D)),
+                    mask=geometry.kernel_fields(), mods=mods.fields(layout), D=D, vec=int(_vector_ok((q, k, v), D)),
                     head_group=head_group(BH, 2 * Nk * D * q.itemsize), n_splits=n_splits, tile_rows=cfg.block_r,
                     scale=float(acc.type(scale)))
     outputs = (((*batch_shape, Nq, D), q.dtype), ((*batch_shape, Nq), acc), ((*batch_shape, Nq), acc))
@@ -451,7 +476,7 @@ BWD_PARTS = ("m_b", "inv_l", "lse2", "Dsum", "dq_acc.ptr", "dk_acc", "dv_acc", "
 BWD_SUMS = 4
 # the pointers a backward call writes: inputs, gradients, workspace parts, the ranges flash_bwd_prep zeroes
 BWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o.ptr", "dO.ptr", "m", "l", "dq", "dk.ptr", "dv.ptr", *BWD_PARTS,
-                *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)))
+                *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)), "mods.alibi")
 
 
 @dataclass(frozen=True)
@@ -473,7 +498,7 @@ class BackwardPlan:
     workspace: Block          # BWD_PARTS; flash_bwd_prep zeroes its zeroed parts (BwdParams.zero[0])
     grad_block: Block         # dq, dk, dv in one allocation
 
-    def __call__(self, do, q, k, v, o, m, l, out=None):
+    def __call__(self, do, q, k, v, o, m, l, out=None, alibi=None):
         with _on_device(self.device):
             # every buffer first: a call that does not fit raises OutOfMemoryError before any launch
             stream, alloc = call_stream()
@@ -491,28 +516,30 @@ class BackwardPlan:
             parts[BWD_SUMS:BWD_SUMS + self.sums] = sums   # the gradients of the accumulator dtype are the sums
             struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, do.data.ptr,
                                                 m.data.ptr, l.data.ptr, dq, dk, dv, *parts,
-                                                base + self.workspace.zero_from, *sums))
+                                                base + self.workspace.zero_from, *sums,
+                                                *[0] * (ZERO_RANGES - 1 - self.sums),
+                                                alibi.data.ptr if alibi is not None else 0))
             for step in self.launches:
                 step(stream, address)
         return tuple(grads)
 
 
 def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: MaskGeometry, scale: float,
-                  deterministic: bool, layout: BatchLayout):
+                  deterministic: bool, layout: BatchLayout, mods: Mods = PLAIN):
     """The backward of ``schedule`` for validated inputs as a ``BackwardPlan``.
 
-    ``layout.strides`` holds, in order, q, k, v, o, do and the contiguous own-shape layouts of
-    dq, dk, dv.
+    ``layout.strides`` holds, in order, q, k, v, o, do, the contiguous own-shape layouts of
+    dq, dk, dv and, with ALiBi, the slopes.
     """
     Nq, D = q.shape[-2:]
     Nk = k.shape[-2]
     BH = layout.count
     acc = accumulator_dtype(q.dtype)
     prep = get_kernels(device_tiles("bwd_prep", D, q.dtype))
-    main_cfg = replace(with_precision(device_tiles(backward_kernel(schedule, q.dtype, D), D, q.dtype), precision),
-                       ordered=deterministic)
+    main_cfg = mods.config(replace(with_precision(device_tiles(backward_kernel(schedule, q.dtype, D), D, q.dtype),
+                                                  precision), ordered=deterministic))
     main = get_kernels(main_cfg)[main_cfg.spec.entries[0]]
-    s_q, s_k, s_v, s_o, s_do, s_dq, s_dk, s_dv = layout.strides
+    s_q, s_k, s_v, s_o, s_do, s_dq, s_dk, s_dv = layout.strides[:8]
     lse_stats = main_cfg.kernel in ("bwd_sm90", "bwd_sm90_wide")
     rows = BH * Nq
     # dK, dV are stored directly unless several batch entries share one K/V head
@@ -551,7 +578,7 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
                     q=_strides4(q, s_q), k=_strides4(k, s_k), v=_strides4(v, s_v), o=_strides4(o, s_o),
                     dO=_strides4(do, s_do), dq_acc=(*s_dq, D), dk=(*s_dk, D), dv=(*s_dv, D),
                     convert_elems=convert_elems, batch=(layout.sizes[1], layout.sizes[2], BH),
-                    mask=geometry.kernel_fields(), D=D, vec=int(_vector_ok((q, k, v, do), D)),
+                    mask=geometry.kernel_fields(), mods=mods.fields(layout), D=D, vec=int(_vector_ok((q, k, v, do), D)),
                     prep_vec=int(_vector_ok((o, do), D)), head_group=group, kv_atomic=int(kv_atomic),
                     lse_stats=int(lse_stats), tile_r=main_cfg.block_r, tile_c=main_cfg.block_c,
                     zero=[(0, n) for n in zero_words], scale=float(acc.type(scale)))
@@ -562,7 +589,7 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
     launches = [launch(prep["flash_bwd_prep"], prep_grid, prep_cfg.threads),
                 launch(main, BH * T_c * n_chunks, main_cfg.threads, main_cfg.smem_bytes)]
     if masked:
-        kernels, repair_grid = _repair(D, q.dtype, BH * (T_r + T_c))
+        kernels, repair_grid = _repair(D, q.dtype, BH * (T_r + T_c), mods)
         launches.append(launch(kernels["flash_bwd_repair"], repair_grid, KERNELS_THREADS["repair"]))
     if converted:
         launches.append(launch(prep["flash_convert"], convert_grid, convert_threads))

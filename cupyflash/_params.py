@@ -30,6 +30,8 @@ def _struct(fields) -> numpy.dtype:
 TENSOR = _struct([("ptr", _ptr), ("s0", _i64), ("s1", _i64), ("s2", _i64), ("sn", _i64)])
 BATCH = _struct([("n1", _i64), ("n2", _i64), ("count", _i64)])
 MASK = _struct([("Nq", _i32), ("Nk", _i32), ("lo", _i32), ("hi", _i32)])
+# ScoreMods (score_mod.cuh): ALiBi slopes (pointer, collapsed batch strides) and the softcap
+SCORE_MODS = _struct([("alibi", _ptr), ("alibi_s0", _i64), ("alibi_s1", _i64), ("alibi_s2", _i64), ("softcap", _f64)])
 # ZeroRange: 4-byte words flash_bwd_prep zeroes
 ZERO_RANGE = _struct([("ptr", _ptr), ("words", _i64)])
 ZERO_RANGES = 4
@@ -37,7 +39,7 @@ ZERO_RANGES = 4
 FWD = _struct([
     ("q", TENSOR), ("k", TENSOR), ("v", TENSOR),
     ("o", _ptr), ("m", _ptr), ("l", _ptr), ("o_run", _ptr), ("tile_counter", _ptr), ("repair_flags", _ptr),
-    ("batch", BATCH), ("mask", MASK),
+    ("batch", BATCH), ("mask", MASK), ("mods", SCORE_MODS),
     ("D", _i32), ("vec", _i32), ("head_group", _i32), ("n_splits", _i32), ("tile_rows", _i32),
     ("scale", _f64),
 ])
@@ -50,7 +52,7 @@ BWD = _struct([
     ("dq_turns", _ptr), ("dk_turns", _ptr), ("dv_turns", _ptr), ("dq_flags", _ptr), ("kv_flags", _ptr),
     ("zero", ZERO_RANGE, (ZERO_RANGES,)),
     ("convert_elems", _i64, (3,)),
-    ("batch", BATCH), ("mask", MASK),
+    ("batch", BATCH), ("mask", MASK), ("mods", SCORE_MODS),
     ("D", _i32), ("vec", _i32), ("prep_vec", _i32), ("head_group", _i32), ("kv_atomic", _i32), ("lse_stats", _i32),
     ("tile_r", _i32), ("tile_c", _i32),
     ("scale", _f64),

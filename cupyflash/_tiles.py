@@ -161,6 +161,9 @@ class TileConfig:
     fp32_mma : int
         float32 products (``mma_sm80.cuh``): 0 exact FMA, 1 3xTF32, 2 one TF32 product on the
         tensor cores (``with_precision``).
+    softcap, alibi : bool
+        The score modifiers compiled in (``score_mod.cuh``, ``with_mods``); a plain call's kernel
+        has neither.
     """
 
     kernel: str
@@ -172,6 +175,8 @@ class TileConfig:
     d_chunk: int
     ordered: bool = False
     fp32_mma: int = 0
+    softcap: bool = False
+    alibi: bool = False
 
     @property
     def spec(self) -> "KernelSpec":
@@ -235,6 +240,7 @@ class TileConfig:
         ]
         if self.dtype == "float32":
             out.append(f"-DFLASH_FP32_MMA={self.fp32_mma}")
+        out += [f"-DFLASH_{name.upper()}=1" for name in SCORE_MODS if getattr(self, name)]
         if self.kernel in _STAGED:
             out.append(f"-DFLASH_Q_STAGES={self.q_stages}")
         if self.registers:
@@ -386,6 +392,7 @@ class KernelSpec:
     ordered: bool = False          # comes in a deterministic (grid-ordered sums) variant too
     any_head_dim: bool = False     # one specialisation per dtype serves every head dim
     fp32_products: bool = False    # its float32 products follow ``precision`` (FP32_PRODUCTS)
+    score_mods: bool = True        # computes scores, so compiles in the score modifiers (SCORE_MODS)
 
 
 ALL_DTYPES = tuple(DTYPE_CODES)
@@ -397,7 +404,7 @@ KERNELS = {
     "fwd_sm90": KernelSpec("flash_fwd_sm90.cu", ("flash_fwd_sm90",), ("FwdParams",), "sm_90a", SIXTEEN_BIT,
                            MAX_HEAD_DIM, _fwd_sm90_tiles, _fwd_sm90_bytes),
     "bwd_prep": KernelSpec("flash_bwd_prep.cu", ("flash_bwd_prep", "flash_convert"), ("BwdParams",) * 2, None,
-                           ALL_DTYPES, MAX_HEAD_DIM, _bwd_prep_tiles, _no_smem, any_head_dim=True),
+                           ALL_DTYPES, MAX_HEAD_DIM, _bwd_prep_tiles, _no_smem, any_head_dim=True, score_mods=False),
     "bwd": KernelSpec("flash_bwd.cu", ("flash_bwd",), ("BwdParams",), None, ALL_DTYPES, MAX_HEAD_DIM,
                       _bwd_tiles, _bwd_bytes, ordered=True, fp32_products=True),
     "bwd_sm90": KernelSpec("flash_bwd_sm90.cu", ("flash_bwd_sm90",), ("BwdParams",), "sm_90a", SIXTEEN_BIT,
@@ -415,6 +422,16 @@ KERNELS = {
 FP32_PRODUCTS = {"highest": 1, "tf32": 2}
 PRECISIONS = tuple(FP32_PRODUCTS)
 PRECISION_OF = {code: name for name, code in FP32_PRODUCTS.items()}
+
+
+# the score modifiers (score_mod.cuh) a kernel can compile in, TileConfig fields of the same names;
+# every family takes them but bwd_prep, which computes no score
+SCORE_MODS = ("softcap", "alibi")
+
+
+def with_mods(cfg: TileConfig, softcap: bool, alibi: bool) -> TileConfig:
+    """``cfg`` with the score modifiers ``softcap`` and ``alibi`` compiled in (or not)."""
+    return replace(cfg, softcap=softcap, alibi=alibi) if cfg.spec.score_mods else cfg
 
 
 def with_precision(cfg: TileConfig, precision: str) -> TileConfig:
@@ -493,3 +510,15 @@ def all_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
                         if variant not in configs:
                             configs.append(variant)
     return configs
+
+
+def modified_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
+    """The score-modifier specialisations the compile test builds besides ``all_tile_configs``: every
+    family that takes modifiers, at every dtype and head-dim bucket, with both compiled in (each is an
+    ``if constexpr`` block of its own, so this compiles every modifier line of every kernel). The
+    ordered and per-precision variants change nothing the modifiers touch and are not repeated."""
+    out = []
+    for cfg in all_tile_configs(smem_limit, arch):
+        if cfg.spec.score_mods and not cfg.ordered and cfg.fp32_mma in (0, FP32_PRODUCTS["highest"]):
+            out.append(with_mods(cfg, True, True))
+    return out

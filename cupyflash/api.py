@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Optional, Union
 import numpy
 
 from . import _launch, blocked
-from ._checks import (SCHEDULES, check_backward, check_bool, check_choice, check_disjoint, check_forward, check_out,
-                      kernel_ready, readable_in_place)
+from ._checks import (SCHEDULES, check_alibi, check_backward, check_bool, check_choice, check_disjoint, check_forward,
+                      check_out, kernel_ready, readable_in_place, with_mods)
 from ._tiles import PRECISIONS, accumulator_dtype
 
 
@@ -27,6 +27,7 @@ BACKWARD_OUTPUTS = ("dq", "dk", "dv")
 
 def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False,
                             softmax_scale: Optional[float] = None, window: Optional[Window] = None,
+                            softcap: Optional[float] = None, alibi_slopes=None,
                             schedule: str = "auto", precision: str = "highest",
                             out: Optional[Outputs] = None) -> Outputs:
     """Exact attention with its softmax statistics (FlashAttention's fused forward).
@@ -52,6 +53,17 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         unbounded. With ``causal=True`` the right side is 0. The kernels
         visit only the K/V tiles inside the band, so the cost grows with the
         visible pairs, not with ``Nq · Nk``. Default None: no window.
+    softcap : float, optional
+        ``c > 0``: each score becomes ``c · tanh(s / c)`` (after the scale,
+        before ALiBi and the mask), as in Gemma 2 and Grok. float16/bfloat16
+        inputs take the GPU's ``tanh.approx`` (relative error 2⁻¹¹, the
+        rounding of a float16 score), float32/float64 an accurate tanh.
+    alibi_slopes : array_like, optional
+        One slope per batch entry, broadcastable to the batch shape (``(H,)``
+        for ``(B, H, N, D)``, ``(B, H)``, ...): each score loses
+        ``slope · |i + off − j|`` (ALiBi, bottom-right aligned like the mask).
+        Read in the accumulator dtype (float32; float64 for float64 inputs);
+        another dtype, or a NumPy array for CuPy inputs, is converted first.
     schedule : {'auto', 'v1', 'v2'}, optional
         Which GPU kernel runs; all return the same ``(o, m, l)``. 'v1' is
         FlashAttention's Algorithm 1 (K/V-outer, O/m/l through HBM between
@@ -77,8 +89,9 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     Returns
     -------
     o : ndarray, shape (*batch, Nq, D)
-        ``softmax(S) v`` with ``S = softmax_scale · q kᵀ``, in the input dtype,
-        C-contiguous; ``batch`` is the broadcast batch shape.
+        ``softmax(S) v`` with ``S = softmax_scale · q kᵀ`` (then softcapped,
+        less ALiBi), in the input dtype, C-contiguous; ``batch`` is the
+        broadcast batch shape.
     m : ndarray, shape (*batch, Nq)
         Row max of ``S`` over visible keys (those the causal mask and the
         window leave); float32 (float64 for float64).
@@ -94,7 +107,9 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     ValueError
         Rank < 2, mismatched ``D`` or ``Nk``, batch dims that do not broadcast,
         ``D`` outside [1, 256], inputs on different devices, a negative window
-        side (a window that is not a pair of ints or None is a TypeError); an ``out`` array
+        side (a window that is not a pair of ints or None is a TypeError), a
+        ``softcap`` <= 0 or not finite, ``alibi_slopes`` that do not broadcast
+        to the batch shape or lie on another device; an ``out`` array
         of the wrong shape, layout, device or alignment, or overlapping (a
         wrong count, kind or dtype of ``out`` is a TypeError).
 
@@ -120,13 +135,16 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     cupyflash.reference.attention_forward : the naive float64 reference.
     cupyflash.blocked.forward : the NumPy Algorithm 1 (CPU path).
     """
-    plan, key = _kept_plan({"q": q, "k": k, "v": v}, out, FORWARD_OUTPUTS,
-                           (causal, softmax_scale, window, schedule, precision))
+    inputs = {"q": q, "k": k, "v": v} if alibi_slopes is None else {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes}
+    plan, key = _kept_plan(inputs, out, FORWARD_OUTPUTS, (causal, softmax_scale, window, softcap, schedule, precision))
     if plan is not None:
-        return plan(q, k, v, out)
-    prob = check_forward(q, k, v, causal, softmax_scale, window)
+        return plan(q, k, v, out, alibi_slopes)
+    prob = with_mods(check_forward(q, k, v, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
+    slopes = check_alibi(alibi_slopes, prob, _device_id(q, prob))
+    if slopes is not alibi_slopes:   # converted: a like call converts again, so its plan is not kept
+        key = None
     acc = accumulator_dtype(prob.dtype)
     stats = (*prob.batch_shape, prob.Nq)
     if out is not None:
@@ -134,7 +152,7 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
                         _device_id(q, prob), {"q": q, "k": k, "v": v})
     if prob.xp is numpy:
         return _into(out, blocked.forward(q, k, v, causal=prob.causal, softmax_scale=prob.scale,
-                                          window=prob.window))
+                                          window=prob.window, softcap=prob.softcap, alibi_slopes=slopes))
     import cupy
 
     with q.device:
@@ -145,8 +163,8 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
                 x.fill(value)
             return out
         ready, key = _kernel_ready((q, k, v), key)
-        return _forward_gpu(*ready, prob.batch_shape, prob, _launch.forward_schedule(schedule, prob.D, prob.dtype),
-                            precision, key, out)
+        return _forward_gpu(*ready, slopes, prob.batch_shape, prob,
+                            _launch.forward_schedule(schedule, prob.D, prob.dtype), precision, key, out)
 
 
 def _kept_plan(inputs: dict, out, names, flags):
@@ -202,24 +220,44 @@ def _empty(prob) -> bool:
     return prob.Nq == 0 or prob.Nk == 0 or 0 in prob.batch_shape
 
 
-def _forward_gpu(q, k, v, batch_shape, prob, schedule, precision, key=None, out=None):
+def _mods(prob, slopes) -> "_launch.Mods":
+    return _launch.Mods(prob.softcap, slopes is not None)
+
+
+def _as_matrix(slopes):
+    """ALiBi slopes as a batch of 1 x 1 matrices, so that they lay out and peel as the tensors do."""
+    return () if slopes is None else (slopes.reshape(*slopes.shape, 1, 1),)
+
+
+def _batch_strides(arrays, batch_shape):
+    return [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch_shape) for x in arrays]
+
+
+def _forward_gpu(q, k, v, slopes, batch_shape, prob, schedule, precision, key=None, out=None):
     """Plan and run; a single launch's plan is kept under ``key`` (``_call_key``) for like calls."""
     nb = len(batch_shape)
-    strides = [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch_shape) for x in (q, k, v)]
-    layout = _launch.collapse_batch(batch_shape, strides)
+    layout = _launch.collapse_batch(batch_shape, _batch_strides((q, k, v, *_as_matrix(slopes)), batch_shape))
     if layout is not None:
         plan = _launch.forward_plan(q, k, v, schedule=schedule, precision=precision, geometry=prob.geometry,
-                                    scale=prob.scale, batch_shape=batch_shape, layout=layout)
+                                    scale=prob.scale, batch_shape=batch_shape, layout=layout, mods=_mods(prob, slopes))
         _launch.keep_plan(key, plan)
-        return plan(q, k, v, out)
+        return plan(q, k, v, out, slopes)
     # more than three batch dims that cannot be merged: peel the leading one
     import cupy
 
     _refuse_while_capturing("more than three batch dims that cannot be merged are computed piece by piece")
 
-    parts = [_forward_gpu(*(_take_leading(x, i, nb) for x in (q, k, v)), batch_shape[1:], prob, schedule, precision)
+    parts = [_forward_gpu(*(_take_leading(x, i, nb) for x in (q, k, v)), _leading_slopes(slopes, i, nb),
+                          batch_shape[1:], prob, schedule, precision)
              for i in range(batch_shape[0])]
     return _into(out, (cupy.stack([p[n] for p in parts]) for n in range(3)))
+
+
+def _leading_slopes(slopes, index, nb):
+    """Entry ``index`` of the slopes along the leading batch dim (their dims right-aligned to ``nb``)."""
+    if slopes is None or slopes.ndim < nb:
+        return slopes
+    return slopes[0] if slopes.shape[0] == 1 else slopes[index]
 
 
 def _take_leading(x, index, nb):
@@ -231,7 +269,8 @@ def _take_leading(x, index, nb):
 
 def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, m: Array, l: Array, *,
                              causal: bool = False, softmax_scale: Optional[float] = None,
-                             window: Optional[Window] = None, schedule: str = "auto",
+                             window: Optional[Window] = None, softcap: Optional[float] = None,
+                             alibi_slopes=None, schedule: str = "auto",
                              precision: str = "highest", deterministic: bool = False,
                              out: Optional[Outputs] = None) -> Outputs:
     """Gradients of exact attention from the forward's outputs (FlashAttention's recomputation backward).
@@ -247,8 +286,10 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
         The forward's output.
     m, l : ndarray, shape (*batch, Nq)
         The forward's statistics, float32 (float64 for float64 inputs).
-    causal, softmax_scale, window : optional
-        As in the forward (the same values the forward was called with).
+    causal, softmax_scale, window, softcap, alibi_slopes : optional
+        As in the forward (the same values the forward was called with). The
+        gradients are those of ``softmax_scale · q kᵀ`` through the softcap
+        (``dS · (1 − tanh²)``); the slopes get no gradient.
     schedule : {'auto', 'v1', 'v2'}, optional
         'v1' runs the portable recomputation kernel (below); 'v2' and 'auto'
         run the Hopper warpgroup-MMA kernels for float16/bfloat16 on sm_90
@@ -300,20 +341,25 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     cupyflash.blocked.backward : the NumPy version (CPU path).
     """
     inputs = {"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}
+    if alibi_slopes is not None:
+        inputs["alibi_slopes"] = alibi_slopes
     plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS,
-                           (causal, softmax_scale, window, schedule, precision, deterministic))
+                           (causal, softmax_scale, window, softcap, schedule, precision, deterministic))
     if plan is not None:
-        return plan(do, q, k, v, o, m, l, out)
-    prob = check_backward(do, q, k, v, o, m, l, causal, softmax_scale, window)
+        return plan(do, q, k, v, o, m, l, out, alibi_slopes)
+    prob = with_mods(check_backward(do, q, k, v, o, m, l, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
     deterministic = check_bool("deterministic", deterministic)
+    slopes = check_alibi(alibi_slopes, prob, _device_id(q, prob))
+    if slopes is not alibi_slopes:
+        key = None
     if out is not None:
         out = check_out(out, BACKWARD_OUTPUTS, (q.shape, k.shape, v.shape), (prob.dtype,) * 3, prob,
                         _device_id(q, prob), inputs)
     if prob.xp is numpy:
-        return _into(out, blocked.backward(do, q, k, v, o, m, l, causal=prob.causal,
-                                           softmax_scale=prob.scale, window=prob.window))
+        return _into(out, blocked.backward(do, q, k, v, o, m, l, causal=prob.causal, softmax_scale=prob.scale,
+                                           window=prob.window, softcap=prob.softcap, alibi_slopes=slopes))
     import cupy
 
     with q.device:
@@ -324,29 +370,32 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
                 x.fill(0)
             return out
         ready, key = _kernel_ready((do, q, k, v, o), key)
-        return _backward_gpu(*ready, m, l, prob.batch_shape, prob, schedule, precision, deterministic, key, out)
+        return _backward_gpu(*ready, m, l, slopes, prob.batch_shape, prob, schedule, precision, deterministic, key,
+                             out)
 
 
-def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, precision, deterministic, key=None, out=None):
+def _backward_gpu(do, q, k, v, o, m, l, slopes, batch_shape, prob, schedule, precision, deterministic, key=None,
+                  out=None):
     """Plan and run; a single plan is kept under ``key`` (``_call_key``) for like calls."""
     nb = len(batch_shape)
     own = [_launch.contiguous_strides(x.shape)[:-2] for x in (q, k, v)]
-    strides = [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch_shape)
-               for x in (q, k, v, o, do)]
+    strides = _batch_strides((q, k, v, o, do), batch_shape)
     strides += [_launch.batch_strides(x.shape, s, batch_shape) for x, s in zip((q, k, v), own)]
+    strides += _batch_strides(_as_matrix(slopes), batch_shape)
     layout = _launch.collapse_batch(batch_shape, strides)
     if layout is not None:
         plan = _launch.backward_plan(do, q, k, v, o, schedule=schedule, precision=precision, geometry=prob.geometry,
-                                     scale=prob.scale, deterministic=deterministic, layout=layout)
+                                     scale=prob.scale, deterministic=deterministic, layout=layout,
+                                     mods=_mods(prob, slopes))
         _launch.keep_plan(key, plan)
-        return plan(do, q, k, v, o, m, l, out)
+        return plan(do, q, k, v, o, m, l, out, slopes)
     # peel the leading batch dim; a gradient is summed where its input broadcast along it
     import cupy
 
     _refuse_while_capturing("more than three batch dims that cannot be merged are computed piece by piece")
 
     parts = [_backward_gpu(do[i], *(_take_leading(x, i, nb) for x in (q, k, v)), o[i], m[i], l[i],
-                           batch_shape[1:], prob, schedule, precision, deterministic)
+                           _leading_slopes(slopes, i, nb), batch_shape[1:], prob, schedule, precision, deterministic)
              for i in range(batch_shape[0])]
     grads = []
     for n, x in enumerate((q, k, v)):
@@ -361,12 +410,13 @@ def _backward_gpu(do, q, k, v, o, m, l, batch_shape, prob, schedule, precision, 
 
 
 def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softmax_scale: Optional[float] = None,
-                    window: Optional[Window] = None, schedule: str = "auto", precision: str = "highest") -> Array:
+                    window: Optional[Window] = None, softcap: Optional[float] = None, alibi_slopes=None,
+                    schedule: str = "auto", precision: str = "highest") -> Array:
     """Exact attention ``softmax(softmax_scale · q kᵀ) v``; the ``o`` of :func:`flash_attention_forward`.
 
     Parameters
     ----------
-    q, k, v, causal, softmax_scale, window, schedule, precision
+    q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, schedule, precision
         As in :func:`flash_attention_forward`.
 
     Returns
@@ -378,5 +428,5 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
     flash_attention_forward : also returns the statistics ``m`` and ``l``.
     """
     return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
-                                   schedule=schedule,
+                                   softcap=softcap, alibi_slopes=alibi_slopes, schedule=schedule,
                                    precision=precision)[0]

@@ -6,11 +6,11 @@
 //   flash_bwd           one CTA per (batch*head, K/V tile j, head-dim chunk):
 //                       K_j, V_j stay in SRAM, dK_j, dV_j accumulate in
 //                       registers, the CTA walks the Q tiles i:
-//                           S_ij^T  = K_j Q_i^T
+//                           S_ij^T  = K_j Q_i^T   (scaled, modified: score_mod.cuh)
 //                           P_ij^T  = exp(S_ij^T - m_i) / l_i
 //                           dV_j   += P_ij^T dO_i
 //                           dP_ij^T = V_j dO_i^T
-//                           dS_ij^T = P_ij^T o (dP_ij^T - D_i)
+//                           dS_ij^T = P_ij^T o (dP_ij^T - D_i)   (o ds'/ds, softcap)
 //                           dK_j   += scale dS_ij^T Q_i
 //                           dQ_i   += scale dS_ij K_j   (float atomics into a workspace;
 //                                                        in grid order when deterministic)
@@ -34,6 +34,8 @@
 #include "mma_sm80.cuh"
 #include "nonfinite.cuh"
 #include "params.cuh"
+#include "score_mod.cuh"
+#include "softmax.cuh"
 
 constexpr int DP = FLASH_DP;
 constexpr int B_R = FLASH_BR;
@@ -57,20 +59,27 @@ static_assert(NWARPS % DQ_WM == 0 && DQ_NT * 8 * DQ_WN == DC && DQ_NT % 2 == 0, 
 static_assert(DP % DC == 0 && B_R % 16 == 0, "tile shapes");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
-// P_ij^T = exp(scale S_ij^T - m_i) / l_i in place of a warp's (16, B_R) S_ij^T (key rows key0 .., query
-// columns q0 ..), the difference in natural units as in the forward; MASKED: invisible pairs -> 0
+// P_ij^T = exp(S_ij^T - m_i) / l_i in place of a warp's (16, B_R) raw Q_i K_j^T products (key rows key0 ..,
+// query columns q0 ..): S = scale Q K^T, modified where modifiers apply (T: the softcap's tanh, for
+// softcap_grad), the difference in natural units as in the forward; MASKED: invisible pairs -> 0
 template <bool MASKED>
-__device__ __forceinline__ void probabilities(acc_t (&P)[B_R / 8][4], const Mask& mask, int q0, int key0,
+__device__ __forceinline__ void probabilities(acc_t (&P)[B_R / 8][4], acc_t (&T)[SOFTCAP ? B_R / 8 : 1][4],
+                                              const EntryMods& mods, const Mask& mask, int q0, int key0,
                                               const acc_t* s_m, const acc_t* s_inv_l, acc_t scale) {
     const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+    if constexpr (SCORE_MODS) {
+        scale_scores(P, scale);
+        modify_scores<true, SOFTCAP>(P, T, mods, key0, q0);
+    }
 #pragma unroll
     for (int n = 0; n < B_R / 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int qc = n * 8 + 2 * t + e % 2;    // query column inside the tile
+            const acc_t S_e = SCORE_MODS ? P[n][e] : P[n][e] * scale;
             P[n][e] = (MASKED && !mask.visible(q0 + qc, key0 + g + (e / 2) * 8))
                           ? (acc_t)0
-                          : exp2_acc((P[n][e] * scale - s_m[qc]) * (acc_t)LOG2E) * s_inv_l[qc];
+                          : exp2_acc((S_e - s_m[qc]) * (acc_t)LOG2E) * s_inv_l[qc];
         }
 }
 
@@ -109,6 +118,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
     const acc_t* m_b = p.m_b + bh * Nq;
     const acc_t* inv_l = p.inv_l + bh * Nq;
     const acc_t* Dsum = p.Dsum + bh * Nq;
+    const EntryMods mods = p.mods.at(bi, Nk - Nq);
 
     // load K_j, V_j from HBM into SRAM
     load_tile<B_C, DP>(s_K, k + kv0 * k_sn, k_sn, min(B_C, Nk - kv0), D, vec, tid, NTHREADS);
@@ -162,10 +172,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         if (plain) warp_mma<B_R / 8, DP, false, false, PLAIN>(P, s_K + 16 * warp * QKV_PITCH, QKV_PITCH, s_Q, QKV_PITCH);
         else       warp_mma<B_R / 8, DP, false, false>(P, s_K + 16 * warp * QKV_PITCH, QKV_PITCH, s_Q, QKV_PITCH);
 
-        // P_ij^T = exp(scale S_ij^T - m_i) / l_i; a tile whose pairs are all visible (most of them) takes
+        // P_ij^T = exp(S_ij^T - m_i) / l_i; a tile whose pairs are all visible (most of them) takes
         // the path without the mask
-        if (mask.full(q0, B_R, key0, 16)) probabilities<false>(P, mask, q0, key0, s_m, s_inv_l, scale);
-        else                         probabilities<true>(P, mask, q0, key0, s_m, s_inv_l, scale);
+        acc_t T[SOFTCAP ? B_R / 8 : 1][4];                // the softcap's tanh(S_ij^T / c)
+        if (mask.full(q0, B_R, key0, 16)) probabilities<false>(P, T, mods, mask, q0, key0, s_m, s_inv_l, scale);
+        else                         probabilities<true>(P, T, mods, mask, q0, key0, s_m, s_inv_l, scale);
         store_frag_smem(s_dSw, DS_PITCH, P);
         __syncwarp();
 
@@ -179,11 +190,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         if (plain) warp_mma<B_R / 8, DP, false, false, PLAIN>(dP, s_V + 16 * warp * QKV_PITCH, QKV_PITCH, s_dO, QKV_PITCH);
         else       warp_mma<B_R / 8, DP, false, false>(dP, s_V + 16 * warp * QKV_PITCH, QKV_PITCH, s_dO, QKV_PITCH);
 
-        // dS_ij^T = P_ij^T o (dP_ij^T - D_i)
+        // dS_ij^T = P_ij^T o (dP_ij^T - D_i), by scale Q K^T: o ds'/ds where a softcap applies
 #pragma unroll
         for (int n = 0; n < B_R / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) P[n][e] *= dP[n][e] - s_D[n * 8 + 2 * t + e % 2];
+            for (int e = 0; e < 4; ++e) {
+                P[n][e] *= dP[n][e] - s_D[n * 8 + 2 * t + e % 2];
+                if constexpr (SOFTCAP) P[n][e] *= softcap_grad(T[n][e]);
+            }
         __syncwarp();
         store_frag_smem(s_dSw, DS_PITCH, P);
         __syncwarp();

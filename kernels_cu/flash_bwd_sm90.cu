@@ -47,6 +47,7 @@
 #include "mask.cuh"
 #include "mma_sm80.cuh"
 #include "params.cuh"
+#include "score_mod.cuh"
 #include "sm90.cuh"
 
 constexpr int DP = FLASH_DP;
@@ -80,10 +81,14 @@ static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the s
 // far coarser) and dS_ij^T = P_ij^T o (dP_ij^T - D_i) of a warp's (16, B_R) S_ij^T, dP_ij^T (key rows
 // key0 .., query columns q0 ..), as A fragments 16 queries at a time; `st` holds the tile's lse_i log2 e
 // then D_i. MASKED: invisible pairs -> P = 0 (a row that saw no key has lse = inf: P = 0 too)
+// With modifiers (score_mod.cuh) the exponent takes the modified score in natural units, and dS_ij^T is
+// by scale S_ij^T (o ds'/ds of the softcap).
 template <bool MASKED>
 __device__ __forceinline__ void probabilities(unsigned (&Pf)[B_R / 16][4], unsigned (&dSf)[B_R / 16][4],
                                               const acc_t (&S)[B_R / 8][4], const acc_t (&dP)[B_R / 8][4],
-                                              const acc_t* st, const Mask& mask, int q0, int key0, acc_t scale_log2) {
+                                              const acc_t* st, const Mask& mask, const EntryMods& mods, int q0,
+                                              int key0, acc_t scale) {
+    const acc_t scale_log2 = scale * (acc_t)LOG2E;
     const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int kk = 0; kk < B_R / 16; ++kk) {
@@ -96,10 +101,13 @@ __device__ __forceinline__ void probabilities(unsigned (&Pf)[B_R / 16][4], unsig
             const acc_t neg_lse[2] = {-lse.x, -lse.y}, Dq[2] = {Dv.x, Dv.y};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                pt[half][e] = (MASKED && !mask.visible(q0 + qc + e % 2, key0 + g + (e / 2) * 8))
-                                  ? (acc_t)0
-                                  : exp2_acc(fmaf(S[nn][e], scale_log2, neg_lse[e % 2]));
+                const int i = q0 + qc + e % 2, j = key0 + g + (e / 2) * 8;
+                acc_t th = (acc_t)0, exponent;
+                if constexpr (SCORE_MODS) exponent = fmaf(mods.apply(S[nn][e] * scale, i, j, th), (acc_t)LOG2E, neg_lse[e % 2]);
+                else                      exponent = fmaf(S[nn][e], scale_log2, neg_lse[e % 2]);
+                pt[half][e] = (MASKED && !mask.visible(i, j)) ? (acc_t)0 : exp2_acc(exponent);
                 ds[half][e] = pt[half][e] * (dP[nn][e] - Dq[e % 2]);
+                if constexpr (SOFTCAP) ds[half][e] *= softcap_grad(th);
             }
         }
         // the A fragment of columns 16kk .. 16kk+15: rows g, g+8 of the left, then the right 8
@@ -162,7 +170,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
         constexpr unsigned ATOM = SW_ATOM_BYTES;
         constexpr unsigned K_BLOCK = B_C * SW_COLS * sizeof(elem_t);
 
-        const acc_t scale = (acc_t)p.scale, scale_log2 = scale * (acc_t)LOG2E;
+        const acc_t scale = (acc_t)p.scale;
+        const EntryMods mods = p.mods.at(bi, Nk - Nq);
         acc_t dK[DP / 8][4], dV[DP / 8][4];               // (16, DP) per warp
         zero_frag(dK);
         zero_frag(dV);
@@ -197,8 +206,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
             wgmma_pin(dP);
             unsigned Pf[B_R / 16][4], dSf[B_R / 16][4];  // P^T, dS^T as A fragments, 16 queries at a time
             // A tile whose pairs are all visible (most of them) takes the path without the mask
-            if (mask.full(q0, B_R, key0, 16)) probabilities<false>(Pf, dSf, S, dP, st, mask, q0, key0, scale_log2);
-            else                         probabilities<true>(Pf, dSf, S, dP, st, mask, q0, key0, scale_log2);
+            if (mask.full(q0, B_R, key0, 16)) probabilities<false>(Pf, dSf, S, dP, st, mask, mods, q0, key0, scale);
+            else                         probabilities<true>(Pf, dSf, S, dP, st, mask, mods, q0, key0, scale);
 
             // dV_j += P_ij^T dO_i,  dK_j += dS_ij^T Q_i (scaled at the end)            (64, DP)
             wgmma_fence();

@@ -12,7 +12,8 @@
 //               non-finite scans of the causal diagonal (bwd_sm90.cuh);
 //   consumer 0  S_ij^T  = K_j Q_i^T,  P_ij^T = exp2(S_ij^T scale log2 e - lse_i log2 e) -> s_P (float32),
 //               dV_j += P_ij^T dO_i      (P^T from registers, dO_i N-major)
-//   consumer 1  dP_ij^T = V_j dO_i^T, dS_ij^T = P_ij^T o (dP_ij^T - D_i) (P^T from s_P) -> s_dS,
+//   consumer 1  dP_ij^T = V_j dO_i^T, dS_ij^T = P_ij^T o (dP_ij^T - D_i) (P^T from s_P; with a softcap
+//               s_P holds P^T o ds'/ds) -> s_dS,
 //               dK_j += dS_ij^T Q_i      (dS^T from registers, Q_i N-major; scale at the end)
 //   both        dQ_i = scale dS_ij K_j in (64, 64) blocks, taking turns, staged in float32 in s_dQ and
 //               added a row at a time into the float32 workspace by the copy engine
@@ -44,6 +45,7 @@
 #include "mask.cuh"
 #include "mma_sm80.cuh"
 #include "params.cuh"
+#include "score_mod.cuh"
 #include "sm90.cuh"
 
 constexpr int DP = FLASH_DP;
@@ -78,20 +80,28 @@ static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the s
 // P_ij^T = exp2(S_ij^T scale log2 e - lse_i log2 e) in place of a warp's (16, B_R) S_ij^T (key rows
 // key0 .., query columns q0 ..); `st` holds the tile's lse_i log2 e. MASKED: invisible pairs -> P = 0
 // (a row that saw no key has lse = inf: P = 0 too)
+// With modifiers (score_mod.cuh) the exponent takes the modified score in natural units; Pg gets
+// P_ij^T o ds'/ds of the softcap, the factor dS_ij^T = Pg o (dP_ij^T - D_i) needs.
 template <bool MASKED>
-__device__ __forceinline__ void probabilities(acc_t (&S)[B_R / 8][4], const acc_t* st, const Mask& mask, int q0,
-                                              int key0, acc_t scale_log2) {
+__device__ __forceinline__ void probabilities(acc_t (&S)[B_R / 8][4], acc_t (&Pg)[SOFTCAP ? B_R / 8 : 1][4],
+                                              const acc_t* st, const Mask& mask, const EntryMods& mods, int q0,
+                                              int key0, acc_t scale) {
     const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+    const acc_t scale_log2 = scale * (acc_t)LOG2E;
 #pragma unroll
     for (int nn = 0; nn < B_R / 8; ++nn) {
         const int qc = nn * 8 + 2 * t;   // query columns qc, qc + 1 of the tile
         const float2 lse = *reinterpret_cast<const float2*>(st + qc);
         const acc_t neg_lse[2] = {-lse.x, -lse.y};
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-            S[nn][e] = (MASKED && !mask.visible(q0 + qc + e % 2, key0 + g + (e / 2) * 8))
-                           ? (acc_t)0
-                           : exp2_acc(fmaf(S[nn][e], scale_log2, neg_lse[e % 2]));
+        for (int e = 0; e < 4; ++e) {
+            const int i = q0 + qc + e % 2, j = key0 + g + (e / 2) * 8;
+            acc_t th = (acc_t)0, exponent;
+            if constexpr (SCORE_MODS) exponent = fmaf(mods.apply(S[nn][e] * scale, i, j, th), (acc_t)LOG2E, neg_lse[e % 2]);
+            else                      exponent = fmaf(S[nn][e], scale_log2, neg_lse[e % 2]);
+            S[nn][e] = (MASKED && !mask.visible(i, j)) ? (acc_t)0 : exp2_acc(exponent);
+            if constexpr (SOFTCAP) Pg[nn][e] = S[nn][e] * softcap_grad(th);
+        }
     }
 }
 
@@ -162,7 +172,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
     const int key0 = kv0 + 16 * warp;                  // first key row of this warp
     acc_t* dq_acc = p.dq_acc.at(bi);
     constexpr unsigned K_BLOCK = B_C * SW_COLS * sizeof(elem_t);
-    const acc_t scale = (acc_t)p.scale, scale_log2 = scale * (acc_t)LOG2E;
+    const acc_t scale = (acc_t)p.scale;
+    const EntryMods mods = p.mods.at(bi, Nk - Nq);
     acc_t G[DP / 8][4];                                // dV_j (c = 0) or dK_j (c = 1), (16, DP) per warp
     zero_frag(G);
 
@@ -181,11 +192,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
         if (c == 0) {
             scores(X, s_K, s_Qs);
             // A tile whose pairs are all visible (most of them) takes the path without the mask
-            if (mask.full(q0, B_R, key0, 16)) probabilities<false>(X, st, mask, q0, key0, scale_log2);
-            else                         probabilities<true>(X, st, mask, q0, key0, scale_log2);
+            acc_t Pg[SOFTCAP ? B_R / 8 : 1][4];         // P^T o ds'/ds of the softcap
+            if (mask.full(q0, B_R, key0, 16)) probabilities<false>(X, Pg, st, mask, mods, q0, key0, scale);
+            else                         probabilities<true>(X, Pg, st, mask, mods, q0, key0, scale);
 #pragma unroll
-            for (int nn = 0; nn < B_R / 8; ++nn)
-                s_P[nn * WG_THREADS + wtid] = make_float4(X[nn][0], X[nn][1], X[nn][2], X[nn][3]);
+            for (int nn = 0; nn < B_R / 8; ++nn) {
+                const acc_t (&W)[4] = SOFTCAP ? Pg[SOFTCAP ? nn : 0] : X[nn];   // what dS_ij^T multiplies
+                s_P[nn * WG_THREADS + wtid] = make_float4(W[0], W[1], W[2], W[3]);
+            }
             named_barrier_arrive(P_WRITTEN, CONSUMER_THREADS);
             frag_to_a(A, X);
             issue_grad(G, A, s_dOs);                   // dV_j += P_ij^T dO_i

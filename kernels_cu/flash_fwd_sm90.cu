@@ -52,6 +52,7 @@
 #include "mma_sm80.cuh"
 #include "nonfinite.cuh"
 #include "params.cuh"
+#include "score_mod.cuh"
 #include "sm90.cuh"
 #include "softmax.cuh"
 
@@ -261,17 +262,24 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
 
             acc_t O[DP / 8][4];                             // (16, DP) per warp: unnormalised O_i
             zero_frag(O);
-            // m_i in units of raw scores Q K^T (the softmax scales differences: scale > 0, checked on the host)
+            // m_i in units of raw scores Q K^T (the softmax scales differences: scale > 0, checked on the
+            // host), natural units where modifiers apply
+            const EntryMods mods = p.mods.at(p.batch.split(w.bh), Nk - Nq);
             acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
             acc_t S[B_C / 8][4];                            // (16, B_C) per warp: S_ij, then P~_ij
             unsigned P[B_C / 16][4];                        // P~_ij as A fragments
             acc_t m_new[2], alpha[2], rowsum[2];
 
-            // S_ij -> P~_ij, its statistics into m_new, alpha, rowsum (masked online softmax)
+            // S_ij -> P~_ij, its statistics into m_new, alpha, rowsum (masked online softmax). Modified
+            // scores (score_mod.cuh) are taken in natural units, as the modifiers define them.
             auto softmax_step = [&](int j) {
                 const int kv0 = (w.j_first + j) * B_C;
+                if constexpr (SCORE_MODS) {
+                    scale_scores(S, scale);
+                    modify_scores(S, mods, r0, kv0);
+                }
                 mask_scores(S, mask, r0, kv0);
-                online_softmax(S, m_i, m_new, alpha, rowsum, log2_scale);
+                online_softmax(S, m_i, m_new, alpha, rowsum, SCORE_MODS ? (acc_t)LOG2E : log2_scale);
             };
             // m_i <- m_new;  l_i <- alpha l_i + rowsum(P~_ij);  O_i <- alpha O_i (skipped while no row
             // max of the warp moved: alpha = 1 exactly);  P~_ij to A fragments
@@ -365,7 +373,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             for (int j = my_stop > 0 ? my_stop + 1 : 0; j <= j_stop; ++j) idle_step(j);
 
             // O_i = diag(l_i)^-1 O_i; write O_i, m_i (in natural units), l_i to HBM
-            store_output_rows(p.o + w.bh * Nq * D, p.m + w.bh * Nq, p.l + w.bh * Nq, O, m_i, l_i, scale, r0, Nq,
+            store_output_rows(p.o + w.bh * Nq * D, p.m + w.bh * Nq, p.l + w.bh * Nq, O, m_i, l_i, SCORE_MODS ? (acc_t)1 : scale, r0, Nq,
                               D);
             kv += j_stop;
         }

@@ -28,6 +28,7 @@
 #include "mma_sm80.cuh"
 #include "nonfinite.cuh"
 #include "params.cuh"
+#include "score_mod.cuh"
 #include "softmax.cuh"
 
 constexpr int DP = FLASH_DP;
@@ -81,6 +82,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
     acc_t* o_run = p.o_run + bh * Nq * DP;
     acc_t* m_run = p.m + bh * Nq;
     acc_t* l_run = p.l + bh * Nq;
+    const EntryMods mods = p.mods.at(bi, Nk - Nq);
 
     const int T_r = (Nq + B_R - 1) / B_R;
     if (split >= T_r) return;
@@ -130,12 +132,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
             load_tile<16, DP>(s_Qw, q + r0 * q_sn, q_sn, min(16, Nq - r0), D, vec, lane, WARP_SIZE);
             __syncwarp();
 
-            // S_ij = Q_i K_j^T                                              (16, B_C)
+            // S_ij = scale Q_i K_j^T, modified, masked                       (16, B_C)
             acc_t S[B_C / 8][4];
             zero_frag(S);
             warp_mma<B_C / 8, DP, false, false>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
 
-            scale_and_mask(S, scale, mask, r0, kv0);
+            final_scores(S, scale, mods, mask, r0, kv0);
 
             // m_i^new = max(m_i, rowmax(S_ij));  P~_ij = exp(S_ij - m_i^new);  l_i^new = e^(m_i - m_i^new) l_i + rowsum(P~_ij)
             acc_t m_new[2], alpha[2], rowsum[2], l_new[2];

@@ -23,6 +23,7 @@
 #include "mma_sm80.cuh"
 #include "nonfinite.cuh"
 #include "params.cuh"
+#include "score_mod.cuh"
 #include "softmax.cuh"
 
 constexpr int DP = FLASH_DP;
@@ -85,6 +86,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
     elem_t* o = p.o + bh * Nq * D;
     acc_t* m_out = p.m + bh * Nq;
     acc_t* l_out = p.l + bh * Nq;
+    const EntryMods mods = p.mods.at(bi, Nk - Nq);
 
     const int r0 = i * B_R + 16 * warp;                 // first query row of this warp
     // the K/V tiles this CTA needs: j_first .. j_stop - 1; tile j lies in stage j % STAGES
@@ -129,7 +131,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
         if (edge && mask.banded() && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS))
             p.repair_flags[bh * T_r + i] = 1u;
 
-        // S_ij = scale Q_i K_j^T                                           (16, B_C)
+        // S_ij = scale Q_i K_j^T, then its modifiers (score_mod.cuh)        (16, B_C)
         acc_t S[B_C / 8][4];
         zero_frag(S);
 #if FLASH_TENSOR_CORES
@@ -140,6 +142,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
         else       warp_mma<B_C / 8, DP, false, false, GUARDED, TF32_UNROLL>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
 #endif
         scale_scores(S, scale);
+        if constexpr (SCORE_MODS) modify_scores(S, mods, r0, kv0);
         if (edge) mask_scores(S, mask, r0, kv0);
 
         // m_i^new = max(m_i, rowmax(S_ij));  P~_ij = exp(S_ij - m_i^new)

@@ -12,7 +12,8 @@
 //                      the first flagged entry among them redoes the rows. It writes the sums the
 //                      conversion reads (dq_acc; dk_acc, dv_acc when kv_atomic), or dk, dv themselves.
 //
-// S_ij = scale q_i . k_j. A row that saw no key (l_i = 0) adds nothing, as in the main kernels. One
+// S_ij = scale q_i . k_j, modified where modifiers apply (score_mod.cuh; dS_ij is then by scale
+// q_i . k_j, o ds'/ds of the softcap). A row that saw no key (l_i = 0) adds nothing, as in the main kernels. One
 // warp per row, the head dim over its lanes (RPL elements each), one visible pair at a time: slow,
 // and only inputs with inf or NaN reach it. Each CTA reads its share of the flags in one load per
 // thread and returns when none is set, so a call with finite inputs costs one small launch.
@@ -20,6 +21,7 @@
 #include "layout.cuh"
 #include "mask.cuh"
 #include "params.cuh"
+#include "score_mod.cuh"
 #include "types.cuh"
 
 constexpr int DP = FLASH_DP;
@@ -155,6 +157,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_repair(const Fw
         const elem_t* q_h = p.q.at(bi);
         const elem_t* k_h = p.k.at(bi);
         const elem_t* v_h = p.v.at(bi);
+        const EntryMods mods = p.mods.at(bi, mask.Nk - Nq);
         for (int r = r0 + warp; r < min(r0 + tile_rows, Nq); r += NWARPS) {
             const acc_t m_i = p.m[bh * Nq + r], l_i = p.l[bh * Nq + r];
             acc_t q_i[RPL], o_i[RPL] = {};
@@ -164,7 +167,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_repair(const Fw
                     acc_t k_j[RPL], v_j[RPL];
                     load_row(k_j, k_h + j * p.k.sn, D);
                     load_row(v_j, v_h + j * p.v.sn, D);
-                    const acc_t pr = exp2_acc((dot(q_i, k_j) * scale - m_i) * (acc_t)LOG2E);
+                    acc_t th = (acc_t)0;
+                    const acc_t pr = exp2_acc((mods.apply(dot(q_i, k_j) * scale, r, j, th) - m_i) * (acc_t)LOG2E);
 #pragma unroll
                     for (int e = 0; e < RPL; ++e) o_i[e] += pr * v_j[e];
                 }
@@ -194,13 +198,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_repair(const Bw
 
     // P_ij and dS_ij of entry bh's rows i, j (q_i, dO_i, k_j, v_j this lane's elements); false where
     // row i saw no key
-    auto pair_terms = [&](i64 bh, int i, const acc_t (&q_i)[RPL], const acc_t (&do_i)[RPL], const acc_t (&k_j)[RPL],
-                          const acc_t (&v_j)[RPL], acc_t& P_ij, acc_t& dS_ij) {
-        acc_t s, dp;
+    auto pair_terms = [&](i64 bh, int i, int j, const acc_t (&q_i)[RPL], const acc_t (&do_i)[RPL],
+                          const acc_t (&k_j)[RPL], const acc_t (&v_j)[RPL], acc_t& P_ij, acc_t& dS_ij) {
+        acc_t s, dp, th = (acc_t)0;
         dot2(q_i, k_j, do_i, v_j, s, dp);
         const acc_t l_i = p.l[bh * Nq + i];
-        P_ij = l_i == (acc_t)0 ? (acc_t)0 : exp2_acc((s * scale - p.m[bh * Nq + i]) * (acc_t)LOG2E) / l_i;
-        dS_ij = P_ij * (dp - p.Dsum[bh * Nq + i]);
+        s = p.mods.at(p.batch.split(bh), Nk - Nq).apply(s * scale, i, j, th);
+        P_ij = l_i == (acc_t)0 ? (acc_t)0 : exp2_acc((s - p.m[bh * Nq + i]) * (acc_t)LOG2E) / l_i;
+        dS_ij = P_ij * (dp - p.Dsum[bh * Nq + i]) * softcap_grad(th);
         return l_i != (acc_t)0;
     };
 
@@ -223,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_repair(const Bw
                     acc_t k_j[RPL], v_j[RPL], P_ij, dS_ij;
                     load_row(k_j, rows.k + j * p.k.sn, D);
                     load_row(v_j, rows.v + j * p.v.sn, D);
-                    pair_terms(e_bh, i, q_i, do_i, k_j, v_j, P_ij, dS_ij);
+                    pair_terms(e_bh, i, j, q_i, do_i, k_j, v_j, P_ij, dS_ij);
 #pragma unroll
                     for (int e = 0; e < RPL; ++e) dq_i[e] += dS_ij * k_j[e];
                 }
@@ -251,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_repair(const Bw
                     acc_t q_i[RPL], do_i[RPL], P_ij, dS_ij;
                     load_row(q_i, rows.q + i * p.q.sn, D);
                     load_row(do_i, rows.dO + i * p.dO.sn, D);
-                    if (!pair_terms(e_bh, i, q_i, do_i, k_j, v_j, P_ij, dS_ij)) continue;
+                    if (!pair_terms(e_bh, i, j, q_i, do_i, k_j, v_j, P_ij, dS_ij)) continue;
 #pragma unroll
                     for (int e = 0; e < RPL; ++e) g_j[e] += grad_k ? dS_ij * q_i[e] : P_ij * do_i[e];
                 }

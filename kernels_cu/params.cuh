@@ -13,6 +13,7 @@
 
 #include "layout.cuh"
 #include "mask.cuh"
+#include "score_mod.cuh"
 #include "types.cuh"
 
 // A tensor of the call as the kernels read it: base pointer, element strides along the three
@@ -53,6 +54,7 @@ struct FwdParams {
     unsigned* repair_flags;    // (BH, T_r) zeroed, causal: Q tiles for flash_fwd_repair
     Batch batch;
     Mask mask;
+    ScoreMods mods;            // softcap, ALiBi slopes (score_mod.cuh; read where compiled in)
     int D;
     int vec;                   // 16-byte loads of q, k, v are safe (aligned rows, D % VEC == 0)
     int head_group;            // heads per group of the grid order (layout.cuh: grid_tile)
@@ -89,6 +91,7 @@ struct BwdParams {
     i64 convert_elems[3];      // elements of dq, dk, dv that flash_convert converts (0: none)
     Batch batch;
     Mask mask;
+    ScoreMods mods;
     int D;
     int vec;                   // 16-byte loads of q, k, v, dO are safe
     int prep_vec;              // 16-byte loads of o, dO are safe

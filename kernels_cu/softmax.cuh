@@ -4,6 +4,7 @@
 #pragma once
 
 #include "mask.cuh"
+#include "score_mod.cuh"
 #include "types.cuh"
 
 // The larger of a and b, NaN if either is (fmax drops a NaN): a NaN score makes its row's m NaN,
@@ -36,10 +37,13 @@ __device__ __forceinline__ void scale_scores(acc_t (&S)[NT][4], acc_t scale) {
         for (int e = 0; e < 4; ++e) S[n][e] *= scale;
 }
 
-// ... and invisible pairs -> -inf
+// ... then its modifiers (score_mod.cuh), then invisible pairs -> -inf: the final scores of a warp's
+// tile, first row r0, first key kv0
 template <int NT>
-__device__ __forceinline__ void scale_and_mask(acc_t (&S)[NT][4], acc_t scale, const Mask& mask, int r0, int kv0) {
+__device__ __forceinline__ void final_scores(acc_t (&S)[NT][4], acc_t scale, const EntryMods& mods, const Mask& mask,
+                                             int r0, int kv0) {
     scale_scores(S, scale);
+    if constexpr (SCORE_MODS) modify_scores(S, mods, r0, kv0);
     mask_scores(S, mask, r0, kv0);
 }
 

@@ -107,21 +107,23 @@ def poisoned_inputs(rng, dtype, case, head_dim=64, layout="own"):
 
 
 def assert_non_finite_rules(dtype, causal, case, to_device=lambda *arrays: arrays, head_dim=64, layout="own",
-                            window=None, **options):
+                            window=None, mods=None, **options):
     """Forward and backward of ``poisoned_inputs`` (arrays through ``to_device``, calls with ``options``)
     against the mask-exact reference: o, m, l and the gradients non-finite exactly where its are, and
     close where both are finite; rows 0-39, which see no key when causal, empty (o = 0, m = -inf, l = 0,
-    dq = 0). ``case`` "do" poisons only the backward's input; ``window`` goes to every call."""
+    dq = 0). ``case`` "do" poisons only the backward's input; ``window`` and the score modifiers ``mods``
+    (a dict: softcap, alibi_slopes) go to every call."""
     from cupyflash import flash_attention_backward, flash_attention_forward, reference
 
     rng = numpy.random.default_rng(13)
     q, k, v, do = poisoned_inputs(rng, dtype, case, head_dim, layout)
-    out = flash_attention_forward(*to_device(q, k, v), causal=causal, window=window, **options)
-    refs = reference.attention_forward(q, k, v, causal=causal, window=window)
+    mods = mods or {}
+    out = flash_attention_forward(*to_device(q, k, v), causal=causal, window=window, **mods, **options)
+    refs = reference.attention_forward(q, k, v, causal=causal, window=window, **mods)
     for name, got, ref in zip("oml", out, refs):
         assert_non_finite_like(name, got, ref, dtype)
-    grads = flash_attention_backward(*to_device(do, q, k, v), *out, causal=causal, window=window, **options)
-    ref_grads = reference.attention_backward(do, q, k, v, *refs, causal=causal, window=window)
+    grads = flash_attention_backward(*to_device(do, q, k, v), *out, causal=causal, window=window, **mods, **options)
+    ref_grads = reference.attention_backward(do, q, k, v, *refs, causal=causal, window=window, **mods)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert_non_finite_like(name, got, ref, dtype)
     if causal:

@@ -44,18 +44,21 @@ def api_schedule(schedule):
     return schedule.split("-")[0]
 
 
-def run_forward(q, k, v, causal, scale, schedule, window=None):
+def run_forward(q, k, v, causal, scale, schedule, window=None, **mods):
     poison_pool()
     o, m, l = cupyflash.flash_attention_forward(*to_gpu(q, k, v), causal=causal, softmax_scale=scale, window=window,
-                                                schedule=api_schedule(schedule))
+                                                schedule=api_schedule(schedule), **mods)
     return o.get(), m.get(), l.get()
 
 
-def check_forward(dtype, q, k, v, causal, scale, schedule, window=None):
-    o, m, l = run_forward(q, k, v, causal, scale, schedule, window)
-    o_ref, m_ref, l_ref = reference.attention_forward(q, k, v, causal=causal, softmax_scale=scale, window=window)
+def check_forward(dtype, q, k, v, causal, scale, schedule, window=None, **mods):
+    """The GPU forward of ``schedule`` against the float64 reference, within twice a naive same-precision
+    attention's error; ``mods`` the score modifiers (softcap, alibi_slopes)."""
+    o, m, l = run_forward(q, k, v, causal, scale, schedule, window, **mods)
+    o_ref, m_ref, l_ref = reference.attention_forward(q, k, v, causal=causal, softmax_scale=scale, window=window,
+                                                      **mods)
     o_naive, m_naive, l_naive = yardsticks.naive_same_precision_forward(q, k, v, causal=causal, softmax_scale=scale,
-                                                                        window=window)
+                                                                        window=window, **mods)
     assert o.dtype == q.dtype and o.shape == o_ref.shape and o.flags.c_contiguous
     assert m.dtype == l.dtype == (numpy.float64 if dtype == "float64" else numpy.float32)
     assert_twice_naive("o", o, o_ref, o_naive, dtype, FWD_CEILING)
@@ -63,11 +66,13 @@ def check_forward(dtype, q, k, v, causal, scale, schedule, window=None):
     assert_twice_naive("l", l, l_ref, l_naive, dtype, L_CEILING)
 
 
-def check_backward(dtype, q, k, v, causal, scale, rng, schedule, window=None, deterministic=False):
+def check_backward(dtype, q, k, v, causal, scale, rng, schedule, window=None, deterministic=False, **mods):
+    """The GPU backward of ``schedule`` (after its forward) against the float64 reference; ``mods`` as in
+    check_forward."""
     import cupy
 
     qg, kg, vg = to_gpu(q, k, v)
-    mask = dict(causal=causal, softmax_scale=scale, window=window)
+    mask = dict(causal=causal, softmax_scale=scale, window=window, **mods)
     o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, **mask, schedule=api_schedule(schedule))
     do = rng.standard_normal(o.shape).astype(DTYPE_BY_NAME[dtype])
     poison_pool()
@@ -76,8 +81,8 @@ def check_backward(dtype, q, k, v, causal, scale, rng, schedule, window=None, de
     refs = reference.attention_backward(do, q, k, v, *reference.attention_forward(q, k, v, **mask), **mask)
     naive = yardsticks.naive_same_precision_backward(do, q, k, v, **mask)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    mags = gradient_magnitudes(do, q, k, v, causal, scale, window)
-    logit = largest_logit(q, k, causal, scale, window)
+    mags = gradient_magnitudes(do, q, k, v, causal, scale, window, **mods)
+    logit = largest_logit(q, k, causal, scale, window, **mods)
     for name, g, ref, nv, mag, x in zip(("dq", "dk", "dv"), grads, refs, naive, mags, (q, k, v)):
         g = g.get()
         assert g.shape == x.shape and g.dtype == x.dtype and g.flags.c_contiguous

@@ -116,22 +116,30 @@ def _visible(Nq, Nk, causal, window):
     return _visibility(Nq, Nk, causal, window, None)
 
 
-def _softmax_rows(q, k, causal, scale, window=None):
+def _final_scores(q, k, causal, scale, window=None, **mods):
+    """The final scores (float64) of the reference semantics (score modifiers ``mods``: softcap,
+    alibi_slopes), -inf where hidden."""
+    from cupyflash.reference import _Scores
+
+    q, k = (numpy.asarray(x, numpy.float64) for x in (q, k))
+    return _Scores(q, k, scale, causal=causal, window=window, softcap=mods.get("softcap"),
+                   alibi_slopes=mods.get("alibi_slopes"), bias=None, mask=None).S
+
+
+def _softmax_rows(q, k, causal, scale, window=None, **mods):
     """P (float64) of the reference semantics; rows that see no key are 0."""
-    S = scale * (q @ numpy.swapaxes(k, -1, -2))
-    visible = _visible(*S.shape[-2:], causal, window)
-    if visible is not None:
-        S = numpy.where(visible, S, -numpy.inf)
+    S = _final_scores(q, k, causal, scale, window, **mods)
     m = S.max(axis=-1, keepdims=True)
     P = numpy.exp(S - numpy.where(numpy.isfinite(m), m, 0))
     denom = P.sum(axis=-1, keepdims=True)
     return P / numpy.where(denom > 0, denom, 1)
 
 
-def gradient_magnitudes(do, q, k, v, causal, scale, window=None):
-    """||dq||, ||dk||, ||dv|| computed from the absolute values of their terms (no cancellation)."""
+def gradient_magnitudes(do, q, k, v, causal, scale, window=None, **mods):
+    """||dq||, ||dk||, ||dv|| computed from the absolute values of their terms (no cancellation; the
+    softcap's factor 1 - tanh^2 <= 1 is bounded by 1)."""
     do, q, k, v = (numpy.asarray(x, numpy.float64) for x in (do, q, k, v))
-    P = _softmax_rows(q, k, causal, scale, window)
+    P = _softmax_rows(q, k, causal, scale, window, **mods)
     o = P @ v
     dS_bound = P * (numpy.abs(do) @ numpy.swapaxes(numpy.abs(v), -1, -2)
                     + numpy.abs((do * o).sum(-1, keepdims=True)))
@@ -140,13 +148,11 @@ def gradient_magnitudes(do, q, k, v, causal, scale, window=None):
     return [float(numpy.linalg.norm(m)) for m in mags]
 
 
-def largest_logit(q, k, causal, scale, window=None) -> float:
-    """max |scale q_i . k_j| over the visible pairs (0 where there are none)."""
-    S = numpy.abs(scale * (numpy.asarray(q, numpy.float64) @ numpy.swapaxes(numpy.asarray(k, numpy.float64), -1, -2)))
-    visible = _visible(*S.shape[-2:], causal, window)
-    if visible is not None:
-        S = numpy.where(visible, S, 0.0)
-    return float(S.max(initial=0.0))
+def largest_logit(q, k, causal, scale, window=None, **mods) -> float:
+    """max |s| of the final scores (scale q_i . k_j, modified by ``mods``) over the visible pairs (0
+    where there are none)."""
+    S = numpy.abs(_final_scores(q, k, causal, scale, window, **mods))
+    return float(numpy.where(numpy.isfinite(S), S, 0.0).max(initial=0.0))
 
 
 def assert_gradient(name, got, ref, naive, magnitude, dtype, logit=0.0):

@@ -27,8 +27,23 @@ def _rounded(x, dtype):
     return x.astype(dtype)
 
 
-def _same_precision_forward(q, k, v, causal, softmax_scale, window=None):
-    """Forward of `naive_same_precision_forward`, also returning the rounded P."""
+def _modified(S, softcap, alibi_slopes, n_k):
+    """The score modifiers on S in its own precision (reference order): ``softcap tanh(S / softcap)``,
+    then ``- slope |i + off - j|``; also tanh(S / softcap) (None without a softcap)."""
+    t = None
+    if softcap is not None:
+        c = S.dtype.type(softcap)
+        t = np.tanh(S / c)
+        S = c * t
+    if alibi_slopes is not None:
+        n_q = S.shape[-2]
+        distance = np.abs(np.arange(n_q)[:, None] + (n_k - n_q) - np.arange(n_k)[None, :]).astype(S.dtype)
+        S = S - np.asarray(alibi_slopes, S.dtype)[..., None, None] * distance
+    return S, t
+
+
+def _same_precision_forward(q, k, v, causal, softmax_scale, window=None, softcap=None, alibi_slopes=None):
+    """Forward of `naive_same_precision_forward`, also returning the rounded P and the softcap's tanh."""
     q, k, v = (np.asarray(x) for x in (q, k, v))
     dtype = q.dtype
     acc = accumulator_dtype(dtype)
@@ -37,17 +52,19 @@ def _same_precision_forward(q, k, v, causal, softmax_scale, window=None):
     scale = acc.type(resolve_scale(softmax_scale, q.shape[-1]))
 
     vis = _visibility(n_q, k.shape[-2], causal, window, None)
-    S = _rounded(_naive_scores(q.astype(acc), k.astype(acc), scale, vis), dtype)     # (*batch, Nq, Nk)
+    S, t = _modified(_naive_scores(q.astype(acc), k.astype(acc), scale, None), softcap, alibi_slopes, k.shape[-2])
+    S = _rounded(S if vis is None else np.where(vis, S, NEG_INF), dtype)            # (*batch, Nq, Nk)
     S_acc = S.astype(acc)
     m = S_acc.max(axis=-1, initial=NEG_INF)                                          # (*batch, Nq)
     P_unnormalised = np.exp(S_acc - exp_shift(m)[..., None])
     l = P_unnormalised.sum(axis=-1)                                                  # (*batch, Nq)
     P = _rounded(P_unnormalised * reciprocal_or_zero(l)[..., None], dtype)          # (*batch, Nq, Nk)
     o = _rounded(P.astype(acc) @ v.astype(acc), dtype)                               # (*batch, Nq, D)
-    return o, m, l, P
+    return o, m, l, P, t
 
 
-def naive_same_precision_forward(q, k, v, *, causal=False, softmax_scale=None, window=None):
+def naive_same_precision_forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None,
+                                 alibi_slopes=None):
     """Naive attention forward in the input precision.
 
     Emulates a naive GPU attention run in the input dtype: each product is
@@ -68,6 +85,9 @@ def naive_same_precision_forward(q, k, v, *, causal=False, softmax_scale=None, w
         Bottom-right aligned causal mask, as in `cupyflash.reference.attention_forward`.
     window : (int or None, int or None), optional
         A sliding window, as in `cupyflash.reference.attention_forward`.
+    softcap, alibi_slopes : optional
+        The score modifiers, as in `cupyflash.reference.attention_forward`, applied in the
+        accumulator precision before the scores are rounded.
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(D)``; applied to the ``q k^T`` product before
         it is rounded.
@@ -90,11 +110,12 @@ def naive_same_precision_forward(q, k, v, *, causal=False, softmax_scale=None, w
     --------
     cupyflash.reference.attention_forward : the float64 truth this is compared against.
     """
-    o, m, l, _ = _same_precision_forward(q, k, v, causal, softmax_scale, window)
+    o, m, l, _, _ = _same_precision_forward(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes)
     return o, m, l
 
 
-def naive_same_precision_backward(do, q, k, v, *, causal=False, softmax_scale=None, window=None):
+def naive_same_precision_backward(do, q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None,
+                                  alibi_slopes=None):
     """Naive attention backward in the input precision.
 
     Recomputes the forward of `naive_same_precision_forward` and
@@ -114,6 +135,9 @@ def naive_same_precision_backward(do, q, k, v, *, causal=False, softmax_scale=No
         Bottom-right aligned causal mask, as in `cupyflash.reference.attention_forward`.
     window : (int or None, int or None), optional
         A sliding window, as in `cupyflash.reference.attention_forward`.
+    softcap, alibi_slopes : optional
+        The score modifiers, as in `cupyflash.reference.attention_forward`, applied in the
+        accumulator precision before the scores are rounded.
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(D)``.
 
@@ -139,7 +163,7 @@ def naive_same_precision_backward(do, q, k, v, *, causal=False, softmax_scale=No
     cupyflash.reference.attention_backward : the float64 truth this is compared against.
     """
     shapes = [np.shape(x) for x in (q, k, v)]
-    o, _, _, P = _same_precision_forward(q, k, v, causal, softmax_scale, window)
+    o, _, _, P, t = _same_precision_forward(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes)
     do, q, k, v = (np.asarray(x) for x in (do, q, k, v))
     dtype = q.dtype
     acc = accumulator_dtype(dtype)
@@ -149,7 +173,10 @@ def naive_same_precision_backward(do, q, k, v, *, causal=False, softmax_scale=No
     dV = _rounded(transpose(P_acc) @ do_acc, dtype)                        # (*batch, Nk, D)
     dP = _rounded(do_acc @ transpose(v_acc), dtype)                        # (*batch, Nq, Nk)
     D = np.sum(do_acc * o.astype(acc), axis=-1)                             # (*batch, Nq)
-    dS = _rounded(P_acc * (dP.astype(acc) - D[..., None]), dtype)           # (*batch, Nq, Nk)
+    dS = P_acc * (dP.astype(acc) - D[..., None])
+    if t is not None:   # by scale q k^T through the softcap
+        dS = dS * (1 - t * t)
+    dS = _rounded(dS, dtype)                                                # (*batch, Nq, Nk)
     dS_acc = dS.astype(acc)
     dQ = _rounded(scale * (dS_acc @ k_acc), dtype)                          # (*batch, Nq, D)
     dK = _rounded(scale * (transpose(dS_acc) @ q_acc), dtype)              # (*batch, Nk, D)

@@ -1,0 +1,271 @@
+"""The score modifiers ``softcap`` and ``alibi_slopes`` on every path: the NumPy path and the
+validation on the CPU, every GPU kernel (V1, V2, the Hopper forward and backwards, the non-finite
+repair) against the float64 reference.
+
+With ``off = Nk - Nq`` the final score of query ``i`` and key ``j`` is
+``c tanh(scale q_i . k_j / c) - slope |i + off - j|`` (softcap ``c``, the batch entry's ALiBi
+``slope``), then the mask; ``m``, ``l`` are the statistics of the final scores and the gradients
+are those of ``scale q k^T`` through the softcap.
+"""
+
+import numpy
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import cupyflash
+from cupyflash import _tiles, reference
+from helpers import DTYPE_BY_NAME, assert_non_finite_rules, gpu_test, random_inputs, to_gpu
+from strategies import attention_problem_shapes
+from test_gpu import check_backward, check_forward
+from test_window import WINDOWS, assert_float64_close
+
+# a softcap: none, or from "caps most scores" to "caps none" (random scores are a few units)
+SOFTCAPS = st.one_of(st.none(), st.sampled_from([0.5, 2.0, 5.0, 30.0]))
+# how the slopes broadcast: none, one per entry of the last batch dim (heads), one per entry, one for all
+SLOPE_KINDS = st.sampled_from([None, "heads", "entries", "scalar"])
+
+
+def alibi_slopes(kind, batch_shape, rng):
+    """Slopes of ``kind`` for ``batch_shape`` (float32, as ALiBi's geometric slopes are), or None."""
+    if kind is None:
+        return None
+    shape = {"heads": batch_shape[-1:], "entries": tuple(batch_shape), "scalar": ()}[kind]
+    return (2.0 ** -rng.uniform(0, 8, shape)).astype(numpy.float32)
+
+
+def drawn_mods(softcap, kind, q_shape, kv_shape, rng):
+    batch = numpy.broadcast_shapes(q_shape[:-2], kv_shape[:-2])
+    mods = {}
+    if softcap is not None:
+        mods["softcap"] = softcap
+    slopes = alibi_slopes(kind, batch, rng)
+    if slopes is not None:
+        mods["alibi_slopes"] = slopes
+    return mods
+
+
+# ---------------------------------------------------------------------------
+# CPU: the NumPy path, the checks, the specialisations
+
+
+@settings(deadline=None, max_examples=40)
+@given(attention_problem_shapes(), WINDOWS, SOFTCAPS, SLOPE_KINDS, st.integers(0, 2**32 - 1))
+@example(("float64", (2, 3, 113, 64), (2, 3, 200, 64), True, None), (None, None), 2.0, "heads", 0)
+def test_numpy_path_takes_the_score_modifiers(problem, window, softcap, kind, seed):
+    """The API's NumPy path (the blocked Algorithm 1, float64) equals the float64 reference with any
+    softcap and slopes, under any mask."""
+    _, q_shape, kv_shape, causal, scale = problem
+    rng = numpy.random.default_rng(seed)
+    q, k, v = random_inputs(rng, "float64", q_shape, kv_shape)
+    kw = dict(causal=causal, softmax_scale=scale, window=window, **drawn_mods(softcap, kind, q_shape, kv_shape, rng))
+    out = cupyflash.flash_attention_forward(q, k, v, **kw)
+    refs = reference.attention_forward(q, k, v, **kw)
+    do = rng.standard_normal(out[0].shape)
+    grads = cupyflash.flash_attention_backward(do, q, k, v, *out, **kw)
+    ref_grads = reference.attention_backward(do, q, k, v, *refs, **kw)
+    for name, got, ref in zip(("o", "m", "l", "dq", "dk", "dv"), (*out, *grads), (*refs, *ref_grads)):
+        assert_float64_close(name, got, ref)
+
+
+def test_a_softcap_bends_large_scores_and_alibi_moves_them_by_distance():
+    """Worked values: with one query and two keys, the final scores are c tanh(s / c) - slope |off - j|,
+    so m is their max and l their exp-sum around it."""
+    q = numpy.array([[[1.0, 0.0]]])                       # (1, 1, 2)
+    k = numpy.array([[[8.0, 0.0], [0.5, 0.0]]])           # scores 8 and 0.5 (scale 1)
+    v = numpy.array([[[1.0, 0.0], [0.0, 1.0]]])
+    o, m, l = cupyflash.flash_attention_forward(q, k, v, softmax_scale=1.0, softcap=4.0,
+                                                alibi_slopes=numpy.array([0.25]))
+    s = numpy.array([4 * numpy.tanh(2.0) - 0.25 * 1, 4 * numpy.tanh(0.125) - 0.0])   # off = 1: distances 1, 0
+    assert m[0, 0] == pytest.approx(s.max(), rel=1e-12)
+    assert l[0, 0] == pytest.approx(numpy.exp(s - s.max()).sum(), rel=1e-12)
+    weights = numpy.exp(s - s.max()) / numpy.exp(s - s.max()).sum()
+    numpy.testing.assert_allclose(o[0, 0], weights, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kw, error, words", [
+    (dict(softcap=0.0), ValueError, "softcap must be a finite number > 0"),
+    (dict(softcap=-2), ValueError, "softcap must be a finite number > 0"),
+    (dict(softcap=float("inf")), ValueError, "softcap must be a finite number > 0"),
+    (dict(softcap=1e-320), ValueError, "finite reciprocal"),
+    (dict(softcap="3"), TypeError, "softcap must be a real number"),
+    (dict(softcap=True), TypeError, "softcap must be a real number"),
+    (dict(alibi_slopes=numpy.ones(5)), ValueError, "alibi_slopes of shape (5,) does not broadcast to the batch shape (2, 3)"),
+    (dict(alibi_slopes=numpy.ones((2, 3, 1))), ValueError, "does not broadcast"),
+    (dict(alibi_slopes=numpy.array(["a", "b", "c"])), TypeError, "alibi_slopes must hold real numbers"),
+    (dict(alibi_slopes=object()), TypeError, "alibi_slopes must hold real numbers"),
+])
+@pytest.mark.parametrize("call", ["forward", "backward", "flash_attention"])
+def test_bad_modifiers_are_refused_naming_the_argument(kw, error, words, call):
+    rng = numpy.random.default_rng(0)
+    q, k, v = random_inputs(rng, "float32", (2, 3, 10, 8), (2, 3, 12, 8))
+    with pytest.raises(error) as raised:
+        if call == "forward":
+            cupyflash.flash_attention_forward(q, k, v, **kw)
+        elif call == "flash_attention":
+            cupyflash.flash_attention(q, k, v, **kw)
+        else:
+            o, m, l = cupyflash.flash_attention_forward(q, k, v)
+            cupyflash.flash_attention_backward(q, q, k, v, o, m, l, **kw)
+    assert words in str(raised.value)
+
+
+def test_inputs_and_slopes_are_not_modified():
+    rng = numpy.random.default_rng(1)
+    q, k, v = random_inputs(rng, "float32", (2, 3, 20, 8), (2, 3, 30, 8))
+    slopes = numpy.array([0.5, 0.25, 0.125], numpy.float32)
+    before = [x.copy() for x in (q, k, v, slopes)]
+    out = cupyflash.flash_attention_forward(q, k, v, softcap=3.0, alibi_slopes=slopes, causal=True)
+    cupyflash.flash_attention_backward(out[0], q, k, v, *out, softcap=3.0, alibi_slopes=slopes, causal=True)
+    for a, b in zip(before, (q, k, v, slopes)):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_a_plain_call_compiles_no_modifier_and_a_modified_one_only_its_own():
+    """The modifiers are compile-time: a plain specialisation's NVRTC options (CuPy's cache key) are
+    those it had before modifiers existed, and each modifier adds exactly its define."""
+    cfg = _tiles.choose_tiles("fwd_v2", 64, "float16", 227 * 1024)
+    assert not any("SOFTCAP" in d or "ALIBI" in d for d in cfg.defines())
+    assert set(_tiles.with_mods(cfg, True, False).defines()) - set(cfg.defines()) == {"-DFLASH_SOFTCAP=1"}
+    assert set(_tiles.with_mods(cfg, False, True).defines()) - set(cfg.defines()) == {"-DFLASH_ALIBI=1"}
+    prep = _tiles.choose_tiles("bwd_prep", 64, "float16", 227 * 1024)
+    assert _tiles.with_mods(prep, True, True) == prep   # computes no score
+
+
+def test_the_compile_test_covers_every_modified_family_dtype_and_bucket():
+    smem = 227 * 1024
+    modified = {(c.kernel, c.dtype, c.d_pad) for c in _tiles.modified_tile_configs(smem)}
+    plain = {(c.kernel, c.dtype, c.d_pad) for c in _tiles.all_tile_configs(smem) if c.spec.score_mods}
+    assert modified == plain
+    assert all(c.softcap and c.alibi for c in _tiles.modified_tile_configs(smem))
+
+
+# ---------------------------------------------------------------------------
+# GPU: every kernel against the reference
+
+SCHEDULES = pytest.mark.parametrize("gpu_schedule", ["v1", "v2", "v2-mma"], indirect=True)
+GPU_SETTINGS = settings(deadline=None, max_examples=30,
+                        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture()
+def gpu_schedule(request, monkeypatch):
+    """The API schedule of a "v1"/"v2"/"v2-mma" case, with the Hopper kernels off for "v2-mma"."""
+    from cupyflash import _launch
+
+    monkeypatch.setattr(_launch, "USE_WGMMA", request.param != "v2-mma")
+    return request.param.split("-")[0]
+
+
+@gpu_test
+@SCHEDULES
+@GPU_SETTINGS
+@given(attention_problem_shapes(), WINDOWS, SOFTCAPS, SLOPE_KINDS, st.integers(0, 2**32 - 1))
+@example(("float16", (2, 4, 1023, 128), (2, 1, 1023, 128), True, None), (None, None), 5.0, "heads", 0)
+@example(("bfloat16", (2, 3, 700, 64), (2, 1, 900, 64), False, None), (257, None), 2.0, None, 1)
+@example(("float16", (1, 2, 513, 200), (1, 2, 513, 200), True, None), (None, None), None, "entries", 2)
+@example(("float32", (3, 300, 64), (3, 280, 64), False, 0.5), (None, None), 0.5, "scalar", 3)
+@example(("float64", (2, 250, 40), (2, 330, 40), True, None), (30, None), 30.0, "heads", 4)
+@example(("float16", (2, 4, 300, 256), (2, 4, 300, 256), False, None), (None, None), 5.0, "heads", 5)
+def test_forward_with_modifiers_matches_reference(gpu_schedule, problem, window, softcap, kind, seed):
+    dtype, q_shape, kv_shape, causal, scale = problem
+    rng = numpy.random.default_rng(seed)
+    q, k, v = random_inputs(rng, dtype, q_shape, kv_shape)
+    check_forward(dtype, q, k, v, causal, scale, gpu_schedule, window,
+                  **drawn_mods(softcap, kind, q_shape, kv_shape, rng))
+
+
+@gpu_test
+@SCHEDULES
+@GPU_SETTINGS
+@given(attention_problem_shapes(), WINDOWS, SOFTCAPS, SLOPE_KINDS, st.integers(0, 2**32 - 1), st.booleans())
+@example(("float16", (2, 4, 1023, 128), (2, 1, 1023, 128), True, None), (None, None), 5.0, "heads", 0, False)
+@example(("bfloat16", (2, 3, 700, 64), (2, 1, 900, 64), False, None), (257, None), 2.0, None, 1, True)
+@example(("bfloat16", (1, 2, 513, 200), (1, 2, 513, 200), True, None), (None, None), 5.0, "entries", 2, True)
+@example(("float32", (3, 300, 64), (3, 280, 64), False, 0.5), (None, None), 0.5, "scalar", 3, False)
+@example(("float64", (2, 250, 40), (2, 330, 40), True, None), (30, None), 30.0, "heads", 4, True)
+@example(("float16", (2, 4, 300, 256), (2, 4, 300, 256), False, None), (None, None), 5.0, "heads", 5, False)
+def test_backward_with_modifiers_matches_reference(gpu_schedule, problem, window, softcap, kind, seed, deterministic):
+    dtype, q_shape, kv_shape, causal, scale = problem
+    rng = numpy.random.default_rng(seed)
+    q, k, v = random_inputs(rng, dtype, q_shape, kv_shape)
+    check_backward(dtype, q, k, v, causal, scale, rng, gpu_schedule, window, deterministic,
+                   **drawn_mods(softcap, kind, q_shape, kv_shape, rng))
+
+
+@gpu_test
+@pytest.mark.parametrize("where", ["cupy", "numpy", "float64", "strided", "peeled"])
+def test_slopes_of_any_kind_and_layout_give_the_reference(where):
+    """Slopes as a CuPy float32 array, a NumPy array (moved), another dtype (converted), a strided view,
+    and with more than three batch dims that do not merge (peeled one at a time)."""
+    import cupy
+
+    rng = numpy.random.default_rng(3)
+    q_shape, kv_shape = (2, 3, 100, 64), (2, 3, 140, 64)
+    slopes = (2.0 ** -rng.uniform(0, 8, (3,))).astype(numpy.float32)
+    if where == "peeled":   # q (2, 1, 3, 2, N, D) against k, v (1, 2, 1, 2, N, D): four batch dims
+        q_shape, kv_shape = (2, 1, 3, 2, 100, 64), (1, 2, 1, 2, 140, 64)
+        slopes = (2.0 ** -rng.uniform(0, 8, (2, 1, 3, 1))).astype(numpy.float32)
+    q, k, v = random_inputs(rng, "float16", q_shape, kv_shape)
+    given_slopes = {"cupy": cupy.asarray(slopes), "numpy": slopes, "float64": cupy.asarray(slopes, numpy.float64),
+                    "strided": cupy.asarray(numpy.repeat(slopes, 2))[::2], "peeled": cupy.asarray(slopes)}[where]
+    if where == "strided":
+        given_slopes[...] = cupy.asarray(slopes)
+    kw = dict(causal=True, softcap=5.0)
+    o, m, l = cupyflash.flash_attention_forward(*to_gpu(q, k, v), alibi_slopes=given_slopes, **kw)
+    o_ref, m_ref, l_ref = reference.attention_forward(q, k, v, alibi_slopes=slopes, **kw)
+    numpy.testing.assert_allclose(m.get(), m_ref, atol=2e-2)
+    numpy.testing.assert_allclose(l.get(), l_ref, rtol=2e-2)
+    numpy.testing.assert_allclose(o.get().astype(numpy.float64), o_ref, atol=2e-2)
+    do = cupy.asarray(rng.standard_normal(o.shape).astype(numpy.float16))
+    grads = cupyflash.flash_attention_backward(do, *to_gpu(q, k, v), o, m, l, alibi_slopes=given_slopes, **kw)
+    refs = reference.attention_backward(do.get(), q, k, v, o_ref, m_ref, l_ref, alibi_slopes=slopes, **kw)
+    for got, ref in zip(grads, refs):
+        scale = numpy.abs(ref).max()
+        numpy.testing.assert_allclose(got.get().astype(numpy.float64) / scale, ref / scale, atol=2e-2)
+
+
+@gpu_test
+def test_slopes_on_another_device_are_refused():
+    import cupy
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    q, k, v = to_gpu(*random_inputs(numpy.random.default_rng(0), "float16", (1, 2, 16, 8), (1, 2, 16, 8)))
+    with cupy.cuda.Device(1):
+        slopes = cupy.ones(2, numpy.float32)
+    with pytest.raises(ValueError, match="alibi_slopes is on device 1"):
+        cupyflash.flash_attention_forward(q, k, v, alibi_slopes=slopes)
+
+
+@gpu_test
+@pytest.mark.parametrize("schedule", ["v1", "v2", "v2-mma"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("case", ["q", "k", "v", "do"])
+@pytest.mark.parametrize("head_dim", [64, 200])
+def test_non_finite_inputs_with_modifiers_reach_the_outputs_the_reference_says(schedule, dtype, case, head_dim,
+                                                                              monkeypatch):
+    """The mask-exact rules through the modifiers: the repair kernels recompute flagged rows with the
+    softcap and the slopes (a softcap turns an infinite score finite; NaN stays NaN)."""
+    from cupyflash import _launch
+
+    monkeypatch.setattr(_launch, "USE_WGMMA", schedule != "v2-mma")
+    mods = dict(softcap=4.0, alibi_slopes=numpy.array([0.5, 0.03125], numpy.float32))
+    assert_non_finite_rules(dtype, True, case, to_gpu, head_dim, mods=mods, schedule=schedule.split("-")[0])
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype, D", [("float16", 64), ("bfloat16", 128), ("float16", 200), ("float32", 64)])
+def test_deterministic_backward_with_modifiers_is_bitwise_reproducible(dtype, D):
+    import cupy
+
+    rng = numpy.random.default_rng(5)
+    q, k, v = (cupy.asarray(rng.standard_normal(s).astype(DTYPE_BY_NAME[dtype]))
+               for s in ((2, 3, 500, D), (2, 1, 700, D), (1, 3, 700, D)))
+    kw = dict(causal=True, softcap=3.0, alibi_slopes=cupy.asarray([0.5, 0.25, 0.125], numpy.float32))
+    o, m, l = cupyflash.flash_attention_forward(q, k, v, **kw)
+    do = cupy.asarray(rng.standard_normal(q.shape).astype(DTYPE_BY_NAME[dtype]))
+    runs = [cupyflash.flash_attention_backward(do, q, k, v, o, m, l, deterministic=True, **kw) for _ in range(3)]
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later):
+            assert a.tobytes() == b.tobytes()
