@@ -60,16 +60,16 @@ static_assert(DP % DC == 0 && B_R % 16 == 0, "tile shapes");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
 // P_ij^T = exp(S_ij^T - m_i) / l_i in place of a warp's (16, B_R) raw Q_i K_j^T products (key rows key0 ..,
-// query columns q0 ..): S = scale Q K^T, modified where modifiers apply (T: the softcap's tanh, for
-// softcap_grad), the difference in natural units as in the forward; MASKED: invisible pairs -> 0
+// query columns q0 ..): S = scale Q K^T, modified where modifiers apply (G: each element's ds'/ds, the
+// softcap's), the difference in natural units as in the forward; MASKED: invisible pairs -> 0
 template <bool MASKED>
-__device__ __forceinline__ void probabilities(acc_t (&P)[B_R / 8][4], acc_t (&T)[SOFTCAP ? B_R / 8 : 1][4],
+__device__ __forceinline__ void probabilities(acc_t (&P)[B_R / 8][4], acc_t (&G)[SOFTCAP ? B_R / 8 : 1][4],
                                               const EntryMods& mods, const Mask& mask, int q0, int key0,
                                               const acc_t* s_m, const acc_t* s_inv_l, acc_t scale) {
     const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
     if constexpr (SCORE_MODS) {
         scale_scores(P, scale);
-        modify_scores<true, SOFTCAP>(P, T, mods, key0, q0);
+        modify_scores<true, SOFTCAP>(P, G, mods, key0, q0);
     }
 #pragma unroll
     for (int n = 0; n < B_R / 8; ++n)
@@ -174,9 +174,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
 
         // P_ij^T = exp(S_ij^T - m_i) / l_i; a tile whose pairs are all visible (most of them) takes
         // the path without the mask
-        acc_t T[SOFTCAP ? B_R / 8 : 1][4];                // the softcap's tanh(S_ij^T / c)
-        if (mask.full(q0, B_R, key0, 16)) probabilities<false>(P, T, mods, mask, q0, key0, s_m, s_inv_l, scale);
-        else                         probabilities<true>(P, T, mods, mask, q0, key0, s_m, s_inv_l, scale);
+        acc_t G[SOFTCAP ? B_R / 8 : 1][4];                // the softcap's ds'/ds
+        if (mask.full(q0, B_R, key0, 16)) probabilities<false>(P, G, mods, mask, q0, key0, s_m, s_inv_l, scale);
+        else                         probabilities<true>(P, G, mods, mask, q0, key0, s_m, s_inv_l, scale);
         store_frag_smem(s_dSw, DS_PITCH, P);
         __syncwarp();
 
@@ -196,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 P[n][e] *= dP[n][e] - s_D[n * 8 + 2 * t + e % 2];
-                if constexpr (SOFTCAP) P[n][e] *= softcap_grad(T[n][e]);
+                if constexpr (SOFTCAP) P[n][e] *= G[n][e];
             }
         __syncwarp();
         store_frag_smem(s_dSw, DS_PITCH, P);

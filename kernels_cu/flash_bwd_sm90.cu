@@ -81,14 +81,17 @@ static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the s
 // far coarser) and dS_ij^T = P_ij^T o (dP_ij^T - D_i) of a warp's (16, B_R) S_ij^T, dP_ij^T (key rows
 // key0 .., query columns q0 ..), as A fragments 16 queries at a time; `st` holds the tile's lse_i log2 e
 // then D_i. MASKED: invisible pairs -> P = 0 (a row that saw no key has lse = inf: P = 0 too)
-// With modifiers (score_mod.cuh) the exponent takes the modified score in natural units, and dS_ij^T is
-// by scale S_ij^T (o ds'/ds of the softcap).
+// With modifiers (score_mod.cuh) the exponent takes the modified score in the modifiers' units
+// (RawMods), and dS_ij^T is by scale S_ij^T (o ds'/ds of the softcap).
 template <bool MASKED>
 __device__ __forceinline__ void probabilities(unsigned (&Pf)[B_R / 16][4], unsigned (&dSf)[B_R / 16][4],
                                               const acc_t (&S)[B_R / 8][4], const acc_t (&dP)[B_R / 8][4],
                                               const acc_t* st, const Mask& mask, const EntryMods& mods, int q0,
                                               int key0, acc_t scale) {
-    const acc_t scale_log2 = scale * (acc_t)LOG2E;
+    const RawMods raw(mods, scale);
+    const acc_t unit_log2 = (SCORE_MODS ? raw.unit : scale) * (acc_t)LOG2E;
+    acc_t base[2];
+    raw_base<true>(base, raw.off, key0, q0);
     const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int kk = 0; kk < B_R / 16; ++kk) {
@@ -99,15 +102,15 @@ __device__ __forceinline__ void probabilities(unsigned (&Pf)[B_R / 16][4], unsig
             const float2 lse = *reinterpret_cast<const float2*>(st + qc);
             const float2 Dv = *reinterpret_cast<const float2*>(st + B_R + qc);
             const acc_t neg_lse[2] = {-lse.x, -lse.y}, Dq[2] = {Dv.x, Dv.y};
+            acc_t x[4] = {S[nn][0], S[nn][1], S[nn][2], S[nn][3]}, grad[4];
+            if constexpr (SCORE_MODS) modify_raw_quad<true>(x, grad, raw, base, nn);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int i = q0 + qc + e % 2, j = key0 + g + (e / 2) * 8;
-                acc_t th = (acc_t)0, exponent;
-                if constexpr (SCORE_MODS) exponent = fmaf(mods.apply(S[nn][e] * scale, i, j, th), (acc_t)LOG2E, neg_lse[e % 2]);
-                else                      exponent = fmaf(S[nn][e], scale_log2, neg_lse[e % 2]);
-                pt[half][e] = (MASKED && !mask.visible(i, j)) ? (acc_t)0 : exp2_acc(exponent);
+                pt[half][e] = (MASKED && !mask.visible(q0 + qc + e % 2, key0 + g + (e / 2) * 8))
+                                  ? (acc_t)0
+                                  : exp2_acc(fmaf(x[e], unit_log2, neg_lse[e % 2]));
                 ds[half][e] = pt[half][e] * (dP[nn][e] - Dq[e % 2]);
-                if constexpr (SOFTCAP) ds[half][e] *= softcap_grad(th);
+                if constexpr (SOFTCAP) ds[half][e] *= grad[e];
             }
         }
         // the A fragment of columns 16kk .. 16kk+15: rows g, g+8 of the left, then the right 8

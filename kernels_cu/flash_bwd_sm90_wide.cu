@@ -80,27 +80,31 @@ static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the s
 // P_ij^T = exp2(S_ij^T scale log2 e - lse_i log2 e) in place of a warp's (16, B_R) S_ij^T (key rows
 // key0 .., query columns q0 ..); `st` holds the tile's lse_i log2 e. MASKED: invisible pairs -> P = 0
 // (a row that saw no key has lse = inf: P = 0 too)
-// With modifiers (score_mod.cuh) the exponent takes the modified score in natural units; Pg gets
+// With modifiers (score_mod.cuh) the exponent takes the modified score in the modifiers' units
+// (RawMods); Pg gets
 // P_ij^T o ds'/ds of the softcap, the factor dS_ij^T = Pg o (dP_ij^T - D_i) needs.
 template <bool MASKED>
 __device__ __forceinline__ void probabilities(acc_t (&S)[B_R / 8][4], acc_t (&Pg)[SOFTCAP ? B_R / 8 : 1][4],
                                               const acc_t* st, const Mask& mask, const EntryMods& mods, int q0,
                                               int key0, acc_t scale) {
     const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
-    const acc_t scale_log2 = scale * (acc_t)LOG2E;
+    const RawMods raw(mods, scale);
+    const acc_t unit_log2 = (SCORE_MODS ? raw.unit : scale) * (acc_t)LOG2E;
+    acc_t base[2];
+    raw_base<true>(base, raw.off, key0, q0);
 #pragma unroll
     for (int nn = 0; nn < B_R / 8; ++nn) {
         const int qc = nn * 8 + 2 * t;   // query columns qc, qc + 1 of the tile
         const float2 lse = *reinterpret_cast<const float2*>(st + qc);
         const acc_t neg_lse[2] = {-lse.x, -lse.y};
+        acc_t grad[4];
+        if constexpr (SCORE_MODS) modify_raw_quad<true>(S[nn], grad, raw, base, nn);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int i = q0 + qc + e % 2, j = key0 + g + (e / 2) * 8;
-            acc_t th = (acc_t)0, exponent;
-            if constexpr (SCORE_MODS) exponent = fmaf(mods.apply(S[nn][e] * scale, i, j, th), (acc_t)LOG2E, neg_lse[e % 2]);
-            else                      exponent = fmaf(S[nn][e], scale_log2, neg_lse[e % 2]);
-            S[nn][e] = (MASKED && !mask.visible(i, j)) ? (acc_t)0 : exp2_acc(exponent);
-            if constexpr (SOFTCAP) Pg[nn][e] = S[nn][e] * softcap_grad(th);
+            S[nn][e] = (MASKED && !mask.visible(q0 + qc + e % 2, key0 + g + (e / 2) * 8))
+                           ? (acc_t)0
+                           : exp2_acc(fmaf(S[nn][e], unit_log2, neg_lse[e % 2]));
+            if constexpr (SOFTCAP) Pg[nn][e] = S[nn][e] * grad[e];
         }
     }
 }

@@ -232,7 +232,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
         setmaxnreg_inc<CONSUMER_REGS>();
         const int c = wg - 1;
         const int warp = tid / WARP_SIZE - 4;   // warp among the consumers
-        const acc_t scale = (acc_t)p.scale, log2_scale = scale * (acc_t)LOG2E;
+        const acc_t scale = (acc_t)p.scale;
 
         // the tile's copies happened in the generic proxy; the tensor cores read through the async one
         auto wait_full = [&](unsigned long long* bars, int pos) {
@@ -263,23 +263,21 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             acc_t O[DP / 8][4];                             // (16, DP) per warp: unnormalised O_i
             zero_frag(O);
             // m_i in units of raw scores Q K^T (the softmax scales differences: scale > 0, checked on the
-            // host), natural units where modifiers apply
-            const EntryMods mods = p.mods.at(p.batch.split(w.bh), Nk - Nq);
+            // host), or of the modifiers' S (RawMods: unit > 0)
+            const RawMods mods(p.mods.at(p.batch.split(w.bh), Nk - Nq), scale);
+            const acc_t unit = SCORE_MODS ? mods.unit : scale, log2_unit = unit * (acc_t)LOG2E;
             acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
             acc_t S[B_C / 8][4];                            // (16, B_C) per warp: S_ij, then P~_ij
             unsigned P[B_C / 16][4];                        // P~_ij as A fragments
             acc_t m_new[2], alpha[2], rowsum[2];
 
-            // S_ij -> P~_ij, its statistics into m_new, alpha, rowsum (masked online softmax). Modified
-            // scores (score_mod.cuh) are taken in natural units, as the modifiers define them.
+            // S_ij -> P~_ij, its statistics into m_new, alpha, rowsum (masked online softmax); modified
+            // scores (score_mod.cuh) in the modifiers' units
             auto softmax_step = [&](int j) {
                 const int kv0 = (w.j_first + j) * B_C;
-                if constexpr (SCORE_MODS) {
-                    scale_scores(S, scale);
-                    modify_scores(S, mods, r0, kv0);
-                }
+                if constexpr (SCORE_MODS) modify_raw_scores(S, mods, r0, kv0);
                 mask_scores(S, mask, r0, kv0);
-                online_softmax(S, m_i, m_new, alpha, rowsum, SCORE_MODS ? (acc_t)LOG2E : log2_scale);
+                online_softmax(S, m_i, m_new, alpha, rowsum, log2_unit);
             };
             // m_i <- m_new;  l_i <- alpha l_i + rowsum(P~_ij);  O_i <- alpha O_i (skipped while no row
             // max of the warp moved: alpha = 1 exactly);  P~_ij to A fragments
@@ -373,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             for (int j = my_stop > 0 ? my_stop + 1 : 0; j <= j_stop; ++j) idle_step(j);
 
             // O_i = diag(l_i)^-1 O_i; write O_i, m_i (in natural units), l_i to HBM
-            store_output_rows(p.o + w.bh * Nq * D, p.m + w.bh * Nq, p.l + w.bh * Nq, O, m_i, l_i, SCORE_MODS ? (acc_t)1 : scale, r0, Nq,
+            store_output_rows(p.o + w.bh * Nq * D, p.m + w.bh * Nq, p.l + w.bh * Nq, O, m_i, l_i, unit, r0, Nq,
                               D);
             kv += j_stop;
         }

@@ -167,8 +167,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_repair(const Fw
                     acc_t k_j[RPL], v_j[RPL];
                     load_row(k_j, k_h + j * p.k.sn, D);
                     load_row(v_j, v_h + j * p.v.sn, D);
-                    acc_t th = (acc_t)0;
-                    const acc_t pr = exp2_acc((mods.apply(dot(q_i, k_j) * scale, r, j, th) - m_i) * (acc_t)LOG2E);
+                    acc_t unused;
+                    const acc_t pr = exp2_acc((mods.apply(dot(q_i, k_j) * scale, r, j, unused) - m_i) * (acc_t)LOG2E);
 #pragma unroll
                     for (int e = 0; e < RPL; ++e) o_i[e] += pr * v_j[e];
                 }
@@ -200,12 +200,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_repair(const Bw
     // row i saw no key
     auto pair_terms = [&](i64 bh, int i, int j, const acc_t (&q_i)[RPL], const acc_t (&do_i)[RPL],
                           const acc_t (&k_j)[RPL], const acc_t (&v_j)[RPL], acc_t& P_ij, acc_t& dS_ij) {
-        acc_t s, dp, th = (acc_t)0;
+        acc_t s, dp, grad = (acc_t)1;
         dot2(q_i, k_j, do_i, v_j, s, dp);
         const acc_t l_i = p.l[bh * Nq + i];
-        s = p.mods.at(p.batch.split(bh), Nk - Nq).apply(s * scale, i, j, th);
+        s = p.mods.at(p.batch.split(bh), Nk - Nq).apply<true>(s * scale, i, j, grad);
         P_ij = l_i == (acc_t)0 ? (acc_t)0 : exp2_acc((s - p.m[bh * Nq + i]) * (acc_t)LOG2E) / l_i;
-        dS_ij = P_ij * (dp - p.Dsum[bh * Nq + i]) * softcap_grad(th);
+        dS_ij = P_ij * (dp - p.Dsum[bh * Nq + i]) * grad;
         return l_i != (acc_t)0;
     };
 

@@ -9,8 +9,10 @@
 // pays nothing. The backward's dS is taken with respect to the modified score; the chain back to
 // scale q . k multiplies it by ds'/ds = 1 - tanh^2 (softcap; ALiBi adds a constant).
 //
-// tanh: 16-bit inputs take the hardware's tanh.approx (relative error 2^-11, what rounding a score
-// to float16 costs); float32 and float64 take the accurate tanhf / tanh.
+// tanh: the forward of 16-bit inputs takes the hardware's tanh.approx (relative error 2^-11, what
+// rounding a score to float16 costs); float32 and float64 take the accurate tanhf / tanh. The
+// backward's 16-bit ds'/ds = 1 - tanh^2 is computed from exp(-2|x|) (tanh_and_grad), accurate
+// relative to itself where tanh saturates, which 1 - tanh.approx^2 is not.
 
 #pragma once
 
@@ -40,16 +42,34 @@ __device__ __forceinline__ acc_t tanh_acc(acc_t x) {
 #endif
 }
 
+// tanh(x) and its derivative 1 - tanh(x)^2, both to a few ulps: with e = exp(-2|x|),
+// tanh = sign(x) (1 - e) / (1 + e) and 1 - tanh^2 = 4 e / (1 + e)^2 (16-bit inputs), else from tanh
+__device__ __forceinline__ void tanh_and_grad(acc_t x, acc_t& t, acc_t& grad) {
+#if FLASH_TENSOR_CORES
+    const float e = exp2f(-2.f * (float)LOG2E * fabsf(x));
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));
+    t = copysignf((1.f - e) * r, x);
+    grad = 4.f * e * r * r;
+#else
+    t = tanh_acc(x);
+    grad = (acc_t)1 - t * t;
+#endif
+}
+
 // One batch entry's modifiers (ScoreMods::at)
 struct EntryMods {
     acc_t cap, inv_cap;   // softcap c and 1 / c
     acc_t slope;          // ALiBi slope
     int off;              // Nk - Nq
 
-    // s <- c tanh(s / c); t = tanh(s / c), for softcap_grad (untouched without a softcap)
-    __device__ __forceinline__ acc_t cap_score(acc_t s, acc_t& t) const {
+    // s <- c tanh(s / c); DERIV: grad = ds'/ds (untouched without a softcap)
+    template <bool DERIV = false>
+    __device__ __forceinline__ acc_t cap_score(acc_t s, acc_t& grad) const {
         if constexpr (SOFTCAP) {
-            t = tanh_acc(s * inv_cap);
+            acc_t t;
+            if constexpr (DERIV) tanh_and_grad(s * inv_cap, t, grad);
+            else                 t = tanh_acc(s * inv_cap);
             return cap * t;
         }
         return s;
@@ -61,17 +81,12 @@ struct EntryMods {
         return s;
     }
 
-    // the modified score of query i, key j from s = scale q_i . k_j; t as in cap_score
-    __device__ __forceinline__ acc_t apply(acc_t s, int i, int j, acc_t& t) const {
-        return alibi(cap_score(s, t), (acc_t)(i + off - j));
+    // the modified score of query i, key j from s = scale q_i . k_j; grad as in cap_score
+    template <bool DERIV = false>
+    __device__ __forceinline__ acc_t apply(acc_t s, int i, int j, acc_t& grad) const {
+        return alibi(cap_score<DERIV>(s, grad), (acc_t)(i + off - j));
     }
 };
-
-// ds'/ds of the softcap at t = tanh(s / c) (1 without one)
-__device__ __forceinline__ acc_t softcap_grad(acc_t t) {
-    if constexpr (SOFTCAP) return (acc_t)1 - t * t;
-    return (acc_t)1;
-}
 
 // What a call's modifiers read (params.cuh: FwdParams::mods, BwdParams::mods)
 struct ScoreMods {
@@ -92,9 +107,9 @@ struct ScoreMods {
 // The modifiers on a warp's (16, 8*NT) accumulator tile of scores in natural units (mma_sm80.cuh and
 // wgmma fragments alike): rows r0 + g, r0 + g + 8, columns c0 + 8n + 2t + {0, 1}. Rows are queries
 // and columns keys, or, TRANSPOSED (the backward's S^T), rows keys and columns queries. Without
-// DERIV, T is not written; with it T holds tanh(s / c) of each element, for softcap_grad.
+// DERIV, G is not written; with it G holds each element's ds'/ds (the softcap's).
 template <bool TRANSPOSED, bool DERIV = false, int NT>
-__device__ __forceinline__ void modify_scores(acc_t (&S)[NT][4], acc_t (&T)[DERIV ? NT : 1][4], const EntryMods& mods,
+__device__ __forceinline__ void modify_scores(acc_t (&S)[NT][4], acc_t (&G)[DERIV ? NT : 1][4], const EntryMods& mods,
                                               int r0, int c0) {
     const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
     // |i + off - j| of element (n, e): |base[e / 2] - (8n + e % 2)|, for either orientation
@@ -108,11 +123,65 @@ __device__ __forceinline__ void modify_scores(acc_t (&S)[NT][4], acc_t (&T)[DERI
     for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            acc_t th;
-            const acc_t s = mods.cap_score(S[n][e], th);
-            if constexpr (DERIV) T[n][e] = th;
+            acc_t grad;
+            const acc_t s = mods.cap_score<DERIV>(S[n][e], grad);
+            if constexpr (DERIV) G[n][e] = grad;
             S[n][e] = mods.alibi(s, base[e / 2] - (acc_t)(8 * n + e % 2));
         }
+}
+
+// The modifiers in units of `unit`, for a kernel whose online softmax scales differences of raw scores
+// x = q . k into its exponent (the Hopper forward): the natural score is unit * S with
+//     softcap:  S = tanh(x scale / c),  unit = c        else  S = x,  unit = scale (> 0)
+//     ALiBi:    S -= (slope / unit) |i + off - j|
+// so no element pays a multiplication into natural units.
+struct RawMods {
+    acc_t in_scale;   // scale / c: x -> the tanh's argument
+    acc_t unit;       // natural units per unit of S: m_i's scale, and the exponent's (times log2 e)
+    acc_t slope;      // ALiBi slope / unit
+    int off;
+
+    __device__ __forceinline__ RawMods(const EntryMods& mods, acc_t scale)
+        : in_scale(SOFTCAP ? scale * mods.inv_cap : (acc_t)0), unit(SOFTCAP ? mods.cap : scale),
+          slope(ALIBI ? mods.slope / unit : (acc_t)0), off(mods.off) {}
+};
+
+// |i + off - j| of a warp's tile element (n, e) is |base[e / 2] - (8n + e % 2)| (raw_base): rows r0 + g,
+// r0 + g + 8 and columns c0 + 8n + 2t + {0, 1} are queries and keys, or keys and queries (TRANSPOSED)
+template <bool TRANSPOSED>
+__device__ __forceinline__ void raw_base(acc_t (&base)[2], int off, int r0, int c0) {
+    const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = r0 + g + 8 * h, col = c0 + 2 * t;
+        base[h] = (acc_t)(TRANSPOSED ? row - off - col : row + off - col);
+    }
+}
+
+// RawMods on the four accumulator values x of n-tile n of a warp's tile of raw scores (base from
+// raw_base); DERIV: grad gets each one's ds'/ds (the softcap's; untouched without one)
+template <bool DERIV = false>
+__device__ __forceinline__ void modify_raw_quad(acc_t (&x)[4], acc_t (&grad)[4], const RawMods& mods,
+                                                const acc_t (&base)[2], int n) {
+    if constexpr (SOFTCAP)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            if constexpr (DERIV) tanh_and_grad(x[e] * mods.in_scale, x[e], grad[e]);
+            else                 x[e] = tanh_acc(x[e] * mods.in_scale);
+        }
+    if constexpr (ALIBI)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[e] -= mods.slope * fabs(base[e / 2] - (acc_t)(8 * n + e % 2));
+}
+
+// RawMods on a warp's (16, 8*NT) tile of raw scores Q_i K_j^T (rows r0 + g, r0 + g + 8 queries,
+// columns c0 + 8n + 2t + {0, 1} keys)
+template <int NT>
+__device__ __forceinline__ void modify_raw_scores(acc_t (&S)[NT][4], const RawMods& mods, int r0, int c0) {
+    acc_t base[2], unused[4];
+    raw_base<false>(base, mods.off, r0, c0);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) modify_raw_quad(S[n], unused, mods, base, n);
 }
 
 // ... the forward's form: no derivative

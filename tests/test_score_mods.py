@@ -185,6 +185,7 @@ def test_forward_with_modifiers_matches_reference(gpu_schedule, problem, window,
 @example(("float32", (3, 300, 64), (3, 280, 64), False, 0.5), (None, None), 0.5, "scalar", 3, False)
 @example(("float64", (2, 250, 40), (2, 330, 40), True, None), (30, None), 30.0, "heads", 4, True)
 @example(("float16", (2, 4, 300, 256), (2, 4, 300, 256), False, None), (None, None), 5.0, "heads", 5, False)
+@example(("float16", (256, 1, 1), (256, 2, 1), False, None), (None, None), 0.5, None, 0, False)   # saturated tanh
 def test_backward_with_modifiers_matches_reference(gpu_schedule, problem, window, softcap, kind, seed, deterministic):
     dtype, q_shape, kv_shape, causal, scale = problem
     rng = numpy.random.default_rng(seed)
