@@ -17,8 +17,9 @@ TFLOP/s count the *visible* pairs only: ``4 · B · H · D · Σ_i |keys row i s
 times that backward.
 
 Modifiers (default N 1024 4096 16384, causal and not): ``cupyflash`` plain, ``cupyflash-softcap``
-(``softcap=30``), ``cupyflash-alibi`` (ALiBi's geometric slopes ``2^(-8 (h + 1) / H)``) and both.
-The target is softcap and ALiBi at >= 0.95x our own plain speed. (torch's FlashAttention-2 build
+(``softcap=30``), ``cupyflash-alibi`` (ALiBi's geometric slopes ``2^(-8 (h + 1) / H)``), both,
+and ``cupyflash-sink`` (a sink logit per head; the backward adds dsink's reductions). The target is
+softcap and ALiBi at >= 0.95x our own plain speed. (torch's FlashAttention-2 build
 refuses ``alibi_slopes``: "This flash attention build does not support alibi"; it has no softcap.)
 
 Every call is timed two ways: queued (the median of calls issued back to back, one between two
@@ -120,11 +121,13 @@ def run_mods(args) -> list:
     for cfg in mods_cases(args.dtypes, args.head_dims, args.seqlens or [1024, 4096, 16384]):
         x = bench.make_inputs(cfg, bench.SEED)
         slopes = alibi_slopes(cfg.H)
+        sinks = cupy.zeros(cfg.H, numpy.float32)   # one learned logit per head (gpt-oss)
         systems = {"cupyflash": (lambda: modified_runs(x, {}), bench.cupy_clock),
                    "cupyflash-softcap": (lambda: modified_runs(x, {"softcap": SOFTCAP}), bench.cupy_clock),
                    "cupyflash-alibi": (lambda: modified_runs(x, {"alibi_slopes": slopes}), bench.cupy_clock),
                    "cupyflash-both": (lambda: modified_runs(x, {"softcap": SOFTCAP, "alibi_slopes": slopes}),
-                                      bench.cupy_clock)}
+                                      bench.cupy_clock),
+                   "cupyflash-sink": (lambda: modified_runs(x, {"sink": sinks}), bench.cupy_clock)}
         pairs = visible_pairs(cfg.N, cfg.causal, (None, None))
         for name, (runs_of, clock_of) in systems.items():
             try:
@@ -156,14 +159,14 @@ def timed(name, mode, cfg, call, clock, pairs, **case) -> dict:
 
 
 def mods_table(records) -> str:
-    """A row per case and mode: our plain, softcap, ALiBi and both speeds (queued) and their ratios to
-    plain (queued, single in parentheses)."""
+    """A row per case and mode: our plain, softcap, ALiBi, both and sink speeds (queued) and their
+    ratios to plain (queued, single in parentheses)."""
     index = {(r["system"], r["mode"], r["dtype"], r["D"], r["N"], r["causal"]): r
              for r in records if "mode" in r and "causal" in r}
-    variants = ("cupyflash-softcap", "cupyflash-alibi", "cupyflash-both")
-    lines = ["| dtype | D | N | causal | mode | plain TFLOP/s | softcap | ALiBi | both | softcap / plain | ALiBi / plain "
-             "| both / plain |",
-             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    variants = ("cupyflash-softcap", "cupyflash-alibi", "cupyflash-both", "cupyflash-sink")
+    lines = ["| dtype | D | N | causal | mode | plain TFLOP/s | softcap | ALiBi | both | sink | softcap / plain "
+             "| ALiBi / plain | both / plain | sink / plain |",
+             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     speed = lambda r: f"{r['tflops_queued']:.1f}" if r else "—"   # noqa: E731
 
     def ratio(a, b):

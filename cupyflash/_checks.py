@@ -118,32 +118,33 @@ def check_softcap(softcap, dtype) -> Optional[float]:
     return float(softcap)
 
 
-def check_alibi(alibi_slopes, prob: "Problem", device=None):
-    """``alibi_slopes`` as the kernels (or the NumPy path) read them: None, or an array of the inputs'
-    kind (on their device) in the accumulator dtype whose shape broadcasts to the batch shape. A
-    NumPy array or sequence is moved to the GPU for CuPy inputs, another float dtype converted."""
-    if alibi_slopes is None:
+def check_per_entry(name: str, values, prob: "Problem", device=None):
+    """``values`` (``alibi_slopes``, ``sink``: one number per batch entry) as the kernels (or the NumPy
+    path) read them: None, or an array of the inputs' kind (on their device) in the accumulator dtype
+    whose shape broadcasts to the batch shape. A NumPy array or sequence is moved to the GPU for CuPy
+    inputs, another dtype converted."""
+    if values is None:
         return None
     acc = accumulator_dtype(prob.dtype)
     cupy = _cupy() if prob.xp is not numpy else None
-    if cupy is not None and isinstance(alibi_slopes, cupy.ndarray):
-        if alibi_slopes.device.id != device:
-            raise ValueError(f"alibi_slopes is on device {alibi_slopes.device.id}, q on device {device}")
-        x = alibi_slopes
+    if cupy is not None and isinstance(values, cupy.ndarray):
+        if values.device.id != device:
+            raise ValueError(f"{name} is on device {values.device.id}, q on device {device}")
+        x = values
     else:
         try:
-            x = numpy.asarray(alibi_slopes)
+            x = numpy.asarray(values)
         except (TypeError, ValueError) as error:
-            raise TypeError(f"alibi_slopes must be an array of floats, got {type(alibi_slopes).__name__}") from error
+            raise TypeError(f"{name} must be an array of floats, got {type(values).__name__}") from error
     if x.dtype.kind not in "fiu" and x.dtype.name != "bfloat16":
-        raise TypeError(f"alibi_slopes must hold real numbers, got dtype {x.dtype}")
+        raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
     try:
         fits = numpy.broadcast_shapes(x.shape, prob.batch_shape) == tuple(prob.batch_shape)
     except ValueError:
         fits = False
     if not fits:
-        raise ValueError(f"alibi_slopes of shape {x.shape} does not broadcast to the batch shape "
-                         f"{tuple(prob.batch_shape)} (one slope per batch entry, e.g. (H,) for (B, H, N, D))")
+        raise ValueError(f"{name} of shape {x.shape} does not broadcast to the batch shape "
+                         f"{tuple(prob.batch_shape)} (one value per batch entry, e.g. (H,) for (B, H, N, D))")
     if cupy is not None:
         if not isinstance(x, cupy.ndarray) or x.dtype != acc:
             with cupy.cuda.Device(device):
@@ -297,6 +298,6 @@ def kernel_ready(x):
     return cupy.ascontiguousarray(x)
 
 
-__all__ = ["OUT_ALIGNMENT", "Problem", "SCHEDULES", "array_module", "check_alibi", "check_backward", "check_bool",
-           "check_choice", "check_softcap", "with_mods",
+__all__ = ["OUT_ALIGNMENT", "Problem", "SCHEDULES", "array_module", "check_backward", "check_bool",
+           "check_choice", "check_per_entry", "check_softcap", "with_mods",
            "check_disjoint", "check_forward", "check_out", "dtype_name", "kernel_ready", "readable_in_place"]

@@ -351,24 +351,33 @@ def _launch_grid(n: int) -> int:
 
 @dataclass(frozen=True)
 class Mods:
-    """The score modifiers of a call (``score_mod.cuh``): the softcap (None: none) and whether ALiBi
-    slopes come (their array follows the call's tensors in its batch layout and its call)."""
+    """The modifiers of a call (``score_mod.cuh``): the softcap (None: none) and whether ALiBi slopes
+    and sink logits come (their arrays follow the call's tensors in its batch layout, slopes first,
+    and its call)."""
 
     softcap: float | None = None
     alibi: bool = False
+    sink: bool = False
 
     def config(self, cfg: TileConfig) -> TileConfig:
         """``cfg`` with these modifiers compiled in."""
-        return with_mods(cfg, self.softcap is not None, self.alibi)
+        return with_mods(cfg, self.softcap is not None, self.alibi, self.sink)
 
     def fields(self, layout: "BatchLayout") -> tuple:
-        """``ScoreMods`` but its pointer: the slopes' collapsed batch strides (the layout's last
-        tensor) and the softcap."""
-        strides = layout.strides[-1] if self.alibi else (0, 0, 0)
-        return (0, *strides, 0.0 if self.softcap is None else float(self.softcap))
+        """``ScoreMods`` but its pointers: the slopes' and the sinks' collapsed batch strides (the
+        layout's last tensors) and the softcap."""
+        extra = list(layout.strides[len(layout.strides) - self.alibi - self.sink:])
+        alibi = extra.pop(0) if self.alibi else (0, 0, 0)
+        sink = extra.pop(0) if self.sink else (0, 0, 0)
+        return (0, *alibi, 0, *sink, 0.0 if self.softcap is None else float(self.softcap))
 
 
 PLAIN = Mods()
+
+
+def _address(x) -> int:
+    """Device address of CuPy array ``x``, 0 for None."""
+    return 0 if x is None else x.data.ptr
 
 
 def _masked_pairs(geometry: MaskGeometry) -> bool:
@@ -393,9 +402,9 @@ class ForwardPlan:
     o_run: int                # bytes of V1's running O_i (0: not used), a workspace of its own
     params: Params            # FwdParams
 
-    def __call__(self, q, k, v, out=None, alibi=None):
-        """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given; ``alibi`` the slopes
-        (with ``Mods.alibi``) as laid out for the plan."""
+    def __call__(self, q, k, v, out=None, alibi=None, sink=None):
+        """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given; ``alibi``, ``sink``
+        the slopes and sink logits (with ``Mods.alibi``, ``Mods.sink``) as laid out for the plan."""
         with _on_device(self.device):
             stream, alloc = call_stream()
             if out is None:   # the outputs and the workspace in one allocation from CuPy's pool
@@ -410,14 +419,15 @@ class ForwardPlan:
                 parts = self.given.pointers(base)[3:]
             o_run = alloc(self.o_run) if self.o_run else None
             struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, m.data.ptr,
-                                                l.data.ptr, o_run.ptr if o_run else 0, *parts,
-                                                alibi.data.ptr if alibi is not None else 0))
+                                                l.data.ptr, o_run.ptr if o_run else 0, *parts, _address(alibi),
+                                                _address(sink)))
             for step in self.launches:
                 step(stream, address)
         return o, m, l
 
 
-FWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o", "m", "l", "o_run", "tile_counter", "repair_flags", "mods.alibi")
+FWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o", "m", "l", "o_run", "tile_counter", "repair_flags", "mods.alibi",
+                "mods.sink")
 
 
 def _repair(head_dim: int, dtype, flags: int, mods: Mods):
@@ -430,7 +440,7 @@ def _repair(head_dim: int, dtype, flags: int, mods: Mods):
 def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeometry, scale: float, batch_shape,
                  layout: BatchLayout, mods: Mods = PLAIN):
     """The ``schedule`` ('v1' or 'v2') forward of validated inputs ``q, k, v`` as a ``ForwardPlan``;
-    ``layout.strides`` holds q, k, v and, with ALiBi, the slopes."""
+    ``layout.strides`` holds q, k, v and, with ALiBi, the slopes, with a sink, the sink logits."""
     Nq, D = q.shape[-2:]
     Nk = k.shape[-2]
     BH = layout.count
@@ -476,7 +486,7 @@ BWD_PARTS = ("m_b", "inv_l", "lse2", "Dsum", "dq_acc.ptr", "dk_acc", "dv_acc", "
 BWD_SUMS = 4
 # the pointers a backward call writes: inputs, gradients, workspace parts, the ranges flash_bwd_prep zeroes
 BWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o.ptr", "dO.ptr", "m", "l", "dq", "dk.ptr", "dv.ptr", *BWD_PARTS,
-                *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)), "mods.alibi")
+                *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)), "mods.alibi", "mods.sink")
 
 
 @dataclass(frozen=True)
@@ -498,7 +508,7 @@ class BackwardPlan:
     workspace: Block          # BWD_PARTS; flash_bwd_prep zeroes its zeroed parts (BwdParams.zero[0])
     grad_block: Block         # dq, dk, dv in one allocation
 
-    def __call__(self, do, q, k, v, o, m, l, out=None, alibi=None):
+    def __call__(self, do, q, k, v, o, m, l, out=None, alibi=None, sink=None):
         with _on_device(self.device):
             # every buffer first: a call that does not fit raises OutOfMemoryError before any launch
             stream, alloc = call_stream()
@@ -517,8 +527,8 @@ class BackwardPlan:
             struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, do.data.ptr,
                                                 m.data.ptr, l.data.ptr, dq, dk, dv, *parts,
                                                 base + self.workspace.zero_from, *sums,
-                                                *[0] * (ZERO_RANGES - 1 - self.sums),
-                                                alibi.data.ptr if alibi is not None else 0))
+                                                *[0] * (ZERO_RANGES - 1 - self.sums), _address(alibi),
+                                                _address(sink)))
             for step in self.launches:
                 step(stream, address)
         return tuple(grads)
@@ -529,7 +539,7 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
     """The backward of ``schedule`` for validated inputs as a ``BackwardPlan``.
 
     ``layout.strides`` holds, in order, q, k, v, o, do, the contiguous own-shape layouts of
-    dq, dk, dv and, with ALiBi, the slopes.
+    dq, dk, dv and, with ALiBi, the slopes, with a sink, the sink logits.
     """
     Nq, D = q.shape[-2:]
     Nk = k.shape[-2]

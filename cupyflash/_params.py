@@ -30,8 +30,9 @@ def _struct(fields) -> numpy.dtype:
 TENSOR = _struct([("ptr", _ptr), ("s0", _i64), ("s1", _i64), ("s2", _i64), ("sn", _i64)])
 BATCH = _struct([("n1", _i64), ("n2", _i64), ("count", _i64)])
 MASK = _struct([("Nq", _i32), ("Nk", _i32), ("lo", _i32), ("hi", _i32)])
-# ScoreMods (score_mod.cuh): ALiBi slopes (pointer, collapsed batch strides) and the softcap
-SCORE_MODS = _struct([("alibi", _ptr), ("alibi_s0", _i64), ("alibi_s1", _i64), ("alibi_s2", _i64), ("softcap", _f64)])
+# ScoreMods (score_mod.cuh): ALiBi slopes and sink logits (pointer, collapsed batch strides), the softcap
+SCORE_MODS = _struct([("alibi", _ptr), ("alibi_s0", _i64), ("alibi_s1", _i64), ("alibi_s2", _i64),
+                      ("sink", _ptr), ("sink_s0", _i64), ("sink_s1", _i64), ("sink_s2", _i64), ("softcap", _f64)])
 # ZeroRange: 4-byte words flash_bwd_prep zeroes
 ZERO_RANGE = _struct([("ptr", _ptr), ("words", _i64)])
 ZERO_RANGES = 4

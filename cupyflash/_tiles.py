@@ -161,9 +161,9 @@ class TileConfig:
     fp32_mma : int
         float32 products (``mma_sm80.cuh``): 0 exact FMA, 1 3xTF32, 2 one TF32 product on the
         tensor cores (``with_precision``).
-    softcap, alibi : bool
-        The score modifiers compiled in (``score_mod.cuh``, ``with_mods``); a plain call's kernel
-        has neither.
+    softcap, alibi, sink : bool
+        The modifiers compiled in (``score_mod.cuh``, ``with_mods``); a plain call's kernel has
+        none.
     """
 
     kernel: str
@@ -177,6 +177,7 @@ class TileConfig:
     fp32_mma: int = 0
     softcap: bool = False
     alibi: bool = False
+    sink: bool = False
 
     @property
     def spec(self) -> "KernelSpec":
@@ -424,14 +425,14 @@ PRECISIONS = tuple(FP32_PRODUCTS)
 PRECISION_OF = {code: name for name, code in FP32_PRODUCTS.items()}
 
 
-# the score modifiers (score_mod.cuh) a kernel can compile in, TileConfig fields of the same names;
-# every family takes them but bwd_prep, which computes no score
-SCORE_MODS = ("softcap", "alibi")
+# the modifiers (score_mod.cuh) a kernel can compile in, TileConfig fields of the same names: the score
+# modifiers and the attention sink; every family takes them but bwd_prep, which computes no score
+SCORE_MODS = ("softcap", "alibi", "sink")
 
 
-def with_mods(cfg: TileConfig, softcap: bool, alibi: bool) -> TileConfig:
-    """``cfg`` with the score modifiers ``softcap`` and ``alibi`` compiled in (or not)."""
-    return replace(cfg, softcap=softcap, alibi=alibi) if cfg.spec.score_mods else cfg
+def with_mods(cfg: TileConfig, softcap: bool, alibi: bool, sink: bool = False) -> TileConfig:
+    """``cfg`` with the modifiers ``softcap``, ``alibi`` and ``sink`` compiled in (or not)."""
+    return replace(cfg, softcap=softcap, alibi=alibi, sink=sink) if cfg.spec.score_mods else cfg
 
 
 def with_precision(cfg: TileConfig, precision: str) -> TileConfig:
@@ -513,12 +514,12 @@ def all_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
 
 
 def modified_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
-    """The score-modifier specialisations the compile test builds besides ``all_tile_configs``: every
-    family that takes modifiers, at every dtype and head-dim bucket, with both compiled in (each is an
+    """The modifier specialisations the compile test builds besides ``all_tile_configs``: every family
+    that takes modifiers, at every dtype and head-dim bucket, with all of them compiled in (each is an
     ``if constexpr`` block of its own, so this compiles every modifier line of every kernel). The
     ordered and per-precision variants change nothing the modifiers touch and are not repeated."""
     out = []
     for cfg in all_tile_configs(smem_limit, arch):
         if cfg.spec.score_mods and not cfg.ordered and cfg.fp32_mma in (0, FP32_PRODUCTS["highest"]):
-            out.append(with_mods(cfg, True, True))
+            out.append(with_mods(cfg, True, True, True))
     return out

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Optional, Union
 import numpy
 
 from . import _launch, blocked
-from ._checks import (SCHEDULES, check_alibi, check_backward, check_bool, check_choice, check_disjoint, check_forward,
-                      check_out, kernel_ready, readable_in_place, with_mods)
+from ._checks import (SCHEDULES, check_backward, check_bool, check_choice, check_disjoint, check_forward,
+                      check_out, check_per_entry, kernel_ready, readable_in_place, with_mods)
 from ._tiles import PRECISIONS, accumulator_dtype
 
 
@@ -27,7 +27,7 @@ BACKWARD_OUTPUTS = ("dq", "dk", "dv")
 
 def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False,
                             softmax_scale: Optional[float] = None, window: Optional[Window] = None,
-                            softcap: Optional[float] = None, alibi_slopes=None,
+                            softcap: Optional[float] = None, alibi_slopes=None, sink=None,
                             schedule: str = "auto", precision: str = "highest",
                             out: Optional[Outputs] = None) -> Outputs:
     """Exact attention with its softmax statistics (FlashAttention's fused forward).
@@ -64,6 +64,12 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         ``slope · |i + off − j|`` (ALiBi, bottom-right aligned like the mask).
         Read in the accumulator dtype (float32; float64 for float64 inputs);
         another dtype, or a NumPy array for CuPy inputs, is converted first.
+    sink : array_like, optional
+        Attention-sink logits, one per batch entry, broadcastable to the
+        batch shape like ``alibi_slopes`` (and read the same way): each row
+        sees one more key, of logit ``sink`` and value zero. It counts in
+        ``m`` and adds ``exp(sink − m)`` to ``l``, so a row that sees no
+        key has ``m = sink``, ``l = 1``, ``o = 0``.
     schedule : {'auto', 'v1', 'v2'}, optional
         Which GPU kernel runs; all return the same ``(o, m, l)``. 'v1' is
         FlashAttention's Algorithm 1 (K/V-outer, O/m/l through HBM between
@@ -135,15 +141,16 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     cupyflash.reference.attention_forward : the naive float64 reference.
     cupyflash.blocked.forward : the NumPy Algorithm 1 (CPU path).
     """
-    inputs = {"q": q, "k": k, "v": v} if alibi_slopes is None else {"q": q, "k": k, "v": v, "alibi_slopes": alibi_slopes}
+    inputs = _with_entries({"q": q, "k": k, "v": v}, alibi_slopes, sink)
     plan, key = _kept_plan(inputs, out, FORWARD_OUTPUTS, (causal, softmax_scale, window, softcap, schedule, precision))
     if plan is not None:
-        return plan(q, k, v, out, alibi_slopes)
+        return plan(q, k, v, out, alibi_slopes, sink)
     prob = with_mods(check_forward(q, k, v, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
-    slopes = check_alibi(alibi_slopes, prob, _device_id(q, prob))
-    if slopes is not alibi_slopes:   # converted: a like call converts again, so its plan is not kept
+    slopes, sinks = (check_per_entry(name, x, prob, _device_id(q, prob))
+                     for name, x in (("alibi_slopes", alibi_slopes), ("sink", sink)))
+    if slopes is not alibi_slopes or sinks is not sink:   # converted: a like call converts again, no plan kept
         key = None
     acc = accumulator_dtype(prob.dtype)
     stats = (*prob.batch_shape, prob.Nq)
@@ -152,19 +159,31 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
                         _device_id(q, prob), {"q": q, "k": k, "v": v})
     if prob.xp is numpy:
         return _into(out, blocked.forward(q, k, v, causal=prob.causal, softmax_scale=prob.scale,
-                                          window=prob.window, softcap=prob.softcap, alibi_slopes=slopes))
+                                          window=prob.window, softcap=prob.softcap, alibi_slopes=slopes,
+                                          sink=sinks))
     import cupy
 
     with q.device:
-        if _empty(prob):   # every row sees no key: o = 0, m = -inf, l = 0
+        if _empty(prob):   # every row sees no key: o = 0, m = -inf, l = 0 (the sink alone: m = sink, l = 1)
             if out is None:
                 out = (cupy.empty((*stats, prob.D), prob.dtype), cupy.empty(stats, acc), cupy.empty(stats, acc))
             for x, value in zip(out, (0, -numpy.inf, 0)):
                 x.fill(value)
+            if sinks is not None and prob.Nq:
+                out[1][...] = cupy.broadcast_to(sinks, prob.batch_shape)[..., None]
+                out[2][...] = cupy.where(out[1] == -numpy.inf, 0, cupy.exp(out[1] - out[1]))
             return out
         ready, key = _kernel_ready((q, k, v), key)
-        return _forward_gpu(*ready, slopes, prob.batch_shape, prob,
+        return _forward_gpu(*ready, slopes, sinks, prob.batch_shape, prob,
                             _launch.forward_schedule(schedule, prob.D, prob.dtype), precision, key, out)
+
+
+def _with_entries(inputs: dict, alibi_slopes, sink) -> dict:
+    """``inputs`` and the per-entry arrays that are given (they key a kept plan too)."""
+    for name, x in (("alibi_slopes", alibi_slopes), ("sink", sink)):
+        if x is not None:
+            inputs[name] = x
+    return inputs
 
 
 def _kept_plan(inputs: dict, out, names, flags):
@@ -220,44 +239,48 @@ def _empty(prob) -> bool:
     return prob.Nq == 0 or prob.Nk == 0 or 0 in prob.batch_shape
 
 
-def _mods(prob, slopes) -> "_launch.Mods":
-    return _launch.Mods(prob.softcap, slopes is not None)
+def _mods(prob, slopes, sinks) -> "_launch.Mods":
+    return _launch.Mods(prob.softcap, slopes is not None, sinks is not None)
 
 
-def _as_matrix(slopes):
-    """ALiBi slopes as a batch of 1 x 1 matrices, so that they lay out and peel as the tensors do."""
-    return () if slopes is None else (slopes.reshape(*slopes.shape, 1, 1),)
+def _as_matrices(*per_entry):
+    """The per-entry arrays given (ALiBi slopes, sinks) as batches of 1 x 1 matrices, so that they lay
+    out as the tensors do (``_launch.Mods.fields`` reads them last, in this order)."""
+    return tuple(x.reshape(*x.shape, 1, 1) for x in per_entry if x is not None)
 
 
 def _batch_strides(arrays, batch_shape):
     return [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch_shape) for x in arrays]
 
 
-def _forward_gpu(q, k, v, slopes, batch_shape, prob, schedule, precision, key=None, out=None):
+def _forward_gpu(q, k, v, slopes, sinks, batch_shape, prob, schedule, precision, key=None, out=None):
     """Plan and run; a single launch's plan is kept under ``key`` (``_call_key``) for like calls."""
     nb = len(batch_shape)
-    layout = _launch.collapse_batch(batch_shape, _batch_strides((q, k, v, *_as_matrix(slopes)), batch_shape))
+    layout = _launch.collapse_batch(batch_shape, _batch_strides((q, k, v, *_as_matrices(slopes, sinks)), batch_shape))
     if layout is not None:
         plan = _launch.forward_plan(q, k, v, schedule=schedule, precision=precision, geometry=prob.geometry,
-                                    scale=prob.scale, batch_shape=batch_shape, layout=layout, mods=_mods(prob, slopes))
+                                    scale=prob.scale, batch_shape=batch_shape, layout=layout,
+                                    mods=_mods(prob, slopes, sinks))
         _launch.keep_plan(key, plan)
-        return plan(q, k, v, out, slopes)
+        return plan(q, k, v, out, slopes, sinks)
     # more than three batch dims that cannot be merged: peel the leading one
     import cupy
 
     _refuse_while_capturing("more than three batch dims that cannot be merged are computed piece by piece")
 
-    parts = [_forward_gpu(*(_take_leading(x, i, nb) for x in (q, k, v)), _leading_slopes(slopes, i, nb),
-                          batch_shape[1:], prob, schedule, precision)
+    parts = [_forward_gpu(*(_take_leading(x, i, nb) for x in (q, k, v)),
+                          *(_leading_entries(x, i, nb) for x in (slopes, sinks)), batch_shape[1:], prob, schedule,
+                          precision)
              for i in range(batch_shape[0])]
     return _into(out, (cupy.stack([p[n] for p in parts]) for n in range(3)))
 
 
-def _leading_slopes(slopes, index, nb):
-    """Entry ``index`` of the slopes along the leading batch dim (their dims right-aligned to ``nb``)."""
-    if slopes is None or slopes.ndim < nb:
-        return slopes
-    return slopes[0] if slopes.shape[0] == 1 else slopes[index]
+def _leading_entries(values, index, nb):
+    """Entry ``index`` of per-entry values (slopes, sinks) along the leading batch dim (their dims
+    right-aligned to ``nb``)."""
+    if values is None or values.ndim < nb:
+        return values
+    return values[0] if values.shape[0] == 1 else values[index]
 
 
 def _take_leading(x, index, nb):
@@ -270,7 +293,7 @@ def _take_leading(x, index, nb):
 def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, m: Array, l: Array, *,
                              causal: bool = False, softmax_scale: Optional[float] = None,
                              window: Optional[Window] = None, softcap: Optional[float] = None,
-                             alibi_slopes=None, schedule: str = "auto",
+                             alibi_slopes=None, sink=None, schedule: str = "auto",
                              precision: str = "highest", deterministic: bool = False,
                              out: Optional[Outputs] = None) -> Outputs:
     """Gradients of exact attention from the forward's outputs (FlashAttention's recomputation backward).
@@ -286,7 +309,7 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
         The forward's output.
     m, l : ndarray, shape (*batch, Nq)
         The forward's statistics, float32 (float64 for float64 inputs).
-    causal, softmax_scale, window, softcap, alibi_slopes : optional
+    causal, softmax_scale, window, softcap, alibi_slopes, sink : optional
         As in the forward (the same values the forward was called with). The
         gradients are those of ``softmax_scale · q kᵀ`` through the softcap
         (``dS · (1 − tanh²)``); the slopes get no gradient.
@@ -315,6 +338,11 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
         Exactly the shapes of ``q``, ``k``, ``v`` (summed over the batch dims
         along which an input was broadcast), in the input dtype, C-contiguous.
         Rows that saw no key contribute nothing.
+    dsink : ndarray
+        With ``sink`` only (a fourth result, never written into ``out``):
+        ``−Σ_i exp(sink − m_i) / l_i · D_i`` with ``D_i = rowsum(dO_i ∘ O_i)``,
+        summed over the batch dims along which ``sink`` broadcasts; ``sink``'s
+        shape, float32 (float64 for float64 inputs).
 
     Raises
     ------
@@ -340,26 +368,26 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     cupyflash.reference.attention_backward : the naive float64 reference.
     cupyflash.blocked.backward : the NumPy version (CPU path).
     """
-    inputs = {"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}
-    if alibi_slopes is not None:
-        inputs["alibi_slopes"] = alibi_slopes
+    inputs = _with_entries({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}, alibi_slopes, sink)
     plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS,
                            (causal, softmax_scale, window, softcap, schedule, precision, deterministic))
     if plan is not None:
-        return plan(do, q, k, v, o, m, l, out, alibi_slopes)
+        return _with_sink_grad(plan(do, q, k, v, o, m, l, out, alibi_slopes, sink), do, o, m, l, sink)
     prob = with_mods(check_backward(do, q, k, v, o, m, l, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
     deterministic = check_bool("deterministic", deterministic)
-    slopes = check_alibi(alibi_slopes, prob, _device_id(q, prob))
-    if slopes is not alibi_slopes:
+    slopes, sinks = (check_per_entry(name, x, prob, _device_id(q, prob))
+                     for name, x in (("alibi_slopes", alibi_slopes), ("sink", sink)))
+    if slopes is not alibi_slopes or sinks is not sink:
         key = None
     if out is not None:
         out = check_out(out, BACKWARD_OUTPUTS, (q.shape, k.shape, v.shape), (prob.dtype,) * 3, prob,
                         _device_id(q, prob), inputs)
     if prob.xp is numpy:
-        return _into(out, blocked.backward(do, q, k, v, o, m, l, causal=prob.causal, softmax_scale=prob.scale,
-                                           window=prob.window, softcap=prob.softcap, alibi_slopes=slopes))
+        grads = blocked.backward(do, q, k, v, o, m, l, causal=prob.causal, softmax_scale=prob.scale,
+                                 window=prob.window, softcap=prob.softcap, alibi_slopes=slopes, sink=sinks)
+        return (*_into(out, grads[:3]), *grads[3:])
     import cupy
 
     with q.device:
@@ -368,34 +396,56 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
                 out = tuple(cupy.empty(x.shape, prob.dtype) for x in (q, k, v))
             for x in out:
                 x.fill(0)
-            return out
+            return _with_sink_grad(out, do, o, m, l, sinks)
         ready, key = _kernel_ready((do, q, k, v, o), key)
-        return _backward_gpu(*ready, m, l, slopes, prob.batch_shape, prob, schedule, precision, deterministic, key,
-                             out)
+        grads = _backward_gpu(*ready, m, l, slopes, sinks, prob.batch_shape, prob, schedule, precision, deterministic,
+                              key, out)
+        return _with_sink_grad(grads, do, o, m, l, sinks)
 
 
-def _backward_gpu(do, q, k, v, o, m, l, slopes, batch_shape, prob, schedule, precision, deterministic, key=None,
-                  out=None):
+def _with_sink_grad(grads, do, o, m, l, sinks):
+    """``grads``, and with ``sinks`` the sinks' gradient after them:
+    ``dsink = -sum_i exp(sink - m_i) / l_i · rowsum(dO_i o O_i)``, summed to the sinks' shape (a few
+    CuPy reductions over the outputs, on the call's stream)."""
+    if sinks is None:
+        return grads
+    import cupy
+
+    acc = m.dtype
+    D = cupy.einsum("...d,...d->...", do.astype(acc, copy=False), o.astype(acc, copy=False))   # (*batch, Nq)
+    s = cupy.broadcast_to(sinks, m.shape[:-1])[..., None]                                       # (*batch, 1)
+    inv_l = cupy.where(l == 0, 0, 1 / cupy.where(l == 0, 1, l))
+    P_sink = cupy.exp(s - cupy.where(m == -numpy.inf, 0, m)) * inv_l                            # (*batch, Nq)
+    dsink = -(P_sink * D).sum(axis=-1)                                                          # (*batch)
+    lead = dsink.ndim - sinks.ndim
+    axes = tuple(range(lead)) + tuple(lead + a for a, n in enumerate(sinks.shape)
+                                      if n == 1 and dsink.shape[lead + a] != 1)
+    return (*grads, dsink.sum(axis=axes).reshape(sinks.shape))
+
+
+def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedule, precision, deterministic,
+                  key=None, out=None):
     """Plan and run; a single plan is kept under ``key`` (``_call_key``) for like calls."""
     nb = len(batch_shape)
     own = [_launch.contiguous_strides(x.shape)[:-2] for x in (q, k, v)]
     strides = _batch_strides((q, k, v, o, do), batch_shape)
     strides += [_launch.batch_strides(x.shape, s, batch_shape) for x, s in zip((q, k, v), own)]
-    strides += _batch_strides(_as_matrix(slopes), batch_shape)
+    strides += _batch_strides(_as_matrices(slopes, sinks), batch_shape)
     layout = _launch.collapse_batch(batch_shape, strides)
     if layout is not None:
         plan = _launch.backward_plan(do, q, k, v, o, schedule=schedule, precision=precision, geometry=prob.geometry,
                                      scale=prob.scale, deterministic=deterministic, layout=layout,
-                                     mods=_mods(prob, slopes))
+                                     mods=_mods(prob, slopes, sinks))
         _launch.keep_plan(key, plan)
-        return plan(do, q, k, v, o, m, l, out, slopes)
+        return plan(do, q, k, v, o, m, l, out, slopes, sinks)
     # peel the leading batch dim; a gradient is summed where its input broadcast along it
     import cupy
 
     _refuse_while_capturing("more than three batch dims that cannot be merged are computed piece by piece")
 
     parts = [_backward_gpu(do[i], *(_take_leading(x, i, nb) for x in (q, k, v)), o[i], m[i], l[i],
-                           _leading_slopes(slopes, i, nb), batch_shape[1:], prob, schedule, precision, deterministic)
+                           *(_leading_entries(x, i, nb) for x in (slopes, sinks)), batch_shape[1:], prob, schedule,
+                           precision, deterministic)
              for i in range(batch_shape[0])]
     grads = []
     for n, x in enumerate((q, k, v)):
@@ -411,12 +461,12 @@ def _backward_gpu(do, q, k, v, o, m, l, slopes, batch_shape, prob, schedule, pre
 
 def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softmax_scale: Optional[float] = None,
                     window: Optional[Window] = None, softcap: Optional[float] = None, alibi_slopes=None,
-                    schedule: str = "auto", precision: str = "highest") -> Array:
+                    sink=None, schedule: str = "auto", precision: str = "highest") -> Array:
     """Exact attention ``softmax(softmax_scale · q kᵀ) v``; the ``o`` of :func:`flash_attention_forward`.
 
     Parameters
     ----------
-    q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, schedule, precision
+    q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision
         As in :func:`flash_attention_forward`.
 
     Returns
@@ -428,5 +478,5 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
     flash_attention_forward : also returns the statistics ``m`` and ``l``.
     """
     return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
-                                   softcap=softcap, alibi_slopes=alibi_slopes, schedule=schedule,
+                                   softcap=softcap, alibi_slopes=alibi_slopes, sink=sink, schedule=schedule,
                                    precision=precision)[0]

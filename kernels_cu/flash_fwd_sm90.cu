@@ -264,7 +264,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             zero_frag(O);
             // m_i in units of raw scores Q K^T (the softmax scales differences: scale > 0, checked on the
             // host), or of the modifiers' S (RawMods: unit > 0)
-            const RawMods mods(p.mods.at(p.batch.split(w.bh), Nk - Nq), scale);
+            const EntryMods entry = p.mods.at(p.batch.split(w.bh), Nk - Nq);
+            const RawMods mods(entry, scale);
             const acc_t unit = SCORE_MODS ? mods.unit : scale, log2_unit = unit * (acc_t)LOG2E;
             acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
             acc_t S[B_C / 8][4];                            // (16, B_C) per warp: S_ij, then P~_ij
@@ -372,7 +373,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
 
             // O_i = diag(l_i)^-1 O_i; write O_i, m_i (in natural units), l_i to HBM
             store_output_rows(p.o + w.bh * Nq * D, p.m + w.bh * Nq, p.l + w.bh * Nq, O, m_i, l_i, unit, r0, Nq,
-                              D);
+                              D, entry.sink);
             kv += j_stop;
         }
         if (c == 0) my_turn();   // the hand-off of the last issue

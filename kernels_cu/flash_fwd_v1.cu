@@ -150,12 +150,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
             __syncwarp();
 
             // O_i^new = diag(l_i^new)^-1 (diag(e^(m_i - m_i^new) l_i) O_i + P~_ij V_j), DC columns at a time
+            // At the warp's last step the sink, where compiled in, is folded into m_i^new, l_i^new (fold_sink)
             const bool last = j == j_last;
             acc_t inv_l[2], keep[2];
+            bool none[2];                                 // no key so far
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                inv_l[h] = l_new[h] == (acc_t)0 ? (acc_t)0 : (acc_t)1 / l_new[h];   // 0: no key so far
+                none[h] = l_new[h] == (acc_t)0;
+                inv_l[h] = none[h] ? (acc_t)0 : (acc_t)1 / l_new[h];
                 keep[h] = alpha[h] * l_i[h] * inv_l[h];
+                if (SINK && last) {
+                    const acc_t folded = fold_sink(m_new[h], l_new[h], mods.sink);
+                    inv_l[h] *= folded;
+                    keep[h] *= folded;
+                }
             }
 #pragma unroll
             for (int c0 = 0; c0 < DP; c0 += DC) {
@@ -170,7 +178,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
                         const int row = r0 + g + 8 * h, col = c0 + n * 8 + 2 * t;
                         if (row >= Nq) continue;
                         acc_t o0 = PV[n][2 * h] * inv_l[h], o1 = PV[n][2 * h + 1] * inv_l[h];
-                        if (l_new[h] == (acc_t)0) o0 = o1 = (acc_t)0;   // P~ V may hold 0 · NaN of a masked key
+                        if (none[h]) o0 = o1 = (acc_t)0;   // P~ V may hold 0 · NaN of a masked key
                         else if (carry) {
                             o0 += keep[h] * O_prev[n][2 * h];
                             o1 += keep[h] * O_prev[n][2 * h + 1];

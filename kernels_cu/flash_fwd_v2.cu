@@ -183,6 +183,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
         __syncthreads();   // every warp is done with this stage before it is refilled
     }
 
-    // O_i = diag(l_i)^-1 O_i; write O_i, m_i, l_i to HBM
-    store_output_rows(o, m_out, l_out, O, m_i, l_i, (acc_t)1, r0, Nq, D);
+    // O_i = diag(l_i)^-1 O_i (the sink folded in, SINK); write O_i, m_i, l_i to HBM
+    store_output_rows(o, m_out, l_out, O, m_i, l_i, (acc_t)1, r0, Nq, D, mods.sink);
 }

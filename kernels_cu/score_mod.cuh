@@ -25,10 +25,16 @@
 #ifndef FLASH_ALIBI
 #define FLASH_ALIBI 0
 #endif
+#ifndef FLASH_SINK
+#define FLASH_SINK 0
+#endif
 
 constexpr bool SOFTCAP = FLASH_SOFTCAP != 0;
 constexpr bool ALIBI = FLASH_ALIBI != 0;
 constexpr bool SCORE_MODS = SOFTCAP || ALIBI;
+// the attention sink: one more key per batch entry, of logit `sink` and value zero, folded into the
+// forward's final m_i, l_i (softmax.cuh: fold_sink); the backward's P = exp(S - lse) needs nothing more
+constexpr bool SINK = FLASH_SINK != 0;
 
 __device__ __forceinline__ acc_t tanh_acc(acc_t x) {
 #if FLASH_TENSOR_CORES
@@ -61,6 +67,7 @@ __device__ __forceinline__ void tanh_and_grad(acc_t x, acc_t& t, acc_t& grad) {
 struct EntryMods {
     acc_t cap, inv_cap;   // softcap c and 1 / c
     acc_t slope;          // ALiBi slope
+    acc_t sink;           // the sink's logit (natural units)
     int off;              // Nk - Nq
 
     // s <- c tanh(s / c); DERIV: grad = ds'/ds (untouched without a softcap)
@@ -92,6 +99,8 @@ struct EntryMods {
 struct ScoreMods {
     const acc_t* alibi;           // slopes, one per batch entry: collapsed batch strides, 0 along a broadcast dim
     i64 alibi_s0, alibi_s1, alibi_s2;
+    const acc_t* sink;            // sink logits, one per batch entry, the same way
+    i64 sink_s0, sink_s1, sink_s2;
     double softcap;               // c > 0
 
     __device__ __forceinline__ EntryMods at(BatchIndex bi, int off) const {
@@ -99,6 +108,7 @@ struct ScoreMods {
         e.cap = (acc_t)softcap;
         e.inv_cap = SOFTCAP ? (acc_t)1 / e.cap : (acc_t)0;
         e.slope = ALIBI ? alibi[batch_offset(bi, alibi_s0, alibi_s1, alibi_s2)] : (acc_t)0;
+        e.sink = SINK ? sink[batch_offset(bi, sink_s0, sink_s1, sink_s2)] : (acc_t)0;
         e.off = off;
         return e;
     }

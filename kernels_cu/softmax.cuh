@@ -77,3 +77,19 @@ __device__ __forceinline__ void online_softmax(acc_t (&S)[NT][4], const acc_t (&
     rowsum[0] = quad_sum(rowsum[0]);
     rowsum[1] = quad_sum(rowsum[1]);
 }
+
+// The attention sink (score_mod.cuh: SINK) folded into a row's final statistics, in natural units:
+// one more key of logit `sink` and value zero, so
+//   m <- max(m, sink),  l <- e^(m_old - m) l + e^(sink - m)
+// (a row that saw no key, m = -inf and l = 0, gets m = sink, l = 1). Returns what the row's O_i,
+// normalised by the old l, is multiplied by: e^(m_old - m) l_old / l (0 where l_old = 0).
+__device__ __forceinline__ acc_t fold_sink(acc_t& m, acc_t& l, acc_t sink) {
+    const acc_t m_new = nan_max(m, sink);
+    if (m_new == NEG_INF) return (acc_t)0;   // no key and a sink of -inf: nothing to fold (-inf - -inf = NaN)
+    const acc_t beta = m == NEG_INF ? (acc_t)0 : exp2_acc((m - m_new) * (acc_t)LOG2E);
+    const acc_t l_new = beta * l + exp2_acc((sink - m_new) * (acc_t)LOG2E);
+    const acc_t keep = l == (acc_t)0 ? (acc_t)0 : beta * l / l_new;
+    m = m_new;
+    l = l_new;
+    return keep;
+}

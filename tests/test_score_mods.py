@@ -1,11 +1,12 @@
-"""The score modifiers ``softcap`` and ``alibi_slopes`` on every path: the NumPy path and the
+"""The modifiers ``softcap``, ``alibi_slopes`` and ``sink`` on every path: the NumPy path and the
 validation on the CPU, every GPU kernel (V1, V2, the Hopper forward and backwards, the non-finite
 repair) against the float64 reference.
 
 With ``off = Nk - Nq`` the final score of query ``i`` and key ``j`` is
 ``c tanh(scale q_i . k_j / c) - slope |i + off - j|`` (softcap ``c``, the batch entry's ALiBi
-``slope``), then the mask; ``m``, ``l`` are the statistics of the final scores and the gradients
-are those of ``scale q k^T`` through the softcap.
+``slope``), then the mask; ``m``, ``l`` are the statistics of the final scores and of the sink (one
+more key of logit ``sink`` and value zero), and the gradients are those of ``scale q k^T`` through
+the softcap, and of ``sink``.
 """
 
 import numpy
@@ -34,7 +35,19 @@ def alibi_slopes(kind, batch_shape, rng):
     return (2.0 ** -rng.uniform(0, 8, shape)).astype(numpy.float32)
 
 
-def drawn_mods(softcap, kind, q_shape, kv_shape, rng):
+@st.composite
+def modifier_sets(draw):
+    """(softcap, slope kind, sink kind) of one of the sets the GPU tests run: none, each alone, or all
+    three (each set is a kernel specialisation of its own, compiled on first use)."""
+    chosen = draw(st.sampled_from([(), ("softcap",), ("alibi",), ("sink",), ("softcap", "alibi", "sink")]))
+    softcap = draw(SOFTCAPS.filter(lambda c: c is not None)) if "softcap" in chosen else None
+    kind = draw(SLOPE_KINDS.filter(lambda k: k is not None)) if "alibi" in chosen else None
+    sink_kind = draw(SLOPE_KINDS.filter(lambda k: k is not None)) if "sink" in chosen else None
+    return softcap, kind, sink_kind
+
+
+def drawn_mods(softcap, kind, q_shape, kv_shape, rng, sink_kind=None):
+    """The modifier keywords of a drawn case; ``sink_kind`` broadcasts sinks as ``kind`` does slopes."""
     batch = numpy.broadcast_shapes(q_shape[:-2], kv_shape[:-2])
     mods = {}
     if softcap is not None:
@@ -42,6 +55,9 @@ def drawn_mods(softcap, kind, q_shape, kv_shape, rng):
     slopes = alibi_slopes(kind, batch, rng)
     if slopes is not None:
         mods["alibi_slopes"] = slopes
+    sinks = alibi_slopes(sink_kind, batch, rng)
+    if sinks is not None:   # logits around the scores' range
+        mods["sink"] = (4 * numpy.log2(sinks) / 8 + 2).astype(numpy.float32)
     return mods
 
 
@@ -50,21 +66,23 @@ def drawn_mods(softcap, kind, q_shape, kv_shape, rng):
 
 
 @settings(deadline=None, max_examples=40)
-@given(attention_problem_shapes(), WINDOWS, SOFTCAPS, SLOPE_KINDS, st.integers(0, 2**32 - 1))
-@example(("float64", (2, 3, 113, 64), (2, 3, 200, 64), True, None), (None, None), 2.0, "heads", 0)
-def test_numpy_path_takes_the_score_modifiers(problem, window, softcap, kind, seed):
+@given(attention_problem_shapes(), WINDOWS, SOFTCAPS, SLOPE_KINDS, st.integers(0, 2**32 - 1), SLOPE_KINDS)
+@example(("float64", (2, 3, 113, 64), (2, 3, 200, 64), True, None), (None, None), 2.0, "heads", 0, "heads")
+def test_numpy_path_takes_the_modifiers(problem, window, softcap, kind, seed, sink_kind):
     """The API's NumPy path (the blocked Algorithm 1, float64) equals the float64 reference with any
-    softcap and slopes, under any mask."""
+    softcap, slopes and sinks, under any mask (dsink included)."""
     _, q_shape, kv_shape, causal, scale = problem
     rng = numpy.random.default_rng(seed)
     q, k, v = random_inputs(rng, "float64", q_shape, kv_shape)
-    kw = dict(causal=causal, softmax_scale=scale, window=window, **drawn_mods(softcap, kind, q_shape, kv_shape, rng))
+    kw = dict(causal=causal, softmax_scale=scale, window=window,
+              **drawn_mods(softcap, kind, q_shape, kv_shape, rng, sink_kind))
     out = cupyflash.flash_attention_forward(q, k, v, **kw)
     refs = reference.attention_forward(q, k, v, **kw)
     do = rng.standard_normal(out[0].shape)
     grads = cupyflash.flash_attention_backward(do, q, k, v, *out, **kw)
     ref_grads = reference.attention_backward(do, q, k, v, *refs, **kw)
-    for name, got, ref in zip(("o", "m", "l", "dq", "dk", "dv"), (*out, *grads), (*refs, *ref_grads)):
+    assert len(grads) == len(ref_grads) == 3 + ("sink" in kw)
+    for name, got, ref in zip(("o", "m", "l", "dq", "dk", "dv", "dsink"), (*out, *grads), (*refs, *ref_grads)):
         assert_float64_close(name, got, ref)
 
 
@@ -83,7 +101,27 @@ def test_a_softcap_bends_large_scores_and_alibi_moves_them_by_distance():
     numpy.testing.assert_allclose(o[0, 0], weights, rtol=1e-12)
 
 
+def test_a_sink_is_one_more_key_of_value_zero():
+    """Worked values: the sink counts in m and l but adds nothing to o; a row that sees no key has
+    m = sink, l = 1, o = 0; dsink = -sum_i exp(sink - m_i) / l_i D_i."""
+    q = numpy.array([[[0.0, 1.0], [1.0, 0.0]]])           # (1, 2, 2): row 0 sees no key (causal, off = -1)
+    k = numpy.array([[[2.0, 0.0]]])                       # (1, 1, 2): score 2 for row 1
+    v = numpy.array([[[3.0, 4.0]]])
+    o, m, l = cupyflash.flash_attention_forward(q, k, v, softmax_scale=1.0, sink=numpy.array([1.0]), causal=True)
+    assert list(m[0]) == pytest.approx([1.0, 2.0]) and list(l[0]) == pytest.approx([1.0, 1 + numpy.exp(-1.0)])
+    numpy.testing.assert_allclose(o[0, 1], v[0, 0] / (1 + numpy.exp(-1.0)), rtol=1e-12)
+    assert not o[0, 0].any()
+    do = numpy.ones_like(o)
+    *_, dsink = cupyflash.flash_attention_backward(do, q, k, v, o, m, l, softmax_scale=1.0, sink=numpy.array([1.0]),
+                                                   causal=True)
+    D = (do * o).sum(-1)[0]
+    assert dsink.shape == (1,)
+    assert dsink[0] == pytest.approx(-(1.0 * D[0] + numpy.exp(1.0 - 2.0) / l[0, 1] * D[1]), rel=1e-12)
+
+
 @pytest.mark.parametrize("kw, error, words", [
+    (dict(sink=numpy.ones((3, 2))), ValueError, "sink of shape (3, 2) does not broadcast to the batch shape (2, 3)"),
+    (dict(sink=numpy.array([None, 1, 2])), TypeError, "sink must hold real numbers"),
     (dict(softcap=0.0), ValueError, "softcap must be a finite number > 0"),
     (dict(softcap=-2), ValueError, "softcap must be a finite number > 0"),
     (dict(softcap=float("inf")), ValueError, "softcap must be a finite number > 0"),
@@ -128,6 +166,7 @@ def test_a_plain_call_compiles_no_modifier_and_a_modified_one_only_its_own():
     assert not any("SOFTCAP" in d or "ALIBI" in d for d in cfg.defines())
     assert set(_tiles.with_mods(cfg, True, False).defines()) - set(cfg.defines()) == {"-DFLASH_SOFTCAP=1"}
     assert set(_tiles.with_mods(cfg, False, True).defines()) - set(cfg.defines()) == {"-DFLASH_ALIBI=1"}
+    assert set(_tiles.with_mods(cfg, False, False, True).defines()) - set(cfg.defines()) == {"-DFLASH_SINK=1"}
     prep = _tiles.choose_tiles("bwd_prep", 64, "float16", 227 * 1024)
     assert _tiles.with_mods(prep, True, True) == prep   # computes no score
 
@@ -137,7 +176,7 @@ def test_the_compile_test_covers_every_modified_family_dtype_and_bucket():
     modified = {(c.kernel, c.dtype, c.d_pad) for c in _tiles.modified_tile_configs(smem)}
     plain = {(c.kernel, c.dtype, c.d_pad) for c in _tiles.all_tile_configs(smem) if c.spec.score_mods}
     assert modified == plain
-    assert all(c.softcap and c.alibi for c in _tiles.modified_tile_configs(smem))
+    assert all(c.softcap and c.alibi and c.sink for c in _tiles.modified_tile_configs(smem))
 
 
 # ---------------------------------------------------------------------------
@@ -160,38 +199,43 @@ def gpu_schedule(request, monkeypatch):
 @gpu_test
 @SCHEDULES
 @GPU_SETTINGS
-@given(attention_problem_shapes(), WINDOWS, SOFTCAPS, SLOPE_KINDS, st.integers(0, 2**32 - 1))
-@example(("float16", (2, 4, 1023, 128), (2, 1, 1023, 128), True, None), (None, None), 5.0, "heads", 0)
-@example(("bfloat16", (2, 3, 700, 64), (2, 1, 900, 64), False, None), (257, None), 2.0, None, 1)
-@example(("float16", (1, 2, 513, 200), (1, 2, 513, 200), True, None), (None, None), None, "entries", 2)
-@example(("float32", (3, 300, 64), (3, 280, 64), False, 0.5), (None, None), 0.5, "scalar", 3)
-@example(("float64", (2, 250, 40), (2, 330, 40), True, None), (30, None), 30.0, "heads", 4)
-@example(("float16", (2, 4, 300, 256), (2, 4, 300, 256), False, None), (None, None), 5.0, "heads", 5)
-def test_forward_with_modifiers_matches_reference(gpu_schedule, problem, window, softcap, kind, seed):
+@given(attention_problem_shapes(), WINDOWS, modifier_sets(), st.integers(0, 2**32 - 1))
+@example(("float16", (2, 4, 1023, 128), (2, 1, 1023, 128), True, None), (None, None), (5.0, "heads", "heads"), 0)
+@example(("bfloat16", (2, 3, 700, 64), (2, 1, 900, 64), False, None), (257, None), (2.0, None, None), 1)
+@example(("float16", (1, 2, 513, 200), (1, 2, 513, 200), True, None), (None, None), (None, "entries", None), 2)
+@example(("float32", (3, 300, 64), (3, 280, 64), False, 0.5), (None, None), (0.5, "scalar", "entries"), 3)
+@example(("float64", (2, 250, 40), (2, 330, 40), True, None), (30, None), (30.0, "heads", "heads"), 4)
+@example(("float16", (2, 4, 300, 256), (2, 4, 300, 256), False, None), (None, None), (5.0, None, None), 5)
+@example(("float16", (2, 2, 300, 64), (2, 2, 100, 64), True, None), (10, None), (None, None, "heads"), 6)  # no-key rows
+def test_forward_with_modifiers_matches_reference(gpu_schedule, problem, window, mods, seed):
+    softcap, kind, sink_kind = mods
     dtype, q_shape, kv_shape, causal, scale = problem
     rng = numpy.random.default_rng(seed)
     q, k, v = random_inputs(rng, dtype, q_shape, kv_shape)
     check_forward(dtype, q, k, v, causal, scale, gpu_schedule, window,
-                  **drawn_mods(softcap, kind, q_shape, kv_shape, rng))
+                  **drawn_mods(softcap, kind, q_shape, kv_shape, rng, sink_kind))
 
 
 @gpu_test
 @SCHEDULES
 @GPU_SETTINGS
-@given(attention_problem_shapes(), WINDOWS, SOFTCAPS, SLOPE_KINDS, st.integers(0, 2**32 - 1), st.booleans())
-@example(("float16", (2, 4, 1023, 128), (2, 1, 1023, 128), True, None), (None, None), 5.0, "heads", 0, False)
-@example(("bfloat16", (2, 3, 700, 64), (2, 1, 900, 64), False, None), (257, None), 2.0, None, 1, True)
-@example(("bfloat16", (1, 2, 513, 200), (1, 2, 513, 200), True, None), (None, None), 5.0, "entries", 2, True)
-@example(("float32", (3, 300, 64), (3, 280, 64), False, 0.5), (None, None), 0.5, "scalar", 3, False)
-@example(("float64", (2, 250, 40), (2, 330, 40), True, None), (30, None), 30.0, "heads", 4, True)
-@example(("float16", (2, 4, 300, 256), (2, 4, 300, 256), False, None), (None, None), 5.0, "heads", 5, False)
-@example(("float16", (256, 1, 1), (256, 2, 1), False, None), (None, None), 0.5, None, 0, False)   # saturated tanh
-def test_backward_with_modifiers_matches_reference(gpu_schedule, problem, window, softcap, kind, seed, deterministic):
+@given(attention_problem_shapes(), WINDOWS, modifier_sets(), st.integers(0, 2**32 - 1), st.booleans())
+@example(("float16", (2, 4, 1023, 128), (2, 1, 1023, 128), True, None), (None, None), (5.0, "heads", "heads"), 0, False)
+@example(("bfloat16", (2, 3, 700, 64), (2, 1, 900, 64), False, None), (257, None), (2.0, None, None), 1, True)
+@example(("bfloat16", (1, 2, 513, 200), (1, 2, 513, 200), True, None), (None, None), (5.0, "entries", "scalar"), 2,
+         True)
+@example(("float32", (3, 300, 64), (3, 280, 64), False, 0.5), (None, None), (0.5, "scalar", "scalar"), 3, False)
+@example(("float64", (2, 250, 40), (2, 330, 40), True, None), (30, None), (30.0, "heads", "entries"), 4, True)
+@example(("float16", (2, 4, 300, 256), (2, 4, 300, 256), False, None), (None, None), (5.0, None, None), 5, False)
+@example(("float16", (256, 1, 1), (256, 2, 1), False, None), (None, None), (0.5, None, None), 0, False)   # saturated
+@example(("float16", (2, 2, 300, 64), (2, 2, 100, 64), True, None), (10, None), (None, None, "heads"), 6, False)
+def test_backward_with_modifiers_matches_reference(gpu_schedule, problem, window, mods, seed, deterministic):
+    softcap, kind, sink_kind = mods
     dtype, q_shape, kv_shape, causal, scale = problem
     rng = numpy.random.default_rng(seed)
     q, k, v = random_inputs(rng, dtype, q_shape, kv_shape)
     check_backward(dtype, q, k, v, causal, scale, rng, gpu_schedule, window, deterministic,
-                   **drawn_mods(softcap, kind, q_shape, kv_shape, rng))
+                   **drawn_mods(softcap, kind, q_shape, kv_shape, rng, sink_kind))
 
 
 @gpu_test
@@ -212,7 +256,7 @@ def test_slopes_of_any_kind_and_layout_give_the_reference(where):
                     "strided": cupy.asarray(numpy.repeat(slopes, 2))[::2], "peeled": cupy.asarray(slopes)}[where]
     if where == "strided":
         given_slopes[...] = cupy.asarray(slopes)
-    kw = dict(causal=True, softcap=5.0)
+    kw = dict(causal=True, softcap=5.0, sink=numpy.float32(0.5))
     o, m, l = cupyflash.flash_attention_forward(*to_gpu(q, k, v), alibi_slopes=given_slopes, **kw)
     o_ref, m_ref, l_ref = reference.attention_forward(q, k, v, alibi_slopes=slopes, **kw)
     numpy.testing.assert_allclose(m.get(), m_ref, atol=2e-2)
@@ -251,22 +295,56 @@ def test_non_finite_inputs_with_modifiers_reach_the_outputs_the_reference_says(s
     from cupyflash import _launch
 
     monkeypatch.setattr(_launch, "USE_WGMMA", schedule != "v2-mma")
-    mods = dict(softcap=4.0, alibi_slopes=numpy.array([0.5, 0.03125], numpy.float32))
+    mods = dict(softcap=4.0, alibi_slopes=numpy.array([0.5, 0.03125], numpy.float32),
+                sink=numpy.array([1.0, -0.5], numpy.float32))
     assert_non_finite_rules(dtype, True, case, to_gpu, head_dim, mods=mods, schedule=schedule.split("-")[0])
 
 
 @gpu_test
 @pytest.mark.parametrize("dtype, D", [("float16", 64), ("bfloat16", 128), ("float16", 200), ("float32", 64)])
 def test_deterministic_backward_with_modifiers_is_bitwise_reproducible(dtype, D):
+    """deterministic=True with every modifier: the same bits run to run (dsink's reductions included)."""
     import cupy
 
     rng = numpy.random.default_rng(5)
     q, k, v = (cupy.asarray(rng.standard_normal(s).astype(DTYPE_BY_NAME[dtype]))
                for s in ((2, 3, 500, D), (2, 1, 700, D), (1, 3, 700, D)))
-    kw = dict(causal=True, softcap=3.0, alibi_slopes=cupy.asarray([0.5, 0.25, 0.125], numpy.float32))
+    kw = dict(causal=True, softcap=3.0, alibi_slopes=cupy.asarray([0.5, 0.25, 0.125], numpy.float32),
+              sink=cupy.asarray([0.0, 1.0, -1.0], numpy.float32))
     o, m, l = cupyflash.flash_attention_forward(q, k, v, **kw)
     do = cupy.asarray(rng.standard_normal(q.shape).astype(DTYPE_BY_NAME[dtype]))
     runs = [cupyflash.flash_attention_backward(do, q, k, v, o, m, l, deterministic=True, **kw) for _ in range(3)]
     for later in runs[1:]:
         for a, b in zip(runs[0], later):
             assert a.tobytes() == b.tobytes()
+
+
+@gpu_test
+@pytest.mark.parametrize("schedule", ["v1", "v2", "v2-mma"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+@pytest.mark.parametrize("sink_shape, n_k", [((3,), 140), ((2, 1), 140), ((), 1), ((3,), 0)])
+def test_sink_statistics_and_gradient_match_the_reference(schedule, dtype, sink_shape, n_k, monkeypatch):
+    """m, l, o and dsink (summed over the dims the sink broadcasts along) against the reference; causal with
+    Nq > Nk leaves rows that see no key (m = sink, l = 1), and Nk = 0 no key at all."""
+    import cupy
+    from cupyflash import _launch
+
+    monkeypatch.setattr(_launch, "USE_WGMMA", schedule != "v2-mma")
+    rng = numpy.random.default_rng(8)
+    q, k, v = random_inputs(rng, dtype, (2, 3, 200, 64), (2, 3, n_k, 64))
+    sink = rng.uniform(-2, 2, sink_shape).astype(numpy.float32)
+    kw = dict(causal=True, sink=sink)
+    o, m, l = cupyflash.flash_attention_forward(*to_gpu(q, k, v), schedule=schedule.split("-")[0], **kw)
+    o_ref, m_ref, l_ref = reference.attention_forward(q, k, v, **kw)
+    tol = {"float16": 3e-3, "float32": 1e-5, "float64": 1e-12}[dtype]
+    numpy.testing.assert_allclose(m.get(), m_ref, rtol=tol, atol=tol)
+    numpy.testing.assert_allclose(l.get(), l_ref, rtol=tol, atol=tol)
+    numpy.testing.assert_allclose(o.get().astype(numpy.float64), o_ref, rtol=tol, atol=tol)
+    do = rng.standard_normal(o.shape).astype(DTYPE_BY_NAME[dtype])
+    grads = cupyflash.flash_attention_backward(cupy.asarray(do), *to_gpu(q, k, v), o, m, l,
+                                               schedule=schedule.split("-")[0], **kw)
+    refs = reference.attention_backward(do, q, k, v, o_ref, m_ref, l_ref, **kw)
+    assert len(grads) == 4 and grads[3].shape == sink.shape
+    assert grads[3].dtype == (numpy.float64 if dtype == "float64" else numpy.float32)
+    scale = max(1.0, float(numpy.abs(refs[3]).max()))
+    numpy.testing.assert_allclose(grads[3].get() / scale, refs[3] / scale, atol=10 * tol)

@@ -42,7 +42,7 @@ def _modified(S, softcap, alibi_slopes, n_k):
     return S, t
 
 
-def _same_precision_forward(q, k, v, causal, softmax_scale, window=None, softcap=None, alibi_slopes=None):
+def _same_precision_forward(q, k, v, causal, softmax_scale, window=None, softcap=None, alibi_slopes=None, sink=None):
     """Forward of `naive_same_precision_forward`, also returning the rounded P and the softcap's tanh."""
     q, k, v = (np.asarray(x) for x in (q, k, v))
     dtype = q.dtype
@@ -56,15 +56,20 @@ def _same_precision_forward(q, k, v, causal, softmax_scale, window=None, softcap
     S = _rounded(S if vis is None else np.where(vis, S, NEG_INF), dtype)            # (*batch, Nq, Nk)
     S_acc = S.astype(acc)
     m = S_acc.max(axis=-1, initial=NEG_INF)                                          # (*batch, Nq)
+    if sink is not None:   # one more key of logit sink, value 0
+        sink = np.broadcast_to(np.asarray(sink, acc), m.shape[:-1])[..., None]
+        m = np.maximum(m, sink)
     P_unnormalised = np.exp(S_acc - exp_shift(m)[..., None])
     l = P_unnormalised.sum(axis=-1)                                                  # (*batch, Nq)
+    if sink is not None:
+        l = l + np.exp(sink - exp_shift(m))
     P = _rounded(P_unnormalised * reciprocal_or_zero(l)[..., None], dtype)          # (*batch, Nq, Nk)
     o = _rounded(P.astype(acc) @ v.astype(acc), dtype)                               # (*batch, Nq, D)
     return o, m, l, P, t
 
 
 def naive_same_precision_forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None,
-                                 alibi_slopes=None):
+                                 alibi_slopes=None, sink=None):
     """Naive attention forward in the input precision.
 
     Emulates a naive GPU attention run in the input dtype: each product is
@@ -85,8 +90,8 @@ def naive_same_precision_forward(q, k, v, *, causal=False, softmax_scale=None, w
         Bottom-right aligned causal mask, as in `cupyflash.reference.attention_forward`.
     window : (int or None, int or None), optional
         A sliding window, as in `cupyflash.reference.attention_forward`.
-    softcap, alibi_slopes : optional
-        The score modifiers, as in `cupyflash.reference.attention_forward`, applied in the
+    softcap, alibi_slopes, sink : optional
+        The modifiers, as in `cupyflash.reference.attention_forward`, applied in the
         accumulator precision before the scores are rounded.
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(D)``; applied to the ``q k^T`` product before
@@ -110,12 +115,12 @@ def naive_same_precision_forward(q, k, v, *, causal=False, softmax_scale=None, w
     --------
     cupyflash.reference.attention_forward : the float64 truth this is compared against.
     """
-    o, m, l, _, _ = _same_precision_forward(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes)
+    o, m, l, _, _ = _same_precision_forward(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, sink)
     return o, m, l
 
 
 def naive_same_precision_backward(do, q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None,
-                                  alibi_slopes=None):
+                                  alibi_slopes=None, sink=None):
     """Naive attention backward in the input precision.
 
     Recomputes the forward of `naive_same_precision_forward` and
@@ -135,8 +140,8 @@ def naive_same_precision_backward(do, q, k, v, *, causal=False, softmax_scale=No
         Bottom-right aligned causal mask, as in `cupyflash.reference.attention_forward`.
     window : (int or None, int or None), optional
         A sliding window, as in `cupyflash.reference.attention_forward`.
-    softcap, alibi_slopes : optional
-        The score modifiers, as in `cupyflash.reference.attention_forward`, applied in the
+    softcap, alibi_slopes, sink : optional
+        The modifiers, as in `cupyflash.reference.attention_forward`, applied in the
         accumulator precision before the scores are rounded.
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(D)``.
@@ -163,7 +168,7 @@ def naive_same_precision_backward(do, q, k, v, *, causal=False, softmax_scale=No
     cupyflash.reference.attention_backward : the float64 truth this is compared against.
     """
     shapes = [np.shape(x) for x in (q, k, v)]
-    o, _, _, P, t = _same_precision_forward(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes)
+    o, _, _, P, t = _same_precision_forward(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, sink)
     do, q, k, v = (np.asarray(x) for x in (do, q, k, v))
     dtype = q.dtype
     acc = accumulator_dtype(dtype)

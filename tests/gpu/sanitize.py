@@ -11,7 +11,8 @@ Cases: schedules v1, v2 and v2 on the portable kernels ("v2-mma", where the Hopp
 run), the four dtypes (float32 under both precisions: 450 cases), one head dim per bucket, Nq != Nk ragged against every tile size, causal and
 not, causal with a NaN in each of q, k, v, do inside a diagonal tile (the scans, the flags and
 flash_repair.cu), a sliding window without and (causal) with the NaNs, K/V broadcast over a group of
-query heads, the backward unordered and deterministic.
+query heads, the backward unordered and deterministic; ``--mods all`` runs them with the softcap,
+ALiBi and a sink compiled in.
 ``--quick`` keeps two head dims, ``--head-dims`` picks some, ``--dtypes`` some dtypes, ``--schedules`` some
 schedules, ``--masks`` some masks (racecheck over all six head dims takes
 longer than one 10-minute device call: run it in parts). The script also checks each result
@@ -55,7 +56,13 @@ MASKS = {"plain": (False, None, False), "causal": (True, None, False), "causal-n
          "window": (False, (40, 10), False), "window-nan": (True, (90, None), True)}
 
 
-def run_case(dtype, precision, D, schedule, causal, window, poison, rng) -> float:
+# the modifiers (score_mod.cuh): none, or all three (softcap, ALiBi slopes per K/V head, a sink per
+# query head), whose kernels are specialisations of their own
+MODS = {"none": {}, "all": dict(softcap=4.0, alibi_slopes=numpy.array([[[0.5]], [[0.125]]], numpy.float32),
+                                sink=numpy.array([[0.5, -1.0], [1.5, 0.0]], numpy.float32))}
+
+
+def run_case(dtype, precision, D, schedule, causal, window, poison, rng, mods=None) -> float:
     """Forward and backward of one case; the worst relative error against the reference."""
     import cupy
 
@@ -68,7 +75,7 @@ def run_case(dtype, precision, D, schedule, causal, window, poison, rng) -> floa
             x[POISON[name]] = numpy.nan
     api = schedule.split("-")[0]
     qg, kg, vg, dog = (cupy.asarray(x) for x in (q, k, v, do))
-    kw = dict(causal=causal, window=window)
+    kw = dict(causal=causal, window=window, **(mods or {}))
     o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, **kw, schedule=api, precision=precision)
     grads = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, **kw, schedule=api, precision=precision)
     ordered = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, **kw, schedule=api, precision=precision,
@@ -98,6 +105,8 @@ def main(argv=None) -> int:
                         help=f"these schedules only (default all: {' '.join(SCHEDULES)}; v2 runs the Hopper kernels)")
     parser.add_argument("--masks", nargs="+", choices=list(MASKS), metavar="NAME",
                         help=f"these masks only (default all: {' '.join(MASKS)})")
+    parser.add_argument("--mods", nargs="+", choices=list(MODS), default=["none"], metavar="NAME",
+                        help=f"the modifier sets (default none; all: {' '.join(MODS['all'])})")
     args = parser.parse_args(argv)
     head_dims = args.head_dims or (QUICK_HEAD_DIMS if args.quick else HEAD_DIMS)
     if any(not 1 <= d <= _tiles.MAX_HEAD_DIM for d in head_dims):
@@ -106,13 +115,13 @@ def main(argv=None) -> int:
     failures = 0
     masks = [MASKS[name] for name in args.masks or MASKS]
     variants = [v for v in VARIANTS if not args.dtypes or v[0] in args.dtypes]
-    cases = list(itertools.product(variants, head_dims, args.schedules or SCHEDULES, masks))
-    for (name, dtype, precision, tolerance), D, schedule, (causal, window, poison) in cases:
-        err = run_case(dtype, precision, D, schedule, causal, window, poison, rng)
+    cases = list(itertools.product(variants, head_dims, args.schedules or SCHEDULES, masks, args.mods))
+    for (name, dtype, precision, tolerance), D, schedule, (causal, window, poison), mods in cases:
+        err = run_case(dtype, precision, D, schedule, causal, window, poison, rng, MODS[mods])
         ok = err <= SANITIZE_REL_ERR[tolerance]
         failures += not ok
         if not ok:
-            print(f"FAIL {name} D={D} {schedule} causal={causal} window={window} poison={poison}: "
+            print(f"FAIL {name} D={D} {schedule} causal={causal} window={window} poison={poison} mods={mods}: "
                   f"relative error {err:.2e}",
                   flush=True)
     print(f"{len(cases) - failures} of {len(cases)} cases within tolerance", flush=True)
