@@ -142,7 +142,8 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     cupyflash.blocked.forward : the NumPy Algorithm 1 (CPU path).
     """
     inputs = _with_entries({"q": q, "k": k, "v": v}, alibi_slopes, sink)
-    plan, key = _kept_plan(inputs, out, FORWARD_OUTPUTS, (causal, softmax_scale, window, softcap, schedule, precision))
+    plan, key = _kept_plan(inputs, out, FORWARD_OUTPUTS, (causal, softmax_scale, window, softcap, schedule, precision,
+                                                          *_entries_given(alibi_slopes, sink)))
     if plan is not None:
         return plan(q, k, v, out, alibi_slopes, sink)
     prob = with_mods(check_forward(q, k, v, causal, softmax_scale, window), softcap)
@@ -176,6 +177,11 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         ready, key = _kernel_ready((q, k, v), key)
         return _forward_gpu(*ready, slopes, sinks, prob.batch_shape, prob,
                             _launch.forward_schedule(schedule, prob.D, prob.dtype), precision, key, out)
+
+
+def _entries_given(alibi_slopes, sink) -> tuple:
+    """Which per-entry arrays a call has, for its plan's key: slopes and sinks of one layout key alike."""
+    return (alibi_slopes is not None, sink is not None)
 
 
 def _with_entries(inputs: dict, alibi_slopes, sink) -> dict:
@@ -370,7 +376,8 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     """
     inputs = _with_entries({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}, alibi_slopes, sink)
     plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS,
-                           (causal, softmax_scale, window, softcap, schedule, precision, deterministic))
+                           (causal, softmax_scale, window, softcap, schedule, precision, deterministic,
+                            *_entries_given(alibi_slopes, sink)))
     if plan is not None:
         return _with_sink_grad(plan(do, q, k, v, o, m, l, out, alibi_slopes, sink), do, o, m, l, sink)
     prob = with_mods(check_backward(do, q, k, v, o, m, l, causal, softmax_scale, window), softcap)

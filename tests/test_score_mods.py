@@ -348,3 +348,20 @@ def test_sink_statistics_and_gradient_match_the_reference(schedule, dtype, sink_
     assert grads[3].dtype == (numpy.float64 if dtype == "float64" else numpy.float32)
     scale = max(1.0, float(numpy.abs(refs[3]).max()))
     numpy.testing.assert_allclose(grads[3].get() / scale, refs[3] / scale, atol=10 * tol)
+
+
+@gpu_test
+@pytest.mark.parametrize("first, then", [("alibi_slopes", "sink"), ("sink", "alibi_slopes")])
+def test_slopes_and_sinks_of_one_layout_do_not_share_a_kept_plan(first, then):
+    """A call keeps its plan under its arrays' layouts: slopes and sinks of the same shape, strides and
+    dtype must not reuse each other's plan (each runs another specialisation)."""
+    import cupy
+
+    rng = numpy.random.default_rng(4)
+    q, k, v = to_gpu(*random_inputs(rng, "float16", (2, 3, 64, 32), (2, 3, 64, 32)))
+    values = cupy.asarray([0.5, 0.25, 0.125], numpy.float32)
+    for name in (first, then):
+        o, m, l = cupyflash.flash_attention_forward(q, k, v, **{name: values})
+        o_ref, m_ref, l_ref = reference.attention_forward(q.get(), k.get(), v.get(), **{name: values.get()})
+        numpy.testing.assert_allclose(m.get(), m_ref, atol=2e-2)
+        numpy.testing.assert_allclose(l.get(), l_ref, rtol=2e-2)

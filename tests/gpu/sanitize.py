@@ -58,7 +58,7 @@ MASKS = {"plain": (False, None, False), "causal": (True, None, False), "causal-n
 
 # the modifiers (score_mod.cuh): none, or all three (softcap, ALiBi slopes per K/V head, a sink per
 # query head), whose kernels are specialisations of their own
-MODS = {"none": {}, "all": dict(softcap=4.0, alibi_slopes=numpy.array([[[0.5]], [[0.125]]], numpy.float32),
+MODS = {"none": {}, "all": dict(softcap=4.0, alibi_slopes=numpy.array([[0.5], [0.125]], numpy.float32),
                                 sink=numpy.array([[0.5, -1.0], [1.5, 0.0]], numpy.float32))}
 
 
