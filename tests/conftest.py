@@ -21,3 +21,13 @@ def kernels_compiled_in_parallel(request):
         import cupyflash
 
         cupyflash.precompile()
+
+
+@pytest.fixture()
+def gpu_schedule(request, monkeypatch):
+    """The API schedule of a "v1"/"v2"/"v2-mma" case (parametrized indirectly), with the Hopper kernels
+    off for "v2-mma"."""
+    from cupyflash import _launch
+
+    monkeypatch.setattr(_launch, "USE_WGMMA", request.param != "v2-mma")
+    return request.param.split("-")[0]

@@ -175,3 +175,16 @@ def forward_contract_errors(q, k, v, causal, softmax_scale):
                 or not broadcasts):
             errors.add(ValueError)
     return errors
+
+
+def reproducible_backward(q, k, v, do, runs=3, **kw):
+    """The deterministic backward of the CuPy inputs, run ``runs`` times after one forward (both with
+    ``kw``): asserts every run gives the same bits and returns the first's results."""
+    import cupyflash
+
+    o, m, l = cupyflash.flash_attention_forward(q, k, v, **kw)
+    results = [cupyflash.flash_attention_backward(do, q, k, v, o, m, l, deterministic=True, **kw) for _ in range(runs)]
+    for later in results[1:]:
+        for a, b in zip(results[0], later):
+            assert a.tobytes() == b.tobytes()
+    return results[0]

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 import cupyflash
 from cupyflash import _tiles, reference
-from helpers import DTYPE_BY_NAME, assert_non_finite_rules, gpu_test, random_inputs, to_gpu
+from helpers import DTYPE_BY_NAME, assert_non_finite_rules, gpu_test, random_inputs, reproducible_backward, to_gpu
 from strategies import attention_problem_shapes
 from test_gpu import check_backward, check_forward
-from test_window import WINDOWS, assert_float64_close
+from test_window import SCHEDULES, WINDOWS, assert_float64_close
 
 # a softcap: none, or from "caps most scores" to "caps none" (random scores are a few units)
 SOFTCAPS = st.one_of(st.none(), st.sampled_from([0.5, 2.0, 5.0, 30.0]))
@@ -128,7 +128,8 @@ def test_a_sink_is_one_more_key_of_value_zero():
     (dict(softcap=1e-320), ValueError, "finite reciprocal"),
     (dict(softcap="3"), TypeError, "softcap must be a real number"),
     (dict(softcap=True), TypeError, "softcap must be a real number"),
-    (dict(alibi_slopes=numpy.ones(5)), ValueError, "alibi_slopes of shape (5,) does not broadcast to the batch shape (2, 3)"),
+    (dict(alibi_slopes=numpy.ones(5)), ValueError,
+     "alibi_slopes of shape (5,) does not broadcast to the batch shape (2, 3)"),
     (dict(alibi_slopes=numpy.ones((2, 3, 1))), ValueError, "does not broadcast"),
     (dict(alibi_slopes=numpy.array(["a", "b", "c"])), TypeError, "alibi_slopes must hold real numbers"),
     (dict(alibi_slopes=object()), TypeError, "alibi_slopes must hold real numbers"),
@@ -182,18 +183,8 @@ def test_the_compile_test_covers_every_modified_family_dtype_and_bucket():
 # ---------------------------------------------------------------------------
 # GPU: every kernel against the reference
 
-SCHEDULES = pytest.mark.parametrize("gpu_schedule", ["v1", "v2", "v2-mma"], indirect=True)
 GPU_SETTINGS = settings(deadline=None, max_examples=30,
                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-
-
-@pytest.fixture()
-def gpu_schedule(request, monkeypatch):
-    """The API schedule of a "v1"/"v2"/"v2-mma" case, with the Hopper kernels off for "v2-mma"."""
-    from cupyflash import _launch
-
-    monkeypatch.setattr(_launch, "USE_WGMMA", request.param != "v2-mma")
-    return request.param.split("-")[0]
 
 
 @gpu_test
@@ -311,12 +302,8 @@ def test_deterministic_backward_with_modifiers_is_bitwise_reproducible(dtype, D)
                for s in ((2, 3, 500, D), (2, 1, 700, D), (1, 3, 700, D)))
     kw = dict(causal=True, softcap=3.0, alibi_slopes=cupy.asarray([0.5, 0.25, 0.125], numpy.float32),
               sink=cupy.asarray([0.0, 1.0, -1.0], numpy.float32))
-    o, m, l = cupyflash.flash_attention_forward(q, k, v, **kw)
     do = cupy.asarray(rng.standard_normal(q.shape).astype(DTYPE_BY_NAME[dtype]))
-    runs = [cupyflash.flash_attention_backward(do, q, k, v, o, m, l, deterministic=True, **kw) for _ in range(3)]
-    for later in runs[1:]:
-        for a, b in zip(runs[0], later):
-            assert a.tobytes() == b.tobytes()
+    assert len(reproducible_backward(q, k, v, do, **kw)) == 4
 
 
 @gpu_test
