@@ -40,6 +40,8 @@ How tiles are chosen (``choose_tiles``):
   ``REPAIR_WARPS`` warps, no shared tiles; the head dim bucket sets the elements per lane.
 * The warp-specialised kernels split the register file between producer and consumers in one
   place, :attr:`TileConfig.registers`.
+* The modifiers (``score_mod.cuh``: softcap, ALiBi, sink) are compile-time flags of a
+  specialisation (``with_mods``) and change no tile size.
 """
 
 from __future__ import annotations

@@ -352,3 +352,15 @@ def test_slopes_and_sinks_of_one_layout_do_not_share_a_kept_plan(first, then):
         o_ref, m_ref, l_ref = reference.attention_forward(q.get(), k.get(), v.get(), **{name: values.get()})
         numpy.testing.assert_allclose(m.get(), m_ref, atol=2e-2)
         numpy.testing.assert_allclose(l.get(), l_ref, rtol=2e-2)
+
+
+@pytest.mark.parametrize("alibi, sink", [(False, False), (True, False), (False, True), (True, True)])
+def test_the_kernels_modifier_fields_take_the_layouts_last_tensors(alibi, sink):
+    """ScoreMods (params.cuh) from a call's batch layout: the slopes' and the sinks' collapsed strides
+    are the layout's last tensors, in that order, the pointers written per call, and the softcap."""
+    from cupyflash._launch import BatchLayout, Mods
+
+    tensors = [(100, 10, 1), (0, 10, 1), (0, 0, 1)] + [(0, 1, 0)] * alibi + [(3, 0, 0)] * sink
+    fields = Mods(2.5, alibi, sink).fields(BatchLayout((4, 5, 6), tuple(tensors)))
+    assert fields == (0, *((0, 1, 0) if alibi else (0, 0, 0)), 0, *((3, 0, 0) if sink else (0, 0, 0)), 2.5)
+    assert Mods().fields(BatchLayout((4, 5, 6), tuple(tensors[:3])))[-1] == 0.0
