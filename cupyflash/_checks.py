@@ -126,7 +126,11 @@ def check_per_entry(name: str, values, prob: "Problem", device=None):
     if values is None:
         return None
     acc = accumulator_dtype(prob.dtype)
-    cupy = _cupy() if prob.xp is not numpy else None
+    cupy = _cupy()
+    if prob.xp is numpy and cupy is not None and isinstance(values, cupy.ndarray):
+        raise TypeError(f"{name} is a cupy.ndarray but q, k, v are NumPy arrays: pass it as a NumPy array")
+    if prob.xp is numpy:
+        cupy = None
     if cupy is not None and isinstance(values, cupy.ndarray):
         if values.device.id != device:
             raise ValueError(f"{name} is on device {values.device.id}, q on device {device}")

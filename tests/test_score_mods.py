@@ -364,3 +364,20 @@ def test_the_kernels_modifier_fields_take_the_layouts_last_tensors(alibi, sink):
     fields = Mods(2.5, alibi, sink).fields(BatchLayout((4, 5, 6), tuple(tensors)))
     assert fields == (0, *((0, 1, 0) if alibi else (0, 0, 0)), 0, *((3, 0, 0) if sink else (0, 0, 0)), 2.5)
     assert Mods().fields(BatchLayout((4, 5, 6), tuple(tensors[:3])))[-1] == 0.0
+
+
+@pytest.mark.parametrize("name", ["alibi_slopes", "sink"])
+def test_a_cupy_array_of_values_with_numpy_inputs_is_refused(name, monkeypatch):
+    """Per-entry values of the other array kind than q, k, v: a TypeError naming both (a stand-in for
+    cupy.ndarray, so that the check runs without a GPU)."""
+    import types
+
+    from cupyflash import _checks
+
+    class FakeCupyArray:
+        shape, dtype = (3,), numpy.dtype(numpy.float32)
+
+    monkeypatch.setattr(_checks, "_cupy", lambda: types.SimpleNamespace(ndarray=FakeCupyArray))
+    q, k, v = random_inputs(numpy.random.default_rng(0), "float32", (2, 3, 10, 8), (2, 3, 12, 8))
+    with pytest.raises(TypeError, match=f"{name} is a cupy.ndarray but q, k, v are NumPy arrays"):
+        cupyflash.flash_attention_forward(q, k, v, **{name: FakeCupyArray()})
