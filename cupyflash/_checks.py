@@ -160,7 +160,7 @@ def check_per_entry(name: str, values, prob: "Problem", device=None):
     return x.astype(acc, copy=False)
 
 
-def with_mods(prob: "Problem", softcap) -> "Problem":
+def with_softcap(prob: "Problem", softcap) -> "Problem":
     """``prob`` with its validated ``softcap``."""
     return replace(prob, softcap=check_softcap(softcap, prob.dtype))
 
@@ -303,5 +303,5 @@ def kernel_ready(x):
 
 
 __all__ = ["OUT_ALIGNMENT", "Problem", "SCHEDULES", "array_module", "check_backward", "check_bool",
-           "check_choice", "check_per_entry", "check_softcap", "with_mods",
+           "check_choice", "check_per_entry", "check_softcap", "with_softcap",
            "check_disjoint", "check_forward", "check_out", "dtype_name", "kernel_ready", "readable_in_place"]

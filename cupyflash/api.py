@@ -8,7 +8,7 @@ import numpy
 
 from . import _launch, blocked
 from ._checks import (SCHEDULES, check_backward, check_bool, check_choice, check_disjoint, check_forward,
-                      check_out, check_per_entry, kernel_ready, readable_in_place, with_mods)
+                      check_out, check_per_entry, kernel_ready, readable_in_place, with_softcap)
 from ._tiles import PRECISIONS, accumulator_dtype
 
 
@@ -146,7 +146,7 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
                                                           *_entries_given(alibi_slopes, sink)))
     if plan is not None:
         return plan(q, k, v, out, alibi_slopes, sink)
-    prob = with_mods(check_forward(q, k, v, causal, softmax_scale, window), softcap)
+    prob = with_softcap(check_forward(q, k, v, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
     slopes, sinks = (check_per_entry(name, x, prob, _device_id(q, prob))
@@ -380,7 +380,7 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
                             *_entries_given(alibi_slopes, sink)))
     if plan is not None:
         return _with_sink_grad(plan(do, q, k, v, o, m, l, out, alibi_slopes, sink), do, o, m, l, sink)
-    prob = with_mods(check_backward(do, q, k, v, o, m, l, causal, softmax_scale, window), softcap)
+    prob = with_softcap(check_backward(do, q, k, v, o, m, l, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
     deterministic = check_bool("deterministic", deterministic)
