@@ -5,8 +5,8 @@
 //     softcap c:   s <- c tanh(s / c)            FLASH_SOFTCAP
 //     ALiBi slope: s <- s - slope |i + off - j|  FLASH_ALIBI
 // then the mask (mask.cuh). m_i, l_i are the statistics of the modified scores. A modifier is
-// compiled in only where a call uses it (TileConfig.softcap, .alibi, .sink), so a plain call runs the
-// plain kernel and pays nothing. The backward's dS is taken with respect to the modified score; the chain back to
+// compiled in only where a call uses it (TileConfig.mods), so a plain call runs the plain kernel and
+// pays nothing. The backward's dS is taken with respect to the modified score; the chain back to
 // scale q . k multiplies it by ds'/ds = 1 - tanh^2 (softcap; ALiBi adds a constant).
 //
 // tanh: the forward of 16-bit inputs takes the hardware's tanh.approx (relative error 2^-11, what
@@ -114,18 +114,6 @@ struct ScoreMods {
     }
 };
 
-// |i + off - j| of a warp's tile element (n, e) is |base[e / 2] - (8n + e % 2)| (raw_base): rows r0 + g,
-// r0 + g + 8 and columns c0 + 8n + 2t + {0, 1} are queries and keys, or keys and queries (TRANSPOSED)
-template <bool TRANSPOSED>
-__device__ __forceinline__ void raw_base(acc_t (&base)[2], int off, int r0, int c0) {
-    const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = r0 + g + 8 * h, col = c0 + 2 * t;
-        base[h] = (acc_t)(TRANSPOSED ? row - off - col : row + off - col);
-    }
-}
-
 // The modifiers on a warp's (16, 8*NT) accumulator tile of scores in natural units (mma_sm80.cuh and
 // wgmma fragments alike): rows r0 + g, r0 + g + 8, columns c0 + 8n + 2t + {0, 1}. Rows are queries
 // and columns keys, or, TRANSPOSED (the backward's S^T), rows keys and columns queries. Without
@@ -133,8 +121,14 @@ __device__ __forceinline__ void raw_base(acc_t (&base)[2], int off, int r0, int 
 template <bool TRANSPOSED, bool DERIV = false, int NT>
 __device__ __forceinline__ void modify_scores(acc_t (&S)[NT][4], acc_t (&G)[DERIV ? NT : 1][4], const EntryMods& mods,
                                               int r0, int c0) {
-    acc_t base[2];   // |i + off - j| of element (n, e): |base[e / 2] - (8n + e % 2)|
-    raw_base<TRANSPOSED>(base, mods.off, r0, c0);
+    const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+    // |i + off - j| of element (n, e): |base[e / 2] - (8n + e % 2)|, for either orientation
+    acc_t base[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = r0 + g + 8 * h, col = c0 + 2 * t;
+        base[h] = (acc_t)(TRANSPOSED ? row - mods.off - col : row + mods.off - col);
+    }
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -161,6 +155,18 @@ struct RawMods {
         : in_scale(SOFTCAP ? scale * mods.inv_cap : (acc_t)0), unit(SOFTCAP ? mods.cap : scale),
           slope(ALIBI ? mods.slope / unit : (acc_t)0), off(mods.off) {}
 };
+
+// |i + off - j| of a warp's tile element (n, e) is |base[e / 2] - (8n + e % 2)| (raw_base): rows r0 + g,
+// r0 + g + 8 and columns c0 + 8n + 2t + {0, 1} are queries and keys, or keys and queries (TRANSPOSED)
+template <bool TRANSPOSED>
+__device__ __forceinline__ void raw_base(acc_t (&base)[2], int off, int r0, int c0) {
+    const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = r0 + g + 8 * h, col = c0 + 2 * t;
+        base[h] = (acc_t)(TRANSPOSED ? row - off - col : row + off - col);
+    }
+}
 
 // RawMods on the four accumulator values x of n-tile n of a warp's tile of raw scores (base from
 // raw_base); DERIV: grad gets each one's ds'/ds (the softcap's; untouched without one)
