@@ -127,11 +127,10 @@ def check_per_entry(name: str, values, prob: "Problem", device=None):
         return None
     acc = accumulator_dtype(prob.dtype)
     cupy = _cupy()
-    if prob.xp is numpy and cupy is not None and isinstance(values, cupy.ndarray):
-        raise TypeError(f"{name} is a cupy.ndarray but q, k, v are NumPy arrays: pass it as a NumPy array")
-    if prob.xp is numpy:
-        cupy = None
+    on_gpu = prob.xp is not numpy
     if cupy is not None and isinstance(values, cupy.ndarray):
+        if not on_gpu:
+            raise TypeError(f"{name} is a cupy.ndarray but q, k, v are NumPy arrays: pass it as a NumPy array")
         if values.device.id != device:
             raise ValueError(f"{name} is on device {values.device.id}, q on device {device}")
         x = values
@@ -149,7 +148,7 @@ def check_per_entry(name: str, values, prob: "Problem", device=None):
     if not fits:
         raise ValueError(f"{name} of shape {x.shape} does not broadcast to the batch shape "
                          f"{tuple(prob.batch_shape)} (one value per batch entry, e.g. (H,) for (B, H, N, D))")
-    if cupy is not None:
+    if on_gpu:
         if not isinstance(x, cupy.ndarray) or x.dtype != acc:
             with cupy.cuda.Device(device):
                 x = cupy.asarray(x, dtype=acc)

@@ -484,9 +484,10 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
 BWD_PARTS = ("m_b", "inv_l", "lse2", "Dsum", "dq_acc.ptr", "dk_acc", "dv_acc", "dq_turns", "dk_turns", "dv_turns",
              "dq_flags", "kv_flags")
 BWD_SUMS = 4
-# the pointers a backward call writes: inputs, gradients, workspace parts, the ranges flash_bwd_prep zeroes
+# the pointers a backward call writes: inputs, gradients, workspace parts, the modifiers' arrays, the ranges
+# flash_bwd_prep zeroes (last: a call passes only the ranges it has)
 BWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o.ptr", "dO.ptr", "m", "l", "dq", "dk.ptr", "dv.ptr", *BWD_PARTS,
-                *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)), "mods.alibi", "mods.sink")
+                "mods.alibi", "mods.sink", *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)))
 
 
 @dataclass(frozen=True)
@@ -525,10 +526,8 @@ class BackwardPlan:
             sums = (dq, dk, dv)[:self.sums]
             parts[BWD_SUMS:BWD_SUMS + self.sums] = sums   # the gradients of the accumulator dtype are the sums
             struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, do.data.ptr,
-                                                m.data.ptr, l.data.ptr, dq, dk, dv, *parts,
-                                                base + self.workspace.zero_from, *sums,
-                                                *[0] * (ZERO_RANGES - 1 - self.sums), _address(alibi),
-                                                _address(sink)))
+                                                m.data.ptr, l.data.ptr, dq, dk, dv, *parts, _address(alibi),
+                                                _address(sink), base + self.workspace.zero_from, *sums))
             for step in self.launches:
                 step(stream, address)
         return tuple(grads)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Optional, Union
 import numpy
 
 from . import _launch, blocked
+from ._numpy_ops import unbroadcast
 from ._checks import (SCHEDULES, check_backward, check_bool, check_choice, check_disjoint, check_forward,
                       check_out, check_per_entry, kernel_ready, readable_in_place, with_softcap)
 from ._tiles import PRECISIONS, accumulator_dtype
@@ -423,11 +424,7 @@ def _with_sink_grad(grads, do, o, m, l, sinks):
     s = cupy.broadcast_to(sinks, m.shape[:-1])[..., None]                                       # (*batch, 1)
     inv_l = cupy.where(l == 0, 0, 1 / cupy.where(l == 0, 1, l))
     P_sink = cupy.exp(s - cupy.where(m == -numpy.inf, 0, m)) * inv_l                            # (*batch, Nq)
-    dsink = -(P_sink * D).sum(axis=-1)                                                          # (*batch)
-    lead = dsink.ndim - sinks.ndim
-    axes = tuple(range(lead)) + tuple(lead + a for a, n in enumerate(sinks.shape)
-                                      if n == 1 and dsink.shape[lead + a] != 1)
-    return (*grads, dsink.sum(axis=axes).reshape(sinks.shape))
+    return (*grads, unbroadcast(-(P_sink * D).sum(axis=-1), sinks.shape))
 
 
 def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedule, precision, deterministic,

@@ -197,3 +197,21 @@ def test_a_packed_struct_is_the_template_with_the_call_pointers_behind_its_argum
     again, _ = params.pack((7, 8, 9))   # a copy per call: the template is untouched
     assert numpy.frombuffer(bytes(again)[8:], _params.FWD)[0]["o"] == 8
     assert numpy.frombuffer(bytes(buffer)[8:], _params.FWD)[0]["o"] == 0x2000
+
+
+@pytest.mark.parametrize("given", [1, 2, 4])
+def test_a_backward_call_packs_each_pointer_where_its_name_says(given):
+    """``BackwardPlan`` packs its pointers in ``BWD_POINTERS`` order, the zeroed ranges last: a call
+    that has fewer ranges passes fewer, and the missing ones stay 0 (no range to zero)."""
+    from cupyflash import _launch, _params
+
+    names = _launch.BWD_POINTERS
+    ranges = sum(name.startswith("zero[") for name in names)
+    count = len(names) - ranges + given
+    params = _params.Params(_params.BWD, names)
+    struct = numpy.frombuffer(bytes(params.pack(tuple(range(1, count + 1)))[0])[8:], _params.BWD)[0]
+    for value, name in enumerate(names, start=1):
+        field = struct
+        for part in name.replace("[", ".").replace("]", "").split("."):
+            field = field[int(part)] if part.isdigit() else field[part]
+        assert field == (value if value <= count else 0), name
