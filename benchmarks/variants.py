@@ -1,8 +1,8 @@
 """Attention variants on the GPU against FlashAttention-2 and against our own plain kernels, side by
-side in one process on the same inputs (issue #17's targets): sliding windows and the score
-modifiers (softcap, ALiBi).
+side in one process on the same inputs (issue #17's targets): sliding windows, the score
+modifiers (softcap, ALiBi, sink) and packed variable-length sequences.
 
-    python benchmarks/variants.py [--sweep windows mods] [--dtypes fp16 bf16] [--head-dims 64 128]
+    python benchmarks/variants.py [--sweep windows mods varlen] [--dtypes fp16 bf16] [--head-dims 64 128]
                                   [--seqlens ...] [--windows 256 1024] [--out DIR]
 
 Windows (default N 4096 8192 16384): for each case of the FlashAttention papers' protocol
@@ -21,6 +21,13 @@ Modifiers (default N 1024 4096 16384, causal and not): ``cupyflash`` plain, ``cu
 and ``cupyflash-sink`` (a sink logit per head; the backward adds dsink's reductions). The target is
 softcap and ALiBi at >= 0.95x our own plain speed. (torch's FlashAttention-2 build
 refuses ``alibi_slopes``: "This flash attention build does not support alibi"; it has no softcap.)
+
+Varlen: 64 sequences of lengths drawn uniformly from 128-4096 (seed 0), packed, H = 2048/D, causal
+and not: ``cupyflash`` (``flash_attention_varlen_forward``/``_backward`` with CuPy offsets and both
+``max_seqlen``: no host copy) against ``fa2``, FlashAttention-2's varlen through
+``torch.ops.aten._flash_attention_forward``/``_backward`` with ``cum_seq_q/k`` on the same packed
+(total, H, D) memory (ours reads it as (H, total, D) through DLPack, no copy). TFLOP/s count each
+sequence's visible pairs.
 
 Every call is timed two ways: queued (the median of calls issued back to back, one between two
 events: the GPU's time) and single (a synchronised call between two events: the host's cost
@@ -238,21 +245,98 @@ def table(records) -> str:
     return "\n".join(lines) + "\n"
 
 
+VARLEN_SEQS, VARLEN_LENGTHS = 64, (128, 4096)
+
+
+def varlen_case(dtype: str, D: int, causal: bool):
+    """(torch q, k, v, do as (total, H, D), offsets, longest, visible pairs) of the varlen sweep."""
+    import torch
+
+    lengths = numpy.random.default_rng(0).integers(VARLEN_LENGTHS[0], VARLEN_LENGTHS[1] + 1, VARLEN_SEQS)
+    cu = torch.tensor(numpy.concatenate([[0], numpy.cumsum(lengths)]), dtype=torch.int32, device="cuda")
+    H, total = 2048 // D, int(lengths.sum())
+    gen = torch.Generator(device="cuda").manual_seed(bench.SEED)
+    tdtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    q, k, v, do = (torch.randn(total, H, D, device="cuda", dtype=tdtype, generator=gen) for _ in range(4))
+    pairs = int(sum(n * (n + 1) // 2 if causal else n * n for n in lengths))
+    return q, k, v, do, cu, int(lengths.max()), pairs
+
+
+def varlen_runs(system, q, k, v, do, cu, longest, causal) -> dict:
+    import torch
+
+    if system == "fa2":
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, longest, longest,
+                                                                                 0.0, causal, False)
+        return {"fwd": lambda: torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, longest, longest, 0.0, causal,
+                                                                       False),
+                "bwd": lambda: torch.ops.aten._flash_attention_backward(do, q, k, v, out, lse, cu, cu, longest, longest,
+                                                                        0.0, causal, rng_state, unused)}
+    qc, kc, vc, doc = (cupy.from_dlpack(x).transpose(1, 0, 2) for x in (q, k, v, do))   # (H, total, D) views
+    cuc = cupy.from_dlpack(cu)
+    kw = dict(causal=causal, max_seqlen_q=longest, max_seqlen_k=longest)
+    saved = cupyflash.flash_attention_varlen_forward(qc, kc, vc, cuc, cuc, **kw)
+    return {"fwd": lambda: cupyflash.flash_attention_varlen_forward(qc, kc, vc, cuc, cuc, **kw),
+            "bwd": lambda: cupyflash.flash_attention_varlen_backward(doc, qc, kc, vc, *saved, cuc, cuc, **kw)}
+
+
+def run_varlen(args) -> list:
+    records = []
+    for dtype in args.dtypes:
+        for D in args.head_dims:
+            for causal in (False, True):
+                q, k, v, do, cu, longest, pairs = varlen_case(dtype, D, causal)
+                cfg = bench.Config(dtype, D, longest, causal, B=1, H=2048 // D)
+                for name, clock_of in (("cupyflash", bench.cupy_clock), ("fa2", bench.torch_clock)):
+                    try:
+                        runs = varlen_runs(name, q, k, v, do, cu, longest, causal)
+                    except Exception as error:  # noqa: BLE001 - recorded: a system that cannot run this case
+                        records.append(dict(system=name, sweep="varlen", dtype=dtype, D=D, causal=causal,
+                                            note=bench.short(error)))
+                        print(f"{name} varlen {dtype} D={D}: {bench.short(error)}", flush=True)
+                        continue
+                    clock = clock_of()
+                    for mode, call in runs.items():
+                        records.append(timed(name, mode, cfg, call, clock, pairs, causal=causal, sweep="varlen"))
+                del q, k, v, do
+                bench.free_memory()
+    return records
+
+
+def varlen_table(records) -> str:
+    """A row per case and mode: cupyflash and FA2 varlen, TFLOP/s queued / single, and their ratios."""
+    index = {(r["system"], r["mode"], r["dtype"], r["D"], r["causal"]): r
+             for r in records if r.get("sweep") == "varlen" and "mode" in r}
+    lines = ["| dtype | D | causal | mode | cupyflash TFLOP/s (queued / single) | FA2 varlen (queued / single) "
+             "| ratio queued | ratio single |", "|---|---:|---|---|---:|---:|---:|---:|"]
+    pair = lambda r: f"{r['tflops_queued']:.1f} / {r['tflops_single']:.1f}" if r else "—"   # noqa: E731
+    for (system, mode, *case), r in index.items():
+        if system != "cupyflash":
+            continue
+        fa2 = index.get(("fa2", mode, *case))
+        ratios = [f"{r[key] / fa2[key]:.2f}" if fa2 else "—" for key in ("tflops_queued", "tflops_single")]
+        dtype, D, causal = case
+        lines.append(f"| {dtype} | {D} | {causal} | {mode} | {pair(r)} | {pair(fa2)} | {ratios[0]} | {ratios[1]} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=["fp16", "bf16"])
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
-    parser.add_argument("--sweep", nargs="+", default=["windows", "mods"], choices=["windows", "mods"])
+    parser.add_argument("--sweep", nargs="+", default=["windows", "mods", "varlen"],
+                        choices=["windows", "mods", "varlen"])
     parser.add_argument("--seqlens", nargs="+", type=int, default=None, help="default: per sweep (module doc)")
     parser.add_argument("--windows", nargs="+", type=int, default=[256, 1024])
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args(argv)
-    records = (run_windows(args) if "windows" in args.sweep else []) + (run_mods(args) if "mods" in args.sweep else [])
+    records = ((run_windows(args) if "windows" in args.sweep else []) + (run_mods(args) if "mods" in args.sweep else [])
+               + (run_varlen(args) if "varlen" in args.sweep else []))
     args.out.mkdir(parents=True, exist_ok=True)
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     (args.out / "variants_results.json").write_text(json.dumps(dict(device=device, commit=bench.git_commit(),
                                                                     records=records), indent=1))
-    tables = table(records) + "\n" + mods_table(records)
+    tables = table(records) + "\n" + mods_table(records) + "\n" + varlen_table(records)
     (args.out / "variants_results.md").write_text(f"{device}, commit {bench.git_commit()}\n\n" + tables)
     print(tables)
     return 0

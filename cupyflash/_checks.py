@@ -304,3 +304,75 @@ def kernel_ready(x):
 __all__ = ["OUT_ALIGNMENT", "Problem", "SCHEDULES", "array_module", "check_backward", "check_bool",
            "check_choice", "check_per_entry", "check_softcap", "with_softcap",
            "check_disjoint", "check_forward", "check_out", "dtype_name", "kernel_ready", "readable_in_place"]
+
+
+@dataclass(frozen=True)
+class Seqlens:
+    """Validated offsets of packed variable-length sequences."""
+
+    cu_q: object          # the offsets as the kernels (int32, on the inputs' device) or the NumPy path read them
+    cu_k: object
+    n: int                # sequences
+    max_q: int            # the longest sequence's query rows and keys
+    max_k: int
+    checked: bool         # their values were read and checked on the host (not for CuPy offsets with both maxima)
+
+
+INT32_MAX = 2**31 - 1
+
+
+def _check_max(name: str, value, longest, total: int) -> int:
+    """``max_seqlen_q``/``_k``: None (the longest sequence's, read from the offsets) or an int bounding it."""
+    if value is None:
+        return longest
+    if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, (int, numpy.integer)):
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
+    if value < 0 or (longest is not None and value < longest):
+        raise ValueError(f"{name}={value} must be >= 0 and at least the longest sequence's length"
+                         + (f" ({longest})" if longest is not None else ""))
+    return min(int(value), total)
+
+
+def check_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prob: Problem, device=None) -> Seqlens:
+    """Offsets of packed sequences for q of ``prob.Nq`` rows and k, v of ``prob.Nk``: 1-D integer arrays of
+    one length ``n + 1``, 0 first, nondecreasing, the totals last. NumPy offsets are read and checked on
+    the host (and copied to the GPU for CuPy inputs); CuPy offsets are copied to the host for that (a
+    synchronisation) unless both ``max_seqlen_*`` are given, in which case their values are not checked."""
+    from ._numpy_ops import packed_spans
+
+    cupy = _cupy()
+    on_gpu = prob.xp is not numpy
+    arrays = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    for name, cu in arrays.items():
+        if cupy is not None and isinstance(cu, cupy.ndarray):
+            if not on_gpu:
+                raise TypeError(f"{name} is a cupy.ndarray but q, k, v are NumPy arrays: pass it as a NumPy array")
+            if cu.device.id != device:
+                raise ValueError(f"{name} is on device {cu.device.id}, q on device {device}")
+        elif not isinstance(cu, numpy.ndarray):
+            raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray of int32 offsets, got {type(cu).__name__}")
+        if cu.ndim != 1 or cu.size < 1 or cu.dtype.kind not in "iu":
+            raise ValueError(f"{name} must be a 1-D integer array of n_seq + 1 offsets, got shape {cu.shape}, "
+                             f"dtype {cu.dtype}")
+    if cu_seqlens_q.size != cu_seqlens_k.size:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, "
+                         f"got shapes {cu_seqlens_q.shape} and {cu_seqlens_k.shape}")
+    for name, total in (("q", prob.Nq), ("k", prob.Nk)):
+        if total > INT32_MAX:
+            raise ValueError(f"packed {name} has {total} rows; the offsets are int32 (at most {INT32_MAX})")
+    n = cu_seqlens_q.size - 1
+    read = not (on_gpu and max_seqlen_q is not None and max_seqlen_k is not None
+                and all(isinstance(cu, cupy.ndarray) for cu in arrays.values()))
+    longest = [None, None]
+    if read:
+        host = [cu if isinstance(cu, numpy.ndarray) else cu.get() for cu in arrays.values()]
+        spans = packed_spans(*host, prob.Nq, prob.Nk)
+        longest = [max((s.stop - s.start for s in side), default=0) for side in zip(*spans)] if spans else [0, 0]
+    max_q = _check_max("max_seqlen_q", max_seqlen_q, longest[0], prob.Nq)
+    max_k = _check_max("max_seqlen_k", max_seqlen_k, longest[1], prob.Nk)
+    if on_gpu:
+        with cupy.cuda.Device(device):
+            cu_q, cu_k = (cupy.ascontiguousarray(cupy.asarray(cu, dtype=numpy.int32)) for cu in arrays.values())
+    else:
+        cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
+    return Seqlens(cu_q, cu_k, n, max_q, max_k, read)

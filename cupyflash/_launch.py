@@ -27,7 +27,8 @@ import numpy
 from ._compile import get_kernels
 from ._mask import MaskGeometry
 from ._params import BWD, FWD, ZERO_RANGES, Params
-from ._tiles import KERNELS, TileConfig, accumulator_dtype, auto_forward, choose_tiles, with_mods, with_precision
+from ._tiles import (KERNELS, TileConfig, accumulator_dtype, auto_forward, choose_tiles, with_mods, with_precision,
+                     with_varlen)
 
 MAX_BATCH_DIMS = 3  # collapsed batch dims a kernel indexes (layout.cuh: split_batch)
 VECTOR_BYTES = 16   # width of the vectorised tile loads
@@ -375,14 +376,41 @@ class Mods:
 PLAIN = Mods()
 
 
+@dataclass(frozen=True)
+class Packed:
+    """Packed variable-length sequences of a call (``params.cuh``: Seqs): ``n`` per batch entry, the
+    longest one's query rows and keys (the grid's tiles). Their offsets come with the call."""
+
+    n: int
+    max_q: int
+    max_k: int
+
+
+def _variant(cfg: TileConfig, mods: Mods, packed) -> TileConfig:
+    """``cfg`` with a call's modifiers and, with ``packed`` sequences, varlen compiled in."""
+    return with_varlen(mods.config(cfg), packed is not None)
+
+
+def _sequence_fields(geometry: MaskGeometry, packed, heads: int, rows_q: int, rows_k: int) -> dict:
+    """``mask`` and ``seqs`` of a parameter struct: the call's Mask and one sequence, or with ``packed``
+    sequences the longest one's lengths (the grid's) and the Band every sequence applies."""
+    if packed is None:
+        return dict(mask=geometry.kernel_fields(), seqs=(0, 0, heads, 1, rows_q, rows_k, geometry.band_fields()))
+    return dict(mask=(packed.max_q, packed.max_k, -packed.max_q, packed.max_k),
+                seqs=(0, 0, heads * packed.n, packed.n, rows_q, rows_k, geometry.band_fields()))
+
+
 def _address(x) -> int:
     """Device address of CuPy array ``x``, 0 for None."""
     return 0 if x is None else x.data.ptr
 
 
-def _masked_pairs(geometry: MaskGeometry) -> bool:
+def _masked_pairs(geometry: MaskGeometry, packed=None) -> bool:
     """Some pair of the whole problem is masked inside the ragged ends: the tile of every row and key
-    has masked pairs (a causal mask or a window that bounds some row)."""
+    has masked pairs (a causal mask or a window that bounds some row); of packed sequences, which may
+    be of any lengths, wherever a causal mask or a window applies."""
+    if packed is not None:
+        return geometry.causal or geometry.left is not None or geometry.right is not None
     return geometry.has_masked_pairs(0, 0, geometry.n_k)
 
 
@@ -402,9 +430,10 @@ class ForwardPlan:
     o_run: int                # bytes of V1's running O_i (0: not used), a workspace of its own
     params: Params            # FwdParams
 
-    def __call__(self, q, k, v, out=None, alibi=None, sink=None):
+    def __call__(self, q, k, v, out=None, alibi=None, sink=None, cu_q=None, cu_k=None):
         """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given; ``alibi``, ``sink``
-        the slopes and sink logits (with ``Mods.alibi``, ``Mods.sink``) as laid out for the plan."""
+        the slopes and sink logits (with ``Mods.alibi``, ``Mods.sink``) as laid out for the plan;
+        ``cu_q``, ``cu_k`` the int32 offsets of packed sequences (with ``Packed``)."""
         with _on_device(self.device):
             stream, alloc = call_stream()
             if out is None:   # the outputs and the workspace in one allocation from CuPy's pool
@@ -420,60 +449,64 @@ class ForwardPlan:
             o_run = alloc(self.o_run) if self.o_run else None
             struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, m.data.ptr,
                                                 l.data.ptr, o_run.ptr if o_run else 0, *parts, _address(alibi),
-                                                _address(sink)))
+                                                _address(sink), _address(cu_q), _address(cu_k)))
             for step in self.launches:
                 step(stream, address)
         return o, m, l
 
 
 FWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o", "m", "l", "o_run", "tile_counter", "repair_flags", "mods.alibi",
-                "mods.sink")
+                "mods.sink", "seqs.cu_q", "seqs.cu_k")
 
 
-def _repair(head_dim: int, dtype, flags: int, mods: Mods):
+def _repair(head_dim: int, dtype, flags: int, mods: Mods, packed=None):
     """``flash_repair.cu``'s kernels and the grid over ``flags`` flags: a CTA per flag, at most four
     per SM, each reading its share of the flags in blocks of its threads."""
-    cfg = mods.config(device_tiles("repair", head_dim, dtype))
+    cfg = _variant(device_tiles("repair", head_dim, dtype), mods, packed)
     return get_kernels(cfg), min(flags, 4 * current_limits().sms)
 
 
 def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeometry, scale: float, batch_shape,
-                 layout: BatchLayout, mods: Mods = PLAIN):
+                 layout: BatchLayout, mods: Mods = PLAIN, packed: Packed | None = None):
     """The ``schedule`` ('v1' or 'v2') forward of validated inputs ``q, k, v`` as a ``ForwardPlan``;
-    ``layout.strides`` holds q, k, v and, with ALiBi, the slopes, with a sink, the sink logits."""
-    Nq, D = q.shape[-2:]
-    Nk = k.shape[-2]
+    ``layout.strides`` holds q, k, v and, with ALiBi, the slopes, with a sink, the sink logits. With
+    ``packed`` sequences the rows of q and k are theirs, and a CTA's tiles those of one sequence."""
+    rows_q, D = q.shape[-2:]
+    rows_k = k.shape[-2]
+    Nq, Nk = (rows_q, rows_k) if packed is None else (packed.max_q, packed.max_k)   # the grid's lengths
     BH = layout.count
+    heads = BH * (1 if packed is None else packed.n)   # the grid's work heads: one per sequence
     acc = accumulator_dtype(q.dtype)
-    cfg = mods.config(with_precision(device_tiles(forward_kernel(schedule, q.dtype, scale), D, q.dtype), precision))
+    cfg = _variant(with_precision(device_tiles(forward_kernel(schedule, q.dtype, scale), D, q.dtype), precision),
+                   mods, packed)
     kernel = get_kernels(cfg)[cfg.spec.entries[0]]
     T_r = -(-Nq // cfg.block_r)
     limits = current_limits()
     if cfg.kernel == "fwd_v1":
         slots = limits.sms * max(1, min(4, limits.smem_sm // cfg.smem_bytes))   # CTAs resident at once
-        n_splits = choose_splits(BH, T_r, slots)
-        grid = BH * n_splits
+        n_splits = choose_splits(heads, T_r, slots)
+        grid = heads * n_splits
     else:
         n_splits = 1
-        grid = BH * T_r
+        grid = heads * T_r
         if cfg.kernel == "fwd_sm90":   # persistent CTAs that claim tiles, one per SM
             grid = min(grid, limits.sms)
     # V1's running O_i between outer steps: with a single K/V tile every step is the last
-    o_run = BH * Nq * cfg.d_pad * acc.itemsize if cfg.kernel == "fwd_v1" and Nk > cfg.block_c else 0
+    o_run = BH * rows_q * cfg.d_pad * acc.itemsize if cfg.kernel == "fwd_v1" and Nk > cfg.block_c else 0
     counter = 4 if cfg.kernel == "fwd_sm90" else 0
     # masked: the kernel flags the Q tiles where a masked pair met an inf or NaN, flash_fwd_repair redoes them
-    flags = BH * T_r if _masked_pairs(geometry) else 0
+    flags = heads * T_r if _masked_pairs(geometry, packed) else 0
     launches = [launch(kernel, grid, cfg.threads, cfg.smem_bytes)]
     if flags:
-        kernels, repair_grid = _repair(D, q.dtype, flags, mods)
+        kernels, repair_grid = _repair(D, q.dtype, flags, mods, packed)
         launches.append(launch(kernels["flash_fwd_repair"], repair_grid, KERNELS_THREADS["repair"]))
     params = Params(FWD, FWD_POINTERS,
                     q=_strides4(q, layout.strides[0]), k=_strides4(k, layout.strides[1]),
                     v=_strides4(v, layout.strides[2]), batch=(layout.sizes[1], layout.sizes[2], BH),
-                    mask=geometry.kernel_fields(), mods=mods.fields(layout), D=D, vec=int(_vector_ok((q, k, v), D)),
-                    head_group=head_group(BH, 2 * Nk * D * q.itemsize), n_splits=n_splits, tile_rows=cfg.block_r,
-                    scale=float(acc.type(scale)))
-    outputs = (((*batch_shape, Nq, D), q.dtype), ((*batch_shape, Nq), acc), ((*batch_shape, Nq), acc))
+                    **_sequence_fields(geometry, packed, BH, rows_q, rows_k), mods=mods.fields(layout), D=D,
+                    vec=int(_vector_ok((q, k, v), D)), head_group=head_group(heads, 2 * Nk * D * q.itemsize),
+                    n_splits=n_splits, tile_rows=cfg.block_r, scale=float(acc.type(scale)))
+    outputs = (((*batch_shape, rows_q, D), q.dtype), ((*batch_shape, rows_q), acc), ((*batch_shape, rows_q), acc))
     zeroed = [(counter, True), (4 * flags, True)]
     return ForwardPlan(launches=tuple(launches), device=q.data.device_id, outputs=outputs,
                        fresh=block_layout(array_parts(outputs) + zeroed), given=block_layout([(0, False)] * 3 + zeroed),
@@ -487,7 +520,7 @@ BWD_SUMS = 4
 # the pointers a backward call writes: inputs, gradients, workspace parts, the modifiers' arrays, the ranges
 # flash_bwd_prep zeroes (last: a call passes only the ranges it has)
 BWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o.ptr", "dO.ptr", "m", "l", "dq", "dk.ptr", "dv.ptr", *BWD_PARTS,
-                "mods.alibi", "mods.sink", *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)))
+                "mods.alibi", "mods.sink", "seqs.cu_q", "seqs.cu_k", *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)))
 
 
 @dataclass(frozen=True)
@@ -509,7 +542,7 @@ class BackwardPlan:
     workspace: Block          # BWD_PARTS; flash_bwd_prep zeroes its zeroed parts (BwdParams.zero[0])
     grad_block: Block         # dq, dk, dv in one allocation
 
-    def __call__(self, do, q, k, v, o, m, l, out=None, alibi=None, sink=None):
+    def __call__(self, do, q, k, v, o, m, l, out=None, alibi=None, sink=None, cu_q=None, cu_k=None):
         with _on_device(self.device):
             # every buffer first: a call that does not fit raises OutOfMemoryError before any launch
             stream, alloc = call_stream()
@@ -527,30 +560,35 @@ class BackwardPlan:
             parts[BWD_SUMS:BWD_SUMS + self.sums] = sums   # the gradients of the accumulator dtype are the sums
             struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, do.data.ptr,
                                                 m.data.ptr, l.data.ptr, dq, dk, dv, *parts, _address(alibi),
-                                                _address(sink), base + self.workspace.zero_from, *sums))
+                                                _address(sink), _address(cu_q), _address(cu_k),
+                                                base + self.workspace.zero_from, *sums))
             for step in self.launches:
                 step(stream, address)
         return tuple(grads)
 
 
 def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: MaskGeometry, scale: float,
-                  deterministic: bool, layout: BatchLayout, mods: Mods = PLAIN):
+                  deterministic: bool, layout: BatchLayout, mods: Mods = PLAIN, packed: Packed | None = None):
     """The backward of ``schedule`` for validated inputs as a ``BackwardPlan``.
 
     ``layout.strides`` holds, in order, q, k, v, o, do, the contiguous own-shape layouts of
-    dq, dk, dv and, with ALiBi, the slopes, with a sink, the sink logits.
+    dq, dk, dv and, with ALiBi, the slopes, with a sink, the sink logits. ``packed`` as in
+    ``forward_plan``.
     """
-    Nq, D = q.shape[-2:]
-    Nk = k.shape[-2]
+    rows_q, D = q.shape[-2:]
+    rows_k = k.shape[-2]
+    Nq, Nk = (rows_q, rows_k) if packed is None else (packed.max_q, packed.max_k)   # the grid's lengths
+    n_seqs = 1 if packed is None else packed.n
     BH = layout.count
+    heads = BH * n_seqs
     acc = accumulator_dtype(q.dtype)
     prep = get_kernels(device_tiles("bwd_prep", D, q.dtype))
-    main_cfg = mods.config(replace(with_precision(device_tiles(backward_kernel(schedule, q.dtype, D), D, q.dtype),
-                                                  precision), ordered=deterministic))
+    main_cfg = _variant(replace(with_precision(device_tiles(backward_kernel(schedule, q.dtype, D), D, q.dtype),
+                                               precision), ordered=deterministic), mods, packed)
     main = get_kernels(main_cfg)[main_cfg.spec.entries[0]]
     s_q, s_k, s_v, s_o, s_do, s_dq, s_dk, s_dv = layout.strides[:8]
     lse_stats = main_cfg.kernel in ("bwd_sm90", "bwd_sm90_wide")
-    rows = BH * Nq
+    rows = BH * rows_q
     # dK, dV are stored directly unless several batch entries share one K/V head
     kv_atomic = math.prod(k.shape[:-2]) < BH or math.prod(v.shape[:-2]) < BH
     T_r, T_c = -(-Nq // main_cfg.block_r), -(-Nk // main_cfg.block_c)
@@ -558,11 +596,12 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
     converted = q.dtype != acc   # the sums are workspaces, converted at the end
     grads = tuple((x.shape, q.dtype) for x in (q, k, v))
     # deterministic: a counter per sum that several CTAs add into (layout.cuh, "Ordered sums")
-    turns = (BH * T_r * n_chunks,) if deterministic else (0,)
-    turns += tuple(math.prod(x.shape[:-2]) * T_c * n_chunks if deterministic and kv_atomic else 0 for x in (k, v))
+    turns = (heads * T_r * n_chunks,) if deterministic else (0,)
+    turns += tuple(math.prod(x.shape[:-2]) * n_seqs * T_c * n_chunks if deterministic and kv_atomic else 0
+                   for x in (k, v))
     # masked: the main kernel flags the dQ tiles and the dK, dV tiles (per batch entry) where a masked
     # pair met an inf or NaN, flash_bwd_repair redoes them
-    masked = _masked_pairs(geometry)
+    masked = _masked_pairs(geometry, packed)
     sizes = {
         "m_b": (rows * acc.itemsize * (not lse_stats), False), "inv_l": (rows * acc.itemsize * (not lse_stats), False),
         "lse2": (rows * acc.itemsize * lse_stats, False), "Dsum": (rows * acc.itemsize, False),
@@ -570,14 +609,14 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
         "dk_acc": (k.size * acc.itemsize * (converted and kv_atomic), True),
         "dv_acc": (v.size * acc.itemsize * (converted and kv_atomic), True),
         "dq_turns": (4 * turns[0], True), "dk_turns": (4 * turns[1], True), "dv_turns": (4 * turns[2], True),
-        "dq_flags": (4 * BH * T_r * masked, True), "kv_flags": (4 * BH * T_c * masked, True),
+        "dq_flags": (4 * heads * T_r * masked, True), "kv_flags": (4 * heads * T_c * masked, True),
     }
     space = block_layout([sizes[name] for name in BWD_PARTS])
     convert_elems = (q.size, k.size * kv_atomic, v.size * kv_atomic) if converted else (0, 0, 0)
     convert_threads = KERNELS_THREADS["bwd_prep"]
     convert_grid = (min(max(1, -(-max(convert_elems) // (4 * convert_threads))), 65535), 3 if kv_atomic else 1)
     # the K/V tiles of a head share Q, dO, the statistics and the dQ workspace
-    group = head_group(BH, Nq * (D * (2 * q.itemsize + acc.itemsize) + 2 * acc.itemsize) + 2 * Nk * D * q.itemsize)
+    group = head_group(heads, Nq * (D * (2 * q.itemsize + acc.itemsize) + 2 * acc.itemsize) + 2 * Nk * D * q.itemsize)
     # flash_bwd_prep zeroes the workspace's zeroed part and the gradients that are the sums
     sums = 0 if converted else 3 if kv_atomic else 1
     zero_words = [(space.nbytes - space.zero_from) // 4] + [math.prod(x.shape) * acc.itemsize // 4
@@ -587,7 +626,8 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
                     q=_strides4(q, s_q), k=_strides4(k, s_k), v=_strides4(v, s_v), o=_strides4(o, s_o),
                     dO=_strides4(do, s_do), dq_acc=(*s_dq, D), dk=(*s_dk, D), dv=(*s_dv, D),
                     convert_elems=convert_elems, batch=(layout.sizes[1], layout.sizes[2], BH),
-                    mask=geometry.kernel_fields(), mods=mods.fields(layout), D=D, vec=int(_vector_ok((q, k, v, do), D)),
+                    **_sequence_fields(geometry, packed, BH, rows_q, rows_k), mods=mods.fields(layout), D=D,
+                    vec=int(_vector_ok((q, k, v, do), D)),
                     prep_vec=int(_vector_ok((o, do), D)), head_group=group, kv_atomic=int(kv_atomic),
                     lse_stats=int(lse_stats), tile_r=main_cfg.block_r, tile_c=main_cfg.block_c,
                     zero=[(0, n) for n in zero_words], scale=float(acc.type(scale)))
@@ -596,9 +636,9 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
     prep_grid = max(-(-rows // prep_cfg.block_r),
                     min(-(-sum(zero_words) // (PREP_ZERO_WORDS * prep_cfg.threads)), 8 * current_limits().sms))
     launches = [launch(prep["flash_bwd_prep"], prep_grid, prep_cfg.threads),
-                launch(main, BH * T_c * n_chunks, main_cfg.threads, main_cfg.smem_bytes)]
+                launch(main, heads * T_c * n_chunks, main_cfg.threads, main_cfg.smem_bytes)]
     if masked:
-        kernels, repair_grid = _repair(D, q.dtype, BH * (T_r + T_c), mods)
+        kernels, repair_grid = _repair(D, q.dtype, heads * (T_r + T_c), mods, packed)
         launches.append(launch(kernels["flash_bwd_repair"], repair_grid, KERNELS_THREADS["repair"]))
     if converted:
         launches.append(launch(prep["flash_convert"], convert_grid, convert_threads))

@@ -19,6 +19,8 @@ FULL = 0      # every pair visible: no element mask needed
 PARTIAL = 1   # some pairs visible: mask element by element
 EMPTY = 2     # no pair visible: skip the tile
 
+UNBOUNDED = 2**31 - 1   # a side of the kernels' Band that bounds nothing (mask.cuh)
+
 
 @dataclass(frozen=True)
 class MaskGeometry:
@@ -73,6 +75,14 @@ class MaskGeometry:
         if r is not None and r < self.n_q - 1:
             hi = self.offset + r
         return self.n_q, self.n_k, lo, hi
+
+    def band_fields(self) -> tuple:
+        """The kernels' ``Band`` (mask.cuh): ``(left, right)``, the sides that hold for sequences of any
+        length (packed variable-length sequences), ``UNBOUNDED`` where a side bounds nothing;
+        ``Band::of(Nq, Nk)`` is ``kernel_fields`` of a sequence of those lengths."""
+        r = self.right_bound
+        return (UNBOUNDED if self.left is None else min(self.left, UNBOUNDED),
+                UNBOUNDED if r is None else min(r, UNBOUNDED))
 
     @property
     def first_row(self) -> int:

@@ -90,3 +90,25 @@ def unbroadcast(grad, shape):
 def transpose(x):
     """Swap the last two axes: K_j -> K_j^T."""
     return np.swapaxes(x, -1, -2)
+
+
+def _sequence_bounds(cu_seqlens, total, name):
+    """``cu_seqlens`` as Python ints, checked: 1-D integers starting at 0, nondecreasing, ending at ``total``."""
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 1 or not np.issubdtype(cu.dtype, np.integer):
+        raise ValueError(f"{name} must be a 1-D integer array of n_seq + 1 offsets, got shape {cu.shape}, {cu.dtype}")
+    if cu[0] != 0 or cu[-1] != total or (np.diff(cu) < 0).any():
+        raise ValueError(f"{name} must start at 0, not decrease and end at {total} (the packed length), "
+                         f"got {cu.tolist()}")
+    return [int(x) for x in cu]
+
+
+def packed_spans(cu_seqlens_q, cu_seqlens_k, total_q, total_k):
+    """(query rows, key rows) slices of each packed variable-length sequence, the offsets checked
+    against the packed lengths ``total_q``, ``total_k``."""
+    cq = _sequence_bounds(cu_seqlens_q, total_q, "cu_seqlens_q")
+    ck = _sequence_bounds(cu_seqlens_k, total_k, "cu_seqlens_k")
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, "
+                         f"got {len(cq) - 1} and {len(ck) - 1}")
+    return [(slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])) for s in range(len(cq) - 1)]

@@ -30,6 +30,11 @@ def _struct(fields) -> numpy.dtype:
 TENSOR = _struct([("ptr", _ptr), ("s0", _i64), ("s1", _i64), ("s2", _i64), ("sn", _i64)])
 BATCH = _struct([("n1", _i64), ("n2", _i64), ("count", _i64)])
 MASK = _struct([("Nq", _i32), ("Nk", _i32), ("lo", _i32), ("hi", _i32)])
+# Band (mask.cuh): a window's sides for sequences of any length (_mask.MaskGeometry.band_fields)
+BAND = _struct([("left", _i32), ("right", _i32)])
+# Seqs (params.cuh): packed variable-length sequences and the work heads of the grid
+SEQS = _struct([("cu_q", _ptr), ("cu_k", _ptr), ("heads", _i64), ("n", _i32), ("rows_q", _i32), ("rows_k", _i32),
+                ("band", BAND)])
 # ScoreMods (score_mod.cuh): ALiBi slopes and sink logits (pointer, collapsed batch strides), the softcap
 SCORE_MODS = _struct([("alibi", _ptr), ("alibi_s0", _i64), ("alibi_s1", _i64), ("alibi_s2", _i64),
                       ("sink", _ptr), ("sink_s0", _i64), ("sink_s1", _i64), ("sink_s2", _i64), ("softcap", _f64)])
@@ -40,7 +45,7 @@ ZERO_RANGES = 4
 FWD = _struct([
     ("q", TENSOR), ("k", TENSOR), ("v", TENSOR),
     ("o", _ptr), ("m", _ptr), ("l", _ptr), ("o_run", _ptr), ("tile_counter", _ptr), ("repair_flags", _ptr),
-    ("batch", BATCH), ("mask", MASK), ("mods", SCORE_MODS),
+    ("batch", BATCH), ("mask", MASK), ("seqs", SEQS), ("mods", SCORE_MODS),
     ("D", _i32), ("vec", _i32), ("head_group", _i32), ("n_splits", _i32), ("tile_rows", _i32),
     ("scale", _f64),
 ])
@@ -53,7 +58,7 @@ BWD = _struct([
     ("dq_turns", _ptr), ("dk_turns", _ptr), ("dv_turns", _ptr), ("dq_flags", _ptr), ("kv_flags", _ptr),
     ("zero", ZERO_RANGE, (ZERO_RANGES,)),
     ("convert_elems", _i64, (3,)),
-    ("batch", BATCH), ("mask", MASK), ("mods", SCORE_MODS),
+    ("batch", BATCH), ("mask", MASK), ("seqs", SEQS), ("mods", SCORE_MODS),
     ("D", _i32), ("vec", _i32), ("prep_vec", _i32), ("head_group", _i32), ("kv_atomic", _i32), ("lse_stats", _i32),
     ("tile_r", _i32), ("tile_c", _i32),
     ("scale", _f64),

@@ -40,8 +40,9 @@ How tiles are chosen (``choose_tiles``):
   ``REPAIR_WARPS`` warps, no shared tiles; the head dim bucket sets the elements per lane.
 * The warp-specialised kernels split the register file between producer and consumers in one
   place, :attr:`TileConfig.registers`.
-* The modifiers (``score_mod.cuh``: softcap, ALiBi, sink) are compile-time flags of a
-  specialisation (``with_mods``) and change no tile size.
+* The modifiers (``score_mod.cuh``: softcap, ALiBi, sink) and packed variable-length sequences
+  (``params.cuh``: Seqs) are compile-time flags of a specialisation (``with_mods``, ``with_varlen``)
+  and change no tile size.
 """
 
 from __future__ import annotations
@@ -166,6 +167,8 @@ class TileConfig:
     softcap, alibi, sink : bool
         The modifiers compiled in (``score_mod.cuh``, ``with_mods``); a plain call's kernel has
         none.
+    varlen : bool
+        Packed variable-length sequences (``params.cuh``: Seqs, ``with_varlen``).
     """
 
     kernel: str
@@ -180,6 +183,7 @@ class TileConfig:
     softcap: bool = False
     alibi: bool = False
     sink: bool = False
+    varlen: bool = False
 
     @property
     def spec(self) -> "KernelSpec":
@@ -243,7 +247,7 @@ class TileConfig:
         ]
         if self.dtype == "float32":
             out.append(f"-DFLASH_FP32_MMA={self.fp32_mma}")
-        out += [f"-DFLASH_{name.upper()}=1" for name in SCORE_MODS if getattr(self, name)]
+        out += [f"-DFLASH_{name.upper()}=1" for name in (*SCORE_MODS, "varlen") if getattr(self, name)]
         if self.kernel in _STAGED:
             out.append(f"-DFLASH_Q_STAGES={self.q_stages}")
         if self.registers:
@@ -395,7 +399,7 @@ class KernelSpec:
     ordered: bool = False          # comes in a deterministic (grid-ordered sums) variant too
     any_head_dim: bool = False     # one specialisation per dtype serves every head dim
     fp32_products: bool = False    # its float32 products follow ``precision`` (FP32_PRODUCTS)
-    score_mods: bool = True        # computes scores, so compiles in the score modifiers (SCORE_MODS)
+    score_mods: bool = True        # computes scores, so compiles in the score modifiers (SCORE_MODS) and varlen
 
 
 ALL_DTYPES = tuple(DTYPE_CODES)
@@ -435,6 +439,11 @@ SCORE_MODS = ("softcap", "alibi", "sink")
 def with_mods(cfg: TileConfig, softcap: bool, alibi: bool, sink: bool = False) -> TileConfig:
     """``cfg`` with the modifiers ``softcap``, ``alibi`` and ``sink`` compiled in (or not)."""
     return replace(cfg, softcap=softcap, alibi=alibi, sink=sink) if cfg.spec.score_mods else cfg
+
+
+def with_varlen(cfg: TileConfig, varlen: bool) -> TileConfig:
+    """``cfg`` for packed variable-length sequences (or not)."""
+    return replace(cfg, varlen=varlen) if cfg.spec.score_mods else cfg
 
 
 def with_precision(cfg: TileConfig, precision: str) -> TileConfig:
@@ -517,11 +526,12 @@ def all_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
 
 def modified_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
     """The modifier specialisations the compile test builds besides ``all_tile_configs``: every family
-    that takes modifiers, at every dtype and head-dim bucket, with all of them compiled in (each is an
-    ``if constexpr`` block of its own, so this compiles every modifier line of every kernel). The
-    ordered and per-precision variants change nothing the modifiers touch and are not repeated."""
+    that takes modifiers, at every dtype and head-dim bucket, with all of them and varlen compiled in
+    (each is an ``if constexpr`` block of its own, so this compiles every modifier and varlen line of
+    every kernel). The ordered and per-precision variants change nothing they touch and are not
+    repeated."""
     out = []
     for cfg in all_tile_configs(smem_limit, arch):
         if cfg.spec.score_mods and not cfg.ordered and cfg.fp32_mma in (0, FP32_PRODUCTS["highest"]):
-            out.append(with_mods(cfg, True, True, True))
+            out.append(with_varlen(with_mods(cfg, True, True, True), True))
     return out

@@ -9,7 +9,7 @@ import numpy
 from . import _launch, blocked
 from ._numpy_ops import unbroadcast
 from ._checks import (SCHEDULES, check_backward, check_bool, check_choice, check_disjoint, check_forward,
-                      check_out, check_per_entry, kernel_ready, readable_in_place, with_softcap)
+                      check_out, check_per_entry, check_seqlens, kernel_ready, readable_in_place, with_softcap)
 from ._tiles import PRECISIONS, accumulator_dtype
 
 
@@ -142,11 +142,22 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     cupyflash.reference.attention_forward : the naive float64 reference.
     cupyflash.blocked.forward : the NumPy Algorithm 1 (CPU path).
     """
+    return _forward(q, k, v, None, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, out)
+
+
+def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, out):
+    """``flash_attention_forward``, or with ``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k) ``flash_attention_varlen_forward``."""
     inputs = _with_entries({"q": q, "k": k, "v": v}, alibi_slopes, sink)
-    plan, key = _kept_plan(inputs, out, FORWARD_OUTPUTS, (causal, softmax_scale, window, softcap, schedule, precision,
-                                                          *_entries_given(alibi_slopes, sink)))
+    flags = (causal, softmax_scale, window, softcap, schedule, precision, *_entries_given(alibi_slopes, sink))
+    offsets = ()
+    if varlen is not None:
+        offsets = varlen[:2]
+        inputs.update(cu_seqlens_q=offsets[0], cu_seqlens_k=offsets[1])
+        flags += tuple(varlen[2:])
+    plan, key = _kept_plan(inputs, out, FORWARD_OUTPUTS, flags, _plan_keepable(varlen))
     if plan is not None:
-        return plan(q, k, v, out, alibi_slopes, sink)
+        return plan(q, k, v, out, alibi_slopes, sink, *offsets)
     prob = with_softcap(check_forward(q, k, v, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
@@ -154,15 +165,18 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
                      for name, x in (("alibi_slopes", alibi_slopes), ("sink", sink)))
     if slopes is not alibi_slopes or sinks is not sink:   # converted: a like call converts again, no plan kept
         key = None
+    seqs, key = _seqlens(varlen, prob, q, key)
     acc = accumulator_dtype(prob.dtype)
     stats = (*prob.batch_shape, prob.Nq)
     if out is not None:
         out = check_out(out, FORWARD_OUTPUTS, ((*stats, prob.D), stats, stats), (prob.dtype, acc, acc), prob,
                         _device_id(q, prob), {"q": q, "k": k, "v": v})
     if prob.xp is numpy:
-        return _into(out, blocked.forward(q, k, v, causal=prob.causal, softmax_scale=prob.scale,
-                                          window=prob.window, softcap=prob.softcap, alibi_slopes=slopes,
-                                          sink=sinks))
+        kw = dict(causal=prob.causal, softmax_scale=prob.scale, window=prob.window, softcap=prob.softcap,
+                  alibi_slopes=slopes, sink=sinks)
+        if seqs is not None:
+            return _into(out, blocked.varlen_forward(q, k, v, seqs.cu_q, seqs.cu_k, **kw))
+        return _into(out, blocked.forward(q, k, v, **kw))
     import cupy
 
     with q.device:
@@ -177,7 +191,31 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
             return out
         ready, key = _kernel_ready((q, k, v), key)
         return _forward_gpu(*ready, slopes, sinks, prob.batch_shape, prob,
-                            _launch.forward_schedule(schedule, prob.D, prob.dtype), precision, key, out)
+                            _launch.forward_schedule(schedule, prob.D, prob.dtype), precision, key, out, *_packed(seqs))
+
+
+def _plan_keepable(varlen) -> bool:
+    """A call of packed sequences keeps a plan only with both maxima given: its grid would otherwise
+    come from the offsets' values, which a plan's key does not see."""
+    return varlen is None or (varlen[2] is not None and varlen[3] is not None)
+
+
+def _seqlens(varlen, prob, q, key):
+    """The validated offsets of packed sequences (``_checks.Seqlens``; None without) and ``key``, or None
+    where they had to be converted (a like call converts them again)."""
+    if varlen is None:
+        return None, key
+    seqs = check_seqlens(*varlen, prob, _device_id(q, prob))
+    if seqs.cu_q is not varlen[0] or seqs.cu_k is not varlen[1]:
+        key = None
+    return seqs, key
+
+
+def _packed(seqs) -> tuple:
+    """``(packed, offsets)`` of a plan: ``_launch.Packed`` and the device offsets, or ``(None, ())``."""
+    if seqs is None:
+        return None, ()
+    return _launch.Packed(seqs.n, seqs.max_q, seqs.max_k), (seqs.cu_q, seqs.cu_k)
 
 
 def _entries_given(alibi_slopes, sink) -> tuple:
@@ -193,10 +231,11 @@ def _with_entries(inputs: dict, alibi_slopes, sink) -> dict:
     return inputs
 
 
-def _kept_plan(inputs: dict, out, names, flags):
-    """The plan an earlier like call kept (None if none) and this call's key (``_call_key``). With a
-    plan, ``out`` is checked against the inputs here: aliasing is what the key cannot see."""
-    key = _call_key(tuple(inputs.values()), out, flags)
+def _kept_plan(inputs: dict, out, names, flags, keepable=True):
+    """The plan an earlier like call kept (None if none) and this call's key (``_call_key``; None where
+    not ``keepable``). With a plan, ``out`` is checked against the inputs here: aliasing is what the key
+    cannot see."""
+    key = _call_key(tuple(inputs.values()), out, flags) if keepable else None
     plan = _launch.PLANS.get(key)
     if plan is not None and out is not None:
         check_disjoint(out, names, inputs)
@@ -260,16 +299,18 @@ def _batch_strides(arrays, batch_shape):
     return [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch_shape) for x in arrays]
 
 
-def _forward_gpu(q, k, v, slopes, sinks, batch_shape, prob, schedule, precision, key=None, out=None):
-    """Plan and run; a single launch's plan is kept under ``key`` (``_call_key``) for like calls."""
+def _forward_gpu(q, k, v, slopes, sinks, batch_shape, prob, schedule, precision, key=None, out=None, packed=None,
+                 offsets=()):
+    """Plan and run; a single launch's plan is kept under ``key`` (``_call_key``) for like calls. With
+    ``packed`` sequences (``_launch.Packed``) ``offsets`` are their device offsets."""
     nb = len(batch_shape)
     layout = _launch.collapse_batch(batch_shape, _batch_strides((q, k, v, *_as_matrices(slopes, sinks)), batch_shape))
     if layout is not None:
         plan = _launch.forward_plan(q, k, v, schedule=schedule, precision=precision, geometry=prob.geometry,
                                     scale=prob.scale, batch_shape=batch_shape, layout=layout,
-                                    mods=_mods(prob, slopes, sinks))
+                                    mods=_mods(prob, slopes, sinks), packed=packed)
         _launch.keep_plan(key, plan)
-        return plan(q, k, v, out, slopes, sinks)
+        return plan(q, k, v, out, slopes, sinks, *offsets)
     # more than three batch dims that cannot be merged: peel the leading one
     import cupy
 
@@ -277,7 +318,7 @@ def _forward_gpu(q, k, v, slopes, sinks, batch_shape, prob, schedule, precision,
 
     parts = [_forward_gpu(*(_take_leading(x, i, nb) for x in (q, k, v)),
                           *(_leading_entries(x, i, nb) for x in (slopes, sinks)), batch_shape[1:], prob, schedule,
-                          precision)
+                          precision, packed=packed, offsets=offsets)
              for i in range(batch_shape[0])]
     return _into(out, (cupy.stack([p[n] for p in parts]) for n in range(3)))
 
@@ -375,12 +416,24 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     cupyflash.reference.attention_backward : the naive float64 reference.
     cupyflash.blocked.backward : the NumPy version (CPU path).
     """
+    return _backward(do, q, k, v, o, m, l, None, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,
+                     precision, deterministic, out)
+
+
+def _backward(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,
+              precision, deterministic, out):
+    """``flash_attention_backward``, or with ``varlen`` (as in ``_forward``) ``flash_attention_varlen_backward``."""
     inputs = _with_entries({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}, alibi_slopes, sink)
-    plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS,
-                           (causal, softmax_scale, window, softcap, schedule, precision, deterministic,
-                            *_entries_given(alibi_slopes, sink)))
+    flags = (causal, softmax_scale, window, softcap, schedule, precision, deterministic,
+             *_entries_given(alibi_slopes, sink))
+    offsets = ()
+    if varlen is not None:
+        offsets = varlen[:2]
+        inputs.update(cu_seqlens_q=offsets[0], cu_seqlens_k=offsets[1])
+        flags += tuple(varlen[2:])
+    plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS, flags, _plan_keepable(varlen))
     if plan is not None:
-        return _with_sink_grad(plan(do, q, k, v, o, m, l, out, alibi_slopes, sink), do, o, m, l, sink)
+        return _with_sink_grad(plan(do, q, k, v, o, m, l, out, alibi_slopes, sink, *offsets), do, o, m, l, sink)
     prob = with_softcap(check_backward(do, q, k, v, o, m, l, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
@@ -389,12 +442,17 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
                      for name, x in (("alibi_slopes", alibi_slopes), ("sink", sink)))
     if slopes is not alibi_slopes or sinks is not sink:
         key = None
+    seqs, key = _seqlens(varlen, prob, q, key)
     if out is not None:
         out = check_out(out, BACKWARD_OUTPUTS, (q.shape, k.shape, v.shape), (prob.dtype,) * 3, prob,
                         _device_id(q, prob), inputs)
     if prob.xp is numpy:
-        grads = blocked.backward(do, q, k, v, o, m, l, causal=prob.causal, softmax_scale=prob.scale,
-                                 window=prob.window, softcap=prob.softcap, alibi_slopes=slopes, sink=sinks)
+        kw = dict(causal=prob.causal, softmax_scale=prob.scale, window=prob.window, softcap=prob.softcap,
+                  alibi_slopes=slopes, sink=sinks)
+        if seqs is not None:
+            grads = blocked.varlen_backward(do, q, k, v, o, m, l, seqs.cu_q, seqs.cu_k, **kw)
+        else:
+            grads = blocked.backward(do, q, k, v, o, m, l, **kw)
         return (*_into(out, grads[:3]), *grads[3:])
     import cupy
 
@@ -407,7 +465,7 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
             return _with_sink_grad(out, do, o, m, l, sinks)
         ready, key = _kernel_ready((do, q, k, v, o), key)
         grads = _backward_gpu(*ready, m, l, slopes, sinks, prob.batch_shape, prob, schedule, precision, deterministic,
-                              key, out)
+                              key, out, *_packed(seqs))
         return _with_sink_grad(grads, do, o, m, l, sinks)
 
 
@@ -428,8 +486,9 @@ def _with_sink_grad(grads, do, o, m, l, sinks):
 
 
 def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedule, precision, deterministic,
-                  key=None, out=None):
-    """Plan and run; a single plan is kept under ``key`` (``_call_key``) for like calls."""
+                  key=None, out=None, packed=None, offsets=()):
+    """Plan and run; a single plan is kept under ``key`` (``_call_key``) for like calls; ``packed``,
+    ``offsets`` as in ``_forward_gpu``."""
     nb = len(batch_shape)
     own = [_launch.contiguous_strides(x.shape)[:-2] for x in (q, k, v)]
     strides = _batch_strides((q, k, v, o, do), batch_shape)
@@ -439,9 +498,9 @@ def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedu
     if layout is not None:
         plan = _launch.backward_plan(do, q, k, v, o, schedule=schedule, precision=precision, geometry=prob.geometry,
                                      scale=prob.scale, deterministic=deterministic, layout=layout,
-                                     mods=_mods(prob, slopes, sinks))
+                                     mods=_mods(prob, slopes, sinks), packed=packed)
         _launch.keep_plan(key, plan)
-        return plan(do, q, k, v, o, m, l, out, slopes, sinks)
+        return plan(do, q, k, v, o, m, l, out, slopes, sinks, *offsets)
     # peel the leading batch dim; a gradient is summed where its input broadcast along it
     import cupy
 
@@ -449,7 +508,7 @@ def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedu
 
     parts = [_backward_gpu(do[i], *(_take_leading(x, i, nb) for x in (q, k, v)), o[i], m[i], l[i],
                            *(_leading_entries(x, i, nb) for x in (slopes, sinks)), batch_shape[1:], prob, schedule,
-                           precision, deterministic)
+                           precision, deterministic, packed=packed, offsets=offsets)
              for i in range(batch_shape[0])]
     grads = []
     for n, x in enumerate((q, k, v)):
@@ -484,3 +543,114 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
     return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                    softcap=softcap, alibi_slopes=alibi_slopes, sink=sink, schedule=schedule,
                                    precision=precision)[0]
+
+
+def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,
+                                   max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                                   causal: bool = False, softmax_scale: Optional[float] = None,
+                                   window: Optional[Window] = None, softcap: Optional[float] = None,
+                                   alibi_slopes=None, sink=None, schedule: str = "auto", precision: str = "highest",
+                                   out: Optional[Outputs] = None) -> Outputs:
+    """Exact attention over packed variable-length sequences, with its softmax statistics.
+
+    Parameters
+    ----------
+    q : ndarray, shape (..., total_q, D)
+        The queries of every sequence, one after another along the rows.
+    k, v : ndarray, shape (..., total_k, D)
+        The keys and values, packed the same way. dtypes, head dims and
+        batch dims (broadcast, GQA) as in :func:`flash_attention_forward`.
+    cu_seqlens_q, cu_seqlens_k : ndarray of int, shape (n_seq + 1,)
+        Sequence ``s`` is the query rows ``cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1``
+        and the key rows ``cu_seqlens_k[s] .. cu_seqlens_k[s+1] - 1``; it sees
+        only its own keys. 0 first, nondecreasing, ``total_q``/``total_k``
+        last (a sequence may be empty). NumPy or CuPy (for CuPy inputs);
+        read as int32.
+    max_seqlen_q, max_seqlen_k : int, optional
+        Bounds of the sequences' lengths (FlashAttention's ``max_seqlen``),
+        which size the GPU grid. Omitted, they are read from the offsets:
+        for CuPy offsets that is a copy to the host, which waits for the
+        stream. With CuPy offsets and both bounds given nothing is copied
+        and **the offsets' values are not checked** (a bound below a
+        sequence's length leaves its extra rows unwritten, offsets out of
+        order read out of bounds); everywhere else they are checked.
+    causal, window
+        Applied per sequence, bottom-right aligned in each (``off = Nk_s −
+        Nq_s`` of sequence ``s``).
+    softmax_scale, softcap, alibi_slopes, sink, schedule, precision, out
+        As in :func:`flash_attention_forward` (ALiBi distances are per
+        sequence; slopes and sinks are per batch entry, shared by its
+        sequences).
+
+    Returns
+    -------
+    o : ndarray, shape (*batch, total_q, D)
+    m, l : ndarray, shape (*batch, total_q)
+        Each sequence's rows as :func:`flash_attention_forward` gives them
+        for that sequence alone (a query sequence with no keys: ``o = 0,
+        m = −inf, l = 0``).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As in :func:`flash_attention_forward`; also offsets that are not
+        1-D integer arrays of one length, that do not start at 0, decrease
+        or end elsewhere than at the packed lengths (where they are read),
+        a ``max_seqlen_*`` that is not an int or lies below the longest
+        sequence, CuPy offsets for NumPy inputs.
+
+    Notes
+    -----
+    Every kernel of :func:`flash_attention_forward` takes packed sequences
+    (compiled with ``FLASH_VARLEN``): the grid covers the longest
+    sequence's tiles for every (batch entry, sequence) and each CTA works
+    inside one sequence, so the cost follows each sequence's own pairs.
+    NumPy inputs run the blocked CPU path one sequence at a time.
+
+    See Also
+    --------
+    cupyflash.reference.attention_varlen_forward : the naive float64 reference.
+    """
+    return _forward(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), causal, softmax_scale,
+                    window, softcap, alibi_slopes, sink, schedule, precision, out)
+
+
+def flash_attention_varlen_backward(do: Array, q: Array, k: Array, v: Array, o: Array, m: Array, l: Array,
+                                    cu_seqlens_q: Array, cu_seqlens_k: Array, *, max_seqlen_q: Optional[int] = None,
+                                    max_seqlen_k: Optional[int] = None, causal: bool = False,
+                                    softmax_scale: Optional[float] = None, window: Optional[Window] = None,
+                                    softcap: Optional[float] = None, alibi_slopes=None, sink=None,
+                                    schedule: str = "auto", precision: str = "highest", deterministic: bool = False,
+                                    out: Optional[Outputs] = None) -> Outputs:
+    """Gradients of attention over packed variable-length sequences.
+
+    Parameters
+    ----------
+    do, o : ndarray, shape (*batch, total_q, D)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+        As in :func:`flash_attention_varlen_forward` (the same values).
+    m, l : ndarray, shape (*batch, total_q)
+        The forward's statistics.
+    causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, deterministic, out
+        As in :func:`flash_attention_backward`.
+
+    Returns
+    -------
+    dq, dk, dv : ndarray
+        Of the shapes of ``q``, ``k``, ``v``: each sequence's rows as
+        :func:`flash_attention_backward` gives them for that sequence alone.
+    dsink : ndarray
+        With ``sink`` only, summed over the sequences (and broadcast dims).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As in :func:`flash_attention_backward` and
+        :func:`flash_attention_varlen_forward`.
+
+    See Also
+    --------
+    cupyflash.reference.attention_varlen_backward : the naive float64 reference.
+    """
+    return _backward(do, q, k, v, o, m, l, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), causal,
+                     softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, deterministic, out)

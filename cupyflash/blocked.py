@@ -18,10 +18,10 @@ import numpy as np
 
 from ._mask import EMPTY, PARTIAL, MaskGeometry
 from ._philox import dropout_keep
-from ._numpy_ops import (NEG_INF, accumulator_dtype, broadcast_shapes, check_variants, exp_shift,
+from ._numpy_ops import (NEG_INF, accumulator_dtype, broadcast_shapes, check_variants, exp_shift, packed_spans,
                          reciprocal_or_zero, resolve_scale, transpose, unbroadcast, visible_matmul)
 
-__all__ = ["forward", "backward", "FORWARD_TILE", "BACKWARD_TILE"]
+__all__ = ["forward", "backward", "varlen_forward", "varlen_backward", "FORWARD_TILE", "BACKWARD_TILE"]
 
 # (B_r, B_c) of each loop, the one place they are chosen. Each tile step costs a few NumPy
 # calls, and each product is one BLAS call per head that OpenBLAS splits over its threads;
@@ -358,4 +358,35 @@ def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=N
     if mods.sink is not None:   # dsink = -sum_i P_sink,i D_i, P_sink = exp(sink - m_i) / l_i
         P_sink = np.exp(mods.sink - shift) * inv_l
         grads.append(unbroadcast(-(P_sink * D).sum(axis=-1), np.shape(sink)))
+    return tuple(grads)
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
+    """`forward` of packed variable-length sequences: each sequence alone, into its rows of ``o, m, l``.
+
+    ``q (..., total_q, D)``, ``k, v (..., total_k, D)``; sequence ``s`` holds query rows
+    ``cu_seqlens_q[s] ..`` and key rows ``cu_seqlens_k[s] ..`` (`cupyflash.flash_attention_varlen_forward`).
+    ``kw`` as in `forward`.
+    """
+    spans = packed_spans(cu_seqlens_q, cu_seqlens_k, q.shape[-2], k.shape[-2]) or [(slice(0, 0), slice(0, 0))]
+    parts = [forward(q[..., rq, :], k[..., rk, :], v[..., rk, :], **kw) for rq, rk in spans]
+    return (np.concatenate([p[0] for p in parts], axis=-2), np.concatenate([p[1] for p in parts], axis=-1),
+            np.concatenate([p[2] for p in parts], axis=-1))
+
+
+def varlen_backward(do, q, k, v, o, m, l, cu_seqlens_q, cu_seqlens_k, **kw):
+    """`backward` of packed variable-length sequences: each sequence alone, into its rows of ``dq, dk,
+    dv`` (a ``dsink`` summed over the sequences). Arguments as in `varlen_forward` and `backward`."""
+    spans = packed_spans(cu_seqlens_q, cu_seqlens_k, q.shape[-2], k.shape[-2]) or [(slice(0, 0), slice(0, 0))]
+    grads = None
+    for rq, rk in spans:
+        part = backward(do[..., rq, :], q[..., rq, :], k[..., rk, :], v[..., rk, :], o[..., rq, :], m[..., rq],
+                        l[..., rq], **kw)
+        if grads is None:
+            grads = [np.empty(x.shape, g.dtype) for x, g in zip((q, k, v), part)] + [np.zeros_like(g) for g in part[3:]]
+        grads[0][..., rq, :] = part[0]   # every row lies in exactly one sequence
+        grads[1][..., rk, :] = part[1]
+        grads[2][..., rk, :] = part[2]
+        for total, g in zip(grads[3:], part[3:]):
+            total += g
     return tuple(grads)

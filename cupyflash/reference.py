@@ -46,7 +46,7 @@ import numpy as np
 
 from . import blocked
 from ._philox import dropout_keep
-from ._numpy_ops import (NEG_INF, broadcast_shapes, check_variants, exp_shift, reciprocal_or_zero, resolve_scale,
+from ._numpy_ops import (NEG_INF, broadcast_shapes, packed_spans, check_variants, exp_shift, reciprocal_or_zero, resolve_scale,
                          transpose, unbroadcast, visible_matmul)
 
 __all__ = [
@@ -288,27 +288,6 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
     return tuple(grads)
 
 
-def _sequence_bounds(cu_seqlens, total, name):
-    """``cu_seqlens`` as Python ints, checked: 1-D integers starting at 0, nondecreasing, ending at ``total``."""
-    cu = np.asarray(cu_seqlens)
-    if cu.ndim != 1 or cu.size < 1 or not np.issubdtype(cu.dtype, np.integer):
-        raise ValueError(f"{name} must be a 1-D integer array of n_seq + 1 offsets, got shape {cu.shape}, {cu.dtype}")
-    if cu[0] != 0 or cu[-1] != total or (np.diff(cu) < 0).any():
-        raise ValueError(f"{name} must start at 0, not decrease and end at {total} (the packed length), "
-                         f"got {cu.tolist()}")
-    return [int(x) for x in cu]
-
-
-def _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
-    """(query slice, key slice) of each packed sequence."""
-    cq = _sequence_bounds(cu_seqlens_q, np.shape(q)[-2], "cu_seqlens_q")
-    ck = _sequence_bounds(cu_seqlens_k, np.shape(k)[-2], "cu_seqlens_k")
-    if len(cq) != len(ck):
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, "
-                         f"got {len(cq) - 1} and {len(ck) - 1}")
-    return [(slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])) for s in range(len(cq) - 1)]
-
-
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None, window=None,
                              softcap=None, alibi_slopes=None, sink=None):
     """Naive forward of packed variable-length sequences, in float64.
@@ -335,7 +314,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=Fals
     kw = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
               sink=sink)
     parts = [attention_forward(np.asarray(q)[..., rq, :], np.asarray(k)[..., rk, :], np.asarray(v)[..., rk, :], **kw)
-             for rq, rk in _sequences(q, k, cu_seqlens_q, cu_seqlens_k)]
+             for rq, rk in packed_spans(cu_seqlens_q, cu_seqlens_k, np.shape(q)[-2], np.shape(k)[-2])]
     if not parts:
         batch = np.broadcast_shapes(np.shape(q)[:-2], np.shape(k)[:-2], np.shape(v)[:-2])
         return np.zeros((*batch, 0, np.shape(q)[-1])), np.zeros((*batch, 0)), np.zeros((*batch, 0))
@@ -366,7 +345,7 @@ def attention_varlen_backward(do, q, k, v, o, m, l, cu_seqlens_q, cu_seqlens_k, 
               sink=sink)
     q, k, v, do, o, m, l = (np.asarray(x) for x in (q, k, v, do, o, m, l))
     grads = [np.zeros(x.shape) for x in (q, k, v)] + ([np.zeros(np.shape(sink))] if sink is not None else [])
-    for rq, rk in _sequences(q, k, cu_seqlens_q, cu_seqlens_k):
+    for rq, rk in packed_spans(cu_seqlens_q, cu_seqlens_k, np.shape(q)[-2], np.shape(k)[-2]):
         part = attention_backward(do[..., rq, :], q[..., rq, :], k[..., rk, :], v[..., rk, :], o[..., rq, :],
                                   m[..., rq], l[..., rq], **kw)
         grads[0][..., rq, :] += part[0]

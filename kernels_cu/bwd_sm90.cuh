@@ -60,25 +60,24 @@ __device__ __forceinline__ void produce_stats(acc_t* s_stat, const acc_t* lse2, 
 }
 
 // The producer warpgroup's whole part (thread ptid of BWD_WG_THREADS) for the CTA of K/V tile j of
-// batch entry bh, whose `steps` Q tiles start at i_first; the consumers arrive on q_empty[s], all
-// CONSUMER_THREADS of them, once they are done with stage s.
+// work head w (sequence sq), whose `steps` Q tiles start at i_first; the consumers arrive on
+// q_empty[s], all CONSUMER_THREADS of them, once they are done with stage s.
 template <int B_R, int B_C, int DP, int STAGES>
-__device__ __forceinline__ void produce_bwd(const BwdParams& p, const BwdRing& r, i64 bh, int j, int i_first,
-                                            int steps, int ptid) {
+__device__ __forceinline__ void produce_bwd(const BwdParams& p, const BwdRing& r, i64 w, const Seq& sq, int j,
+                                            int i_first, int steps, int ptid) {
     constexpr int TILE_KV = B_C * DP, TILE_Q = B_R * DP;
-    const Mask& mask = p.mask;
+    const Mask& mask = sq.mask;
     const int Nq = mask.Nq, Nk = mask.Nk, D = p.D, kv0 = j * B_C;
-    const int T_r = (Nq + B_R - 1) / B_R, T_c = (Nk + B_C - 1) / B_C;
+    const int T_r = (p.mask.Nq + B_R - 1) / B_R, T_c = (p.mask.Nk + B_C - 1) / B_C;   // the grid's, of the flags
     const bool vec = p.vec != 0;
-    const BatchIndex bi = p.batch.split(bh);
-    const elem_t* q = p.q.at(bi);
-    const elem_t* dO = p.dO.at(bi);
-    const acc_t* lse2 = p.lse2 + bh * Nq;
-    const acc_t* Dsum = p.Dsum + bh * Nq;
+    const elem_t* q = sq.q_rows(p.q);
+    const elem_t* dO = sq.q_rows(p.dO);
+    const acc_t* lse2 = p.lse2 + sq.row0;
+    const acc_t* Dsum = p.Dsum + sq.row0;
 
     const int kv_rows = min(B_C, Nk - kv0);
-    load_tile_sw128<B_C, DP, BWD_WG_THREADS>(r.K, p.k.at(bi) + (i64)kv0 * p.k.sn, p.k.sn, kv_rows, D, vec, ptid);
-    load_tile_sw128<B_C, DP, BWD_WG_THREADS>(r.V, p.v.at(bi) + (i64)kv0 * p.v.sn, p.v.sn, kv_rows, D, vec, ptid);
+    load_tile_sw128<B_C, DP, BWD_WG_THREADS>(r.K, sq.k_rows(p.k) + (i64)kv0 * p.k.sn, p.k.sn, kv_rows, D, vec, ptid);
+    load_tile_sw128<B_C, DP, BWD_WG_THREADS>(r.V, sq.k_rows(p.v) + (i64)kv0 * p.v.sn, p.v.sn, kv_rows, D, vec, ptid);
     arrive_when_landed(r.kv_full, vec);
 
     // Where a tile pair with masked pairs has an operand with an inf or NaN, its products may spread
@@ -87,8 +86,8 @@ __device__ __forceinline__ void produce_bwd(const BwdParams& p, const BwdRing& r
     // V_j before the first such wait, the rest as the CTA ends.
     auto masked = [&](int n) { return mask.has_masked_pairs((i_first + n) * B_R, B_R, kv0, B_C); };
     auto flag_pair = [&](int n) {
-        p.dq_flags[bh * T_r + i_first + n] = 1u;
-        p.kv_flags[bh * T_c + j] = 1u;
+        p.dq_flags[w * T_r + i_first + n] = 1u;
+        p.kv_flags[w * T_c + j] = 1u;
     };
     auto scan_step = [&](int n) {
         const int s = n % STAGES;

@@ -76,38 +76,39 @@ __device__ __forceinline__ void store_output_rows(elem_t* o, acc_t* m_out, acc_t
     }
 }
 
-// The turn counters of the dK_j, dV_j sums that batch entry bi adds into (deterministic with
-// kv_atomic; layout.cuh, "Ordered sums"): tile `tile` of the `tiles` per K/V head, and bi's rank
-// among the entries that share each head.
+// The turn counters of the dK_j, dV_j sums that sequence sq adds into (deterministic with
+// kv_atomic; layout.cuh, "Ordered sums"): tile `tile` of the `tiles` per K/V head and sequence, and
+// the rank of sq's batch entry among the entries that share each head.
 struct KvTurns {
     unsigned *dk, *dv;
     unsigned dk_rank, dv_rank;
 };
 
-__device__ __forceinline__ KvTurns kv_turns(const BwdParams& p, BatchIndex bi, i64 tile, i64 tiles) {
-    const i64 head_elems = (i64)p.mask.Nk * p.D;
-    return {p.dk_turns + batch_offset(bi, p.dk.s0, p.dk.s1, p.dk.s2) / head_elems * tiles + tile,
-            p.dv_turns + batch_offset(bi, p.dv.s0, p.dv.s1, p.dv.s2) / head_elems * tiles + tile,
+__device__ __forceinline__ KvTurns kv_turns(const BwdParams& p, const Seq& sq, i64 tile, i64 tiles) {
+    const BatchIndex bi = sq.bi;
+    const i64 head_elems = (i64)p.seqs.rows_k * p.D, n = p.seqs.n;
+    return {p.dk_turns + ((batch_offset(bi, p.dk.s0, p.dk.s1, p.dk.s2) / head_elems * n + sq.s) * tiles + tile),
+            p.dv_turns + ((batch_offset(bi, p.dv.s0, p.dv.s1, p.dv.s2) / head_elems * n + sq.s) * tiles + tile),
             broadcast_rank(bi, p.batch.n1, p.batch.n2, p.dk.s0, p.dk.s1, p.dk.s2),
             broadcast_rank(bi, p.batch.n1, p.batch.n2, p.dv.s0, p.dv.s1, p.dv.s2)};
 }
 
 // scale x a warp's (16, 8*NT) accumulator tile G of dK_j or dV_j (`grad`: p.dk or p.dv; `sums`:
-// p.dk_acc or p.dv_acc), key rows key0 .. key0+15 and head-dim columns c0 .., into HBM: stored
-// into grad, or added into the sums (kv_atomic)
+// p.dk_acc or p.dv_acc), key rows key0 .. key0+15 of sequence sq and head-dim columns c0 .., into
+// HBM: stored into grad, or added into the sums (kv_atomic)
 template <int NT>
 __device__ __forceinline__ void store_kv_grad_rows(const BwdParams& p, const Tensor<elem_t>& grad, acc_t* sums,
-                                                   BatchIndex bi, const acc_t (&G)[NT][4], int key0, acc_t scale,
+                                                   const Seq& sq, const acc_t (&G)[NT][4], int key0, acc_t scale,
                                                    int c0 = 0) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, t = lane % 4, D = p.D;
-    const i64 at = batch_offset(bi, grad.s0, grad.s1, grad.s2);
+    const i64 at = batch_offset(sq.bi, grad.s0, grad.s1, grad.s2) + (i64)sq.k0 * D;
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = key0 + g + 8 * h, col = c0 + n * 8 + 2 * t;
-            if (row >= p.mask.Nk) continue;
+            if (row >= sq.mask.Nk) continue;
             const acc_t x0 = scale * G[n][2 * h], x1 = scale * G[n][2 * h + 1];
             if (p.kv_atomic) {
                 acc_t* r = sums + at + (i64)row * D;
@@ -121,8 +122,8 @@ __device__ __forceinline__ void store_kv_grad_rows(const BwdParams& p, const Ten
 
 // scale dK_j and dV_j of a warp (store_kv_grad_rows)
 template <int NT>
-__device__ __forceinline__ void store_dkv_rows(const BwdParams& p, BatchIndex bi, const acc_t (&dK)[NT][4],
+__device__ __forceinline__ void store_dkv_rows(const BwdParams& p, const Seq& sq, const acc_t (&dK)[NT][4],
                                                const acc_t (&dV)[NT][4], int key0, int c0, acc_t scale) {
-    store_kv_grad_rows(p, p.dk, p.dk_acc, bi, dK, key0, scale, c0);
-    store_kv_grad_rows(p, p.dv, p.dv_acc, bi, dV, key0, (acc_t)1, c0);
+    store_kv_grad_rows(p, p.dk, p.dk_acc, sq, dK, key0, scale, c0);
+    store_kv_grad_rows(p, p.dv, p.dv_acc, sq, dV, key0, (acc_t)1, c0);
 }

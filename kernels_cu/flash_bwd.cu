@@ -94,31 +94,33 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
     acc_t* s_inv_l = s_m + B_R;                        // (B_R)
     acc_t* s_D = s_inv_l + B_R;                        // (B_R)
 
-    const Mask& mask = p.mask;
-    const int Nq = mask.Nq, Nk = mask.Nk, D = p.D;
+    const int D = p.D;
     const bool vec = p.vec != 0, kv_atomic = p.kv_atomic != 0;
     const acc_t scale = (acc_t)p.scale;
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
-    const int T_c = (Nk + B_C - 1) / B_C, T_r = (Nq + B_R - 1) / B_R;
+    const int T_c = (p.mask.Nk + B_C - 1) / B_C, T_r = (p.mask.Nq + B_R - 1) / B_R;   // the grid's tiles per head
     const int n_chunks = (D + DC - 1) / DC;
     const GridTile at = grid_tile(T_c * n_chunks, p.head_group);
-    const i64 bh = at.bh;
+    const i64 w = at.bh;
     const int j = at.tile / n_chunks;                       // the most Q tiles first when causal
     const int c0 = (at.tile % n_chunks) * DC;               // head-dim chunk of dK, dV, dQ
     const int kv0 = j * B_C;
 
-    const BatchIndex bi = p.batch.split(bh);
-    const elem_t* q = p.q.at(bi);
-    const elem_t* k = p.k.at(bi);
-    const elem_t* v = p.v.at(bi);
-    const elem_t* dO = p.dO.at(bi);
+    const Seq sq = seq_of(p, w);
+    const Mask& mask = sq.mask;
+    const int Nq = mask.Nq, Nk = mask.Nk;
+    if (kv0 >= Nk) return;                                  // past a shorter sequence's keys
+    const elem_t* q = sq.q_rows(p.q);
+    const elem_t* k = sq.k_rows(p.k);
+    const elem_t* v = sq.k_rows(p.v);
+    const elem_t* dO = sq.q_rows(p.dO);
     const i64 q_sn = p.q.sn, k_sn = p.k.sn, v_sn = p.v.sn, do_sn = p.dO.sn;
-    acc_t* dq_acc = p.dq_acc.at(bi);
-    const acc_t* m_b = p.m_b + bh * Nq;
-    const acc_t* inv_l = p.inv_l + bh * Nq;
-    const acc_t* Dsum = p.Dsum + bh * Nq;
-    const EntryMods mods = p.mods.at(bi, Nk - Nq);
+    acc_t* dq_acc = sq.q_rows(p.dq_acc);
+    const acc_t* m_b = p.m_b + sq.row0;
+    const acc_t* inv_l = p.inv_l + sq.row0;
+    const acc_t* Dsum = p.Dsum + sq.row0;
+    const EntryMods mods = p.mods.at(sq.bi, Nk - Nq);
 
     // load K_j, V_j from HBM into SRAM
     load_tile<B_C, DP>(s_K, k + kv0 * k_sn, k_sn, min(B_C, Nk - kv0), D, vec, tid, NTHREADS);
@@ -139,8 +141,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
     // to them (nonfinite.cuh): flag dQ_i and dK_j, dV_j for the repair. This thread's share of K_j,
     // V_j at the first step, of Q_i, dO_i, D_i at each.
     auto flag_pair = [&](int i) {
-        p.dq_flags[bh * T_r + i] = 1u;
-        p.kv_flags[bh * T_c + j] = 1u;
+        p.dq_flags[w * T_r + i] = 1u;
+        p.kv_flags[w * T_c + j] = 1u;
     };
     for (int i = i_first; i < i_stop; ++i) {
         const int q0 = i * B_R;
@@ -207,7 +209,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         else       warp_mma<DC / 8, B_R, false, true>(dK, s_dSw, DS_PITCH, s_Q + c0, QKV_PITCH);
         // tile j adds term j - (Q tile i's first K/V tile) of dQ_i: every K/V tile before it that Q tile i
         // sees reaches it too
-        unsigned* dq_turn = ORDERED ? p.dq_turns + ((bh * T_r + i) * n_chunks + c0 / DC) : nullptr;
+        unsigned* dq_turn = ORDERED ? p.dq_turns + ((w * T_r + i) * n_chunks + c0 / DC) : nullptr;
         if (ORDERED && tid == 0) wait_turn(dq_turn, j - mask.kv_tile_first<B_C>(q0));
         __syncthreads();   // every warp's rows of dS^T are in SRAM
 
@@ -239,14 +241,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
     // dK_j, dV_j from registers to HBM; sums over the batch entries that share a K/V head in rank order
     KvTurns turns{};
     if (ORDERED && kv_atomic) {
-        turns = kv_turns(p, bi, (i64)j * n_chunks + c0 / DC, (i64)T_c * n_chunks);
+        turns = kv_turns(p, sq, (i64)j * n_chunks + c0 / DC, (i64)T_c * n_chunks);
         if (tid == 0) {
             wait_turn(turns.dk, turns.dk_rank);
             wait_turn(turns.dv, turns.dv_rank);
         }
         __syncthreads();
     }
-    store_dkv_rows(p, bi, dK, dV, key0, c0, scale);
+    store_dkv_rows(p, sq, dK, dV, key0, c0, scale);
     if (ORDERED && kv_atomic) {
         __syncthreads();
         if (tid == 0) {

@@ -34,9 +34,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_prep(const BwdP
 #pragma unroll
     for (int z = 0; z < 4; ++z)
         zero_words(p.zero[z], (i64)blockIdx.x * NTHREADS + threadIdx.x, (i64)gridDim.x * NTHREADS);
-    const int Nq = p.mask.Nq, D = p.D;
+    const int Nq = p.seqs.rows_q, D = p.D;   // every row of every sequence
     const i64 rows = p.batch.count * Nq;
-    const i64 row = ((i64)blockIdx.x * NTHREADS + threadIdx.x) / LANES;   // over (BH, Nq)
+    const i64 row = ((i64)blockIdx.x * NTHREADS + threadIdx.x) / LANES;   // over (BH, rows_q)
     const int part = threadIdx.x % LANES;
     const bool valid = row < rows;   // no early return: the row's lanes meet in the shuffles below
     const i64 bh = valid ? row / Nq : 0;

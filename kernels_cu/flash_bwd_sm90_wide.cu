@@ -145,25 +145,27 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
     unsigned long long* q_full = kv_full + 1;                             // (STAGES)
     unsigned long long* q_empty = q_full + STAGES;                        // (STAGES)
 
-    const Mask& mask = p.mask;
-    const int Nq = mask.Nq, Nk = mask.Nk, D = p.D;
+    const int D = p.D;
     const bool kv_atomic = p.kv_atomic != 0;
     const int tid = threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid / WG_THREADS, 0);   // from lane 0: the compiler sees it warp-uniform
-    const int T_r = (Nq + B_R - 1) / B_R, T_c = (Nk + B_C - 1) / B_C;
+    const int T_r = (p.mask.Nq + B_R - 1) / B_R, T_c = (p.mask.Nk + B_C - 1) / B_C;   // the grid's tiles per head
     const GridTile at = grid_tile(T_c, p.head_group);
-    const i64 bh = at.bh;
+    const i64 w = at.bh;
     const int j = at.tile;                             // the most Q tiles first when causal
     const int kv0 = j * B_C;
+    const Seq sq = seq_of(p, w);
+    const Mask& mask = sq.mask;
+    const int Nq = mask.Nq, Nk = mask.Nk;
+    if (kv0 >= Nk) return;                             // past a shorter sequence's keys
     const int i_first = mask.q_tile_first<B_R>(kv0);   // the Q tiles that see K_j: i_first .. i_first + steps - 1
     const int steps = max(0, mask.q_tile_stop<B_R, B_C>(kv0) - i_first);
-    const BatchIndex bi = p.batch.split(bh);
     const BwdRing ring{s_K, s_V, s_Q, s_dO, s_stat, kv_full, q_full, q_empty};
     init_ring<STAGES>(ring, CONSUMER_THREADS);
 
     if (wg == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
-        produce_bwd<B_R, B_C, DP, STAGES>(p, ring, bh, j, i_first, steps, tid);
+        produce_bwd<B_R, B_C, DP, STAGES>(p, ring, w, sq, j, i_first, steps, tid);
         return;
     }
 
@@ -174,10 +176,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
     const int warp = wtid / WARP_SIZE, lane = tid % WARP_SIZE;     // warp in its warpgroup
     const int g = lane / 4, t = lane % 4;
     const int key0 = kv0 + 16 * warp;                  // first key row of this warp
-    acc_t* dq_acc = p.dq_acc.at(bi);
+    acc_t* dq_acc = sq.q_rows(p.dq_acc);
     constexpr unsigned K_BLOCK = B_C * SW_COLS * sizeof(elem_t);
     const acc_t scale = (acc_t)p.scale;
-    const EntryMods mods = p.mods.at(bi, Nk - Nq);
+    const EntryMods mods = p.mods.at(sq.bi, Nk - Nq);
     acc_t G[DP / 8][4];                                // dV_j (c = 0) or dK_j (c = 1), (16, DP) per warp
     zero_frag(G);
 
@@ -266,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
         fence_proxy_async();
         // tile j adds term j - (Q tile i's first K/V tile) of dQ_i: every K/V tile before it that Q tile i
         // sees reaches it too
-        unsigned* dq_turn = ORDERED ? p.dq_turns + (bh * T_r + i_first + n) : nullptr;
+        unsigned* dq_turn = ORDERED ? p.dq_turns + (w * T_r + i_first + n) : nullptr;
         if (ORDERED && ctid == 0) wait_turn(dq_turn, j - mask.kv_tile_first<B_C>(q0));
         named_barrier_sync(DQ_WRITTEN, CONSUMER_THREADS);   // s_dQ holds dQ_i
 
@@ -292,13 +294,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
     // head in rank order
     unsigned* turn = nullptr;
     if (ORDERED && kv_atomic) {
-        const KvTurns turns = kv_turns(p, bi, j, T_c);
+        const KvTurns turns = kv_turns(p, sq, j, T_c);
         turn = c == 0 ? turns.dv : turns.dk;
         if (wtid == 0) wait_turn(turn, c == 0 ? turns.dv_rank : turns.dk_rank);
         named_barrier_sync(GRAD_TURN + c, WG_THREADS);
     }
-    if (c == 0) store_kv_grad_rows(p, p.dv, p.dv_acc, bi, G, key0, (acc_t)1);
-    else        store_kv_grad_rows(p, p.dk, p.dk_acc, bi, G, key0, scale);
+    if (c == 0) store_kv_grad_rows(p, p.dv, p.dv_acc, sq, G, key0, (acc_t)1);
+    else        store_kv_grad_rows(p, p.dk, p.dk_acc, sq, G, key0, scale);
     if (ORDERED && kv_atomic) {
         named_barrier_sync(GRAD_TURN + c, WG_THREADS);
         if (wtid == 0) end_turn(turn);

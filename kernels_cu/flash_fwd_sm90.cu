@@ -125,21 +125,28 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
     unsigned* s_index = reinterpret_cast<unsigned*>(v_empty + STAGES);   // (Q_STAGES, 2) the tile of each Q_i
     unsigned* s_claim = s_index + 2 * Q_STAGES;                          // producer thread 0's next tile
 
-    const Mask& mask = p.mask;
-    const int Nq = mask.Nq, Nk = mask.Nk, D = p.D;
+    const int D = p.D;
     const bool vec = p.vec != 0;
     const int tid = threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid / WG_THREADS, 0);   // from lane 0: the compiler sees it warp-uniform
-    const int T_r = (Nq + B_R - 1) / B_R;
-    const unsigned heads = (unsigned)p.batch.count, n_tiles = heads * T_r;
+    const int T_r = (p.mask.Nq + B_R - 1) / B_R;                    // the grid's Q tiles per head
+    const unsigned heads = (unsigned)p.seqs.heads, n_tiles = heads * T_r;
 
-    // Tile `index` of the grid order: its head, Q tile i (heaviest causal first) and the K/V tiles it
-    // needs, j_first .. j_first + n_kv - 1 (ring positions kv .. kv + n_kv - 1)
-    struct Work { i64 bh; int i, j_first, n_kv; };
+    // Tile `index` of the grid order: its work head w, the sequence's mask, Q tile i (heaviest causal
+    // first; i < 0: past a shorter sequence's rows, skipped) and the K/V tiles it needs, j_first ..
+    // j_first + n_kv - 1 (ring positions kv .. kv + n_kv - 1)
+    struct Work { i64 w; Mask mask; int i, j_first, n_kv; };
     auto work_at = [&](unsigned index) {
         const GridTile at = grid_tile_at(index, heads, T_r, p.head_group);
-        const int i = T_r - 1 - at.tile, j_first = mask.kv_tile_first<B_C>(i * B_R);
-        return Work{at.bh, i, j_first, mask.kv_tile_stop<B_C>(i * B_R, B_R) - j_first};
+        const Mask mask = VARLEN ? seq_of(p, at.bh).mask : p.mask;
+        const int i = (mask.Nq + B_R - 1) / B_R - 1 - at.tile, j_first = mask.kv_tile_first<B_C>(i * B_R);
+        return Work{at.bh, mask, i, j_first, mask.kv_tile_stop<B_C>(i * B_R, B_R) - j_first};
+    };
+    // the first tile from `index` on that is not past its sequence's rows (claiming more past those)
+    auto first_work = [&](unsigned index) {
+        if constexpr (VARLEN)
+            while (index < n_tiles && work_at(index).i < 0) index = gridDim.x + atomicAdd(p.tile_counter, 1u);
+        return index;
     };
 
     if (tid == 0) {
@@ -185,7 +192,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
         for (unsigned n = 0;; ++n) {
             const int qs = n % Q_STAGES, q_use = n / Q_STAGES;
             if (q_use > 0) mbar_wait(&q_empty[qs], (q_use - 1) & 1);
-            if (tid == 0) s_index[2 * qs] = *s_claim;
+            if (tid == 0) s_index[2 * qs] = first_work(*s_claim);
             named_barrier_sync(PRODUCER, WG_THREADS);
             const unsigned index = s_index[2 * qs];
             if (index >= n_tiles) {
@@ -200,10 +207,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             // loop, would not fit the producer's registers
             unsigned ptid = tid;
             asm volatile("" : "+r"(ptid));
-            const BatchIndex bi = p.batch.split(w.bh);
-            const elem_t* q_h = p.q.at(bi);
-            const elem_t* k_h = p.k.at(bi);
-            const elem_t* v_h = p.v.at(bi);
+            const Seq sq = seq_of(p, w.w);
+            const Mask& mask = w.mask;
+            const int Nq = mask.Nq, Nk = mask.Nk;
+            const elem_t* q_h = sq.q_rows(p.q);
+            const elem_t* k_h = sq.k_rows(p.k);
+            const elem_t* v_h = sq.k_rows(p.v);
             const i64 q_sn = p.q.sn, k_sn = p.k.sn, v_sn = p.v.sn;
             produce_tile<B_R>(s_Q + qs * TILE_Q, q_h + (i64)w.i * B_R * q_sn, q_sn, min(B_R, Nq - w.i * B_R), D, vec,
                               &q_full[qs], ptid);
@@ -220,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
                     mbar_wait(&v_empty[s], (use - 1) & 1);
                 }
                 produce_tile<B_C>(s_V + s * TILE_KV, v_h + (i64)j * B_C * v_sn, v_sn, rows, D, vec, &v_full[s], ptid);
-                const unsigned flag = mask.has_masked_pairs(w.i * B_R, B_R, j * B_C, B_C) ? (unsigned)(w.bh * T_r + w.i) : NONE;
+                const unsigned flag = mask.has_masked_pairs(w.i * B_R, B_R, j * B_C, B_C) ? (unsigned)(w.w * T_r + w.i) : NONE;
                 if (s == 0) pending0 = flag;
                 else        pending1 = flag;
             }
@@ -255,6 +264,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             const unsigned index = s_index[2 * qs];
             if (index >= n_tiles) break;
             const Work w = work_at(index);
+            const Mask& mask = w.mask;
+            const int Nq = mask.Nq, Nk = mask.Nk;
             // j counts the tile's K/V tiles from 0 here: K/V tile w.j_first + j, ring position kv + j
             const int i = w.i, j_stop = w.n_kv;
             const int r0 = i * B_R + 16 * warp;             // first query row of this warp
@@ -264,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             zero_frag(O);
             // m_i in units of raw scores Q K^T (the softmax scales differences: scale > 0, checked on the
             // host), or of the modifiers' S (RawMods: unit > 0)
-            const EntryMods entry = p.mods.at(p.batch.split(w.bh), Nk - Nq);
+            const EntryMods entry = p.mods.at(seq_of(p, w.w).bi, Nk - Nq);
             const RawMods mods(entry, scale);
             const acc_t unit = SCORE_MODS ? mods.unit : scale, log2_unit = unit * (acc_t)LOG2E;
             acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
@@ -372,8 +383,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             for (int j = my_stop > 0 ? my_stop + 1 : 0; j <= j_stop; ++j) idle_step(j);
 
             // O_i = diag(l_i)^-1 O_i; write O_i, m_i (in natural units), l_i to HBM
-            store_output_rows(p.o + w.bh * Nq * D, p.m + w.bh * Nq, p.l + w.bh * Nq, O, m_i, l_i, unit, r0, Nq,
-                              D, entry.sink);
+            const i64 row0 = seq_of(p, w.w).row0;
+            store_output_rows(p.o + row0 * D, p.m + row0, p.l + row0, O, m_i, l_i, unit, r0, Nq, D, entry.sink);
             kv += j_stop;
         }
         if (c == 0) my_turn();   // the hand-off of the last issue

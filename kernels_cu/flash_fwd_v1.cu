@@ -64,25 +64,27 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
     elem_t* s_Q = s_V + B_C * QKV_PITCH;               // (B_R, DP)
     elem_t* s_P = s_Q + B_R * QKV_PITCH;               // (B_R, B_C)
 
-    const Mask& mask = p.mask;
-    const int Nq = mask.Nq, Nk = mask.Nk, D = p.D, n_splits = p.n_splits;
+    const int n_splits = p.n_splits, D = p.D;
     const bool vec = p.vec != 0;
     const acc_t scale = (acc_t)p.scale;
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
-    const i64 bh = blockIdx.x / n_splits;
+    const i64 w = blockIdx.x / n_splits;
     const int split = blockIdx.x % n_splits;
+    const int T_grid = (p.mask.Nq + B_R - 1) / B_R;   // Q tiles per head of the repair flags
 
-    const BatchIndex bi = p.batch.split(bh);
-    const elem_t* q = p.q.at(bi);
-    const elem_t* k = p.k.at(bi);
-    const elem_t* v = p.v.at(bi);
+    const Seq sq = seq_of(p, w);
+    const Mask& mask = sq.mask;
+    const int Nq = mask.Nq, Nk = mask.Nk;
+    const elem_t* q = sq.q_rows(p.q);
+    const elem_t* k = sq.k_rows(p.k);
+    const elem_t* v = sq.k_rows(p.v);
     const i64 q_sn = p.q.sn, k_sn = p.k.sn, v_sn = p.v.sn;
-    elem_t* o = p.o + bh * Nq * D;
-    acc_t* o_run = p.o_run + bh * Nq * DP;
-    acc_t* m_run = p.m + bh * Nq;
-    acc_t* l_run = p.l + bh * Nq;
-    const EntryMods mods = p.mods.at(bi, Nk - Nq);
+    elem_t* o = p.o + sq.row0 * D;
+    acc_t* o_run = p.o_run + sq.row0 * DP;
+    acc_t* m_run = p.m + sq.row0;
+    acc_t* l_run = p.l + sq.row0;
+    const EntryMods mods = p.mods.at(sq.bi, Nk - Nq);
 
     const int T_r = (Nq + B_R - 1) / B_R;
     if (split >= T_r) return;
@@ -108,7 +110,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
         for (int i = split; i < T_r; i += n_splits) {
             if (v_nonfinite && mask.has_masked_pairs(i * B_R, B_R, kv0, B_C) && j >= mask.kv_tile_first<B_C>(i * B_R)
                 && j < mask.kv_tile_stop<B_C>(i * B_R, B_R))
-                p.repair_flags[bh * T_r + i] = 1u;
+                p.repair_flags[w * T_grid + i] = 1u;
             const int r0 = i * B_R + 16 * warp;   // first query row of this warp
             if (r0 >= Nq) break;
             // the K/V tiles this warp's rows see: j_own .. j_last

@@ -68,25 +68,26 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
     elem_t* s_Q = reinterpret_cast<elem_t*>(smem);    // (B_R, DP)
     elem_t* s_KV = s_Q + B_R * QKV_PITCH;               // (STAGES, 2, B_C, DP)
 
-    const Mask& mask = p.mask;
-    const int Nq = mask.Nq, Nk = mask.Nk, D = p.D;
     const bool vec = p.vec != 0;
     const acc_t scale = (acc_t)p.scale;
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
-    const int T_r = (Nq + B_R - 1) / B_R;
-    const GridTile at = grid_tile_at(blockIdx.x, (unsigned)p.batch.count, T_r, p.head_group);
-    const i64 bh = at.bh;
-    const int i = T_r - 1 - at.tile;                   // heaviest causal tiles first
+    const int T_r = (p.mask.Nq + B_R - 1) / B_R;       // the grid's Q tiles per head
+    const GridTile at = grid_tile_at(blockIdx.x, (unsigned)p.seqs.heads, T_r, p.head_group);
+    const i64 w = at.bh;
+    const Seq sq = seq_of(p, w);
+    const Mask& mask = sq.mask;
+    const int Nq = mask.Nq, Nk = mask.Nk, D = p.D;
+    const int i = (Nq + B_R - 1) / B_R - 1 - at.tile;  // heaviest causal tiles first
+    if (i < 0) return;                                  // past a shorter sequence's rows
 
-    const BatchIndex bi = p.batch.split(bh);
-    const elem_t* q = p.q.at(bi);
-    const elem_t* k = p.k.at(bi);
-    const elem_t* v = p.v.at(bi);
+    const elem_t* q = sq.q_rows(p.q);
+    const elem_t* k = sq.k_rows(p.k);
+    const elem_t* v = sq.k_rows(p.v);
     const i64 q_sn = p.q.sn, k_sn = p.k.sn, v_sn = p.v.sn;
-    elem_t* o = p.o + bh * Nq * D;
-    acc_t* m_out = p.m + bh * Nq;
-    acc_t* l_out = p.l + bh * Nq;
-    const EntryMods mods = p.mods.at(bi, Nk - Nq);
+    elem_t* o = p.o + sq.row0 * D;
+    acc_t* m_out = p.m + sq.row0;
+    acc_t* l_out = p.l + sq.row0;
+    const EntryMods mods = p.mods.at(sq.bi, Nk - Nq);
 
     const int r0 = i * B_R + 16 * warp;                 // first query row of this warp
     // the K/V tiles this CTA needs: j_first .. j_stop - 1; tile j lies in stage j % STAGES
@@ -129,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
         // where Q tile i may have masked pairs in tile j and V_j holds an inf or NaN, P~_ij V_j may spread
         // it to them (nonfinite.cuh): flag the tile for the repair (flags exist where some pair is masked)
         if (edge && mask.banded() && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS))
-            p.repair_flags[bh * T_r + i] = 1u;
+            p.repair_flags[w * T_r + i] = 1u;
 
         // S_ij = scale Q_i K_j^T, then its modifiers (score_mod.cuh)        (16, B_C)
         acc_t S[B_C / 8][4];

@@ -96,41 +96,45 @@ __device__ __forceinline__ void for_each_flagged(const unsigned* flags, i64 n, W
     }
 }
 
-// The batch entries whose gradient rows add into the same head as entry bh's, for a gradient with
-// collapsed batch strides s0, s1, s2 (0 along a dim where its input broadcasts): bh's coordinate
-// along the others, any along those. Entry `index` of `count` runs over the broadcast dims, the
-// last fastest; `first_flagged` says whether bh is the first of them with its flag set.
+// The work heads whose gradient rows add into the same head as work head w's: the same sequence of
+// the batch entries that share w's entry's head of a gradient with collapsed batch strides s0, s1, s2
+// (0 along a dim where its input broadcasts): w's entry's coordinate along the others, any along
+// those. Sharer `index` of `count` runs over the broadcast dims, the last fastest;
+// `first_flagged` says whether w is the first of them with its flag set.
 struct Sharers {
     i64 n[3], b[3];
     bool free_dim[3];
     i64 count;
+    i64 seqs, s;   // sequences per entry, w's sequence
 
-    __device__ __forceinline__ i64 bh(i64 index) const {
+    __device__ __forceinline__ i64 w(i64 index) const {
         i64 c[3];
 #pragma unroll
         for (int a = 2; a >= 0; --a) {
             c[a] = free_dim[a] ? index % n[a] : b[a];
             if (free_dim[a]) index /= n[a];
         }
-        return (c[0] * n[1] + c[1]) * n[2] + c[2];
+        return ((c[0] * n[1] + c[1]) * n[2] + c[2]) * seqs + s;
     }
 
-    // flags (BH, tiles): of the entries that share bh's head, bh is the first with tile `tile` flagged
-    __device__ __forceinline__ bool first_flagged(i64 bh, const unsigned* flags, int tiles, int tile) const {
+    // flags (heads, tiles): of the work heads that share w's head, w is the first with tile `tile` flagged
+    __device__ __forceinline__ bool first_flagged(i64 w, const unsigned* flags, int tiles, int tile) const {
         for (i64 x = 0; x < count; ++x) {
-            const i64 other = this->bh(x);
-            if (other >= bh) return true;   // in increasing order
+            const i64 other = this->w(x);
+            if (other >= w) return true;   // in increasing order
             if (flags[other * tiles + tile]) return false;
         }
         return true;
     }
 };
 
-// the sharers of entry bh's head of gradient `grad` (a tensor of collapsed batch strides s0, s1, s2)
+// the sharers of work head w's head of gradient `grad` (a tensor of collapsed batch strides s0, s1, s2)
 template <typename T>
-__device__ __forceinline__ Sharers sharers_of(i64 bh, const Batch& batch, const Tensor<T>& grad) {
+__device__ __forceinline__ Sharers sharers_of(i64 w, const Batch& batch, const Seqs& seqs, const Tensor<T>& grad) {
     Sharers r;
-    const BatchIndex bi = batch.split(bh);
+    r.seqs = seqs.n;
+    r.s = w % seqs.n;
+    const BatchIndex bi = batch.split(w / seqs.n);
     const i64 n[3] = {batch.count / (batch.n1 * batch.n2), batch.n1, batch.n2}, s[3] = {grad.s0, grad.s1, grad.s2};
     const i64 b[3] = {bi.b0, bi.b1, bi.b2};
     r.count = 1;
@@ -145,21 +149,21 @@ __device__ __forceinline__ Sharers sharers_of(i64 bh, const Batch& batch, const 
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_repair(const FwdParams p) {
-    const Mask& mask = p.mask;
-    const int Nq = mask.Nq, D = p.D, tile_rows = p.tile_rows;
+    const int D = p.D, tile_rows = p.tile_rows;
     const acc_t scale = (acc_t)p.scale;
     const int warp = threadIdx.x / WARP_SIZE;
-    const int T_r = (Nq + tile_rows - 1) / tile_rows;
-    for_each_flagged(p.repair_flags, p.batch.count * T_r, [&](i64 tile) {
-        const i64 bh = tile / T_r;
+    const int T_r = (p.mask.Nq + tile_rows - 1) / tile_rows;   // the main kernel's grid's
+    for_each_flagged(p.repair_flags, p.seqs.heads * T_r, [&](i64 tile) {
+        const Seq sq = seq_of(p, tile / T_r);
+        const Mask& mask = sq.mask;
+        const int Nq = mask.Nq;
         const int r0 = (int)(tile % T_r) * tile_rows;
-        const BatchIndex bi = p.batch.split(bh);
-        const elem_t* q_h = p.q.at(bi);
-        const elem_t* k_h = p.k.at(bi);
-        const elem_t* v_h = p.v.at(bi);
-        const EntryMods mods = p.mods.at(bi, mask.Nk - Nq);
+        const elem_t* q_h = sq.q_rows(p.q);
+        const elem_t* k_h = sq.k_rows(p.k);
+        const elem_t* v_h = sq.k_rows(p.v);
+        const EntryMods mods = p.mods.at(sq.bi, mask.Nk - Nq);
         for (int r = r0 + warp; r < min(r0 + tile_rows, Nq); r += NWARPS) {
-            const acc_t m_i = p.m[bh * Nq + r], l_i = p.l[bh * Nq + r];
+            const acc_t m_i = p.m[sq.row0 + r], l_i = p.l[sq.row0 + r];
             acc_t q_i[RPL], o_i[RPL] = {};
             if (l_i != (acc_t)0) {
                 load_row(q_i, q_h + r * p.q.sn, D);
@@ -173,54 +177,54 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_repair(const Fw
                     for (int e = 0; e < RPL; ++e) o_i[e] += pr * v_j[e];
                 }
             }
-            store_row(p.o + (bh * Nq + r) * D, o_i, l_i == (acc_t)0 ? (acc_t)0 : (acc_t)1 / l_i, D);
+            store_row(p.o + (sq.row0 + r) * D, o_i, l_i == (acc_t)0 ? (acc_t)0 : (acc_t)1 / l_i, D);
         }
     });
 }
 
-// The rows of batch entry bh that its gradient rows are made of
+// The rows of sequence sq that its gradient rows are made of
 struct EntryRows {
     const elem_t *q, *k, *v, *dO;
 };
 
-__device__ __forceinline__ EntryRows entry_rows(const BwdParams& p, i64 bh) {
-    const BatchIndex bi = p.batch.split(bh);
-    return {p.q.at(bi), p.k.at(bi), p.v.at(bi), p.dO.at(bi)};
+__device__ __forceinline__ EntryRows entry_rows(const BwdParams& p, const Seq& sq) {
+    return {sq.q_rows(p.q), sq.k_rows(p.k), sq.k_rows(p.v), sq.q_rows(p.dO)};
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_repair(const BwdParams p) {
-    const Mask& mask = p.mask;
-    const int Nq = mask.Nq, Nk = mask.Nk, D = p.D, tile_r = p.tile_r, tile_c = p.tile_c;
+    const int D = p.D, tile_r = p.tile_r, tile_c = p.tile_c;
     const acc_t scale = (acc_t)p.scale;
-    const i64 BH = p.batch.count;
+    const i64 heads = p.seqs.heads;
     const int warp = threadIdx.x / WARP_SIZE;
-    const int T_r = (Nq + tile_r - 1) / tile_r, T_c = (Nk + tile_c - 1) / tile_c;
+    const int T_r = (p.mask.Nq + tile_r - 1) / tile_r, T_c = (p.mask.Nk + tile_c - 1) / tile_c;   // the grid's
 
-    // P_ij and dS_ij of entry bh's rows i, j (q_i, dO_i, k_j, v_j this lane's elements); false where
+    // P_ij and dS_ij of sequence sq's rows i, j (q_i, dO_i, k_j, v_j this lane's elements); false where
     // row i saw no key
-    auto pair_terms = [&](i64 bh, int i, int j, const acc_t (&q_i)[RPL], const acc_t (&do_i)[RPL],
+    auto pair_terms = [&](const Seq& sq, int i, int j, const acc_t (&q_i)[RPL], const acc_t (&do_i)[RPL],
                           const acc_t (&k_j)[RPL], const acc_t (&v_j)[RPL], acc_t& P_ij, acc_t& dS_ij) {
         acc_t s, dp, grad = (acc_t)1;
         dot2(q_i, k_j, do_i, v_j, s, dp);
-        const acc_t l_i = p.l[bh * Nq + i];
-        s = p.mods.at(p.batch.split(bh), Nk - Nq).apply<true>(s * scale, i, j, grad);
-        P_ij = l_i == (acc_t)0 ? (acc_t)0 : exp2_acc((s - p.m[bh * Nq + i]) * (acc_t)LOG2E) / l_i;
-        dS_ij = P_ij * (dp - p.Dsum[bh * Nq + i]) * grad;
+        const acc_t l_i = p.l[sq.row0 + i];
+        s = p.mods.at(sq.bi, sq.mask.Nk - sq.mask.Nq).apply<true>(s * scale, i, j, grad);
+        P_ij = l_i == (acc_t)0 ? (acc_t)0 : exp2_acc((s - p.m[sq.row0 + i]) * (acc_t)LOG2E) / l_i;
+        dS_ij = P_ij * (dp - p.Dsum[sq.row0 + i]) * grad;
         return l_i != (acc_t)0;
     };
 
-    // dq_i of entry bh's q head, rows tile_r * tile .., summed over the entries that share it
-    auto redo_dq = [&](i64 bh, int tile) {
-        const Sharers sh = sharers_of(bh, p.batch, p.dq_acc);
-        if (!sh.first_flagged(bh, p.dq_flags, T_r, tile)) return;
-        acc_t* dq_h = p.dq_acc.at(p.batch.split(bh));
+    // dq_i of work head w's q head, rows tile_r * tile .., summed over the work heads that share it
+    auto redo_dq = [&](i64 w, int tile) {
+        const Sharers sh = sharers_of(w, p.batch, p.seqs, p.dq_acc);
+        if (!sh.first_flagged(w, p.dq_flags, T_r, tile)) return;
+        const Seq own = seq_of(p, w);
+        const Mask& mask = own.mask;
+        acc_t* dq_h = own.q_rows(p.dq_acc);
         const int r0 = tile * tile_r;
-        for (int i = r0 + warp; i < min(r0 + tile_r, Nq); i += NWARPS) {
+        for (int i = r0 + warp; i < min(r0 + tile_r, mask.Nq); i += NWARPS) {
             acc_t dq_i[RPL] = {};
             for (i64 x = 0; x < sh.count; ++x) {
-                const i64 e_bh = sh.bh(x);
-                if (p.l[e_bh * Nq + i] == (acc_t)0) continue;
-                const EntryRows rows = entry_rows(p, e_bh);
+                const Seq e = seq_of(p, sh.w(x));
+                if (p.l[e.row0 + i] == (acc_t)0) continue;
+                const EntryRows rows = entry_rows(p, e);
                 acc_t q_i[RPL], do_i[RPL];
                 load_row(q_i, rows.q + i * p.q.sn, D);
                 load_row(do_i, rows.dO + i * p.dO.sn, D);
@@ -228,7 +232,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_repair(const Bw
                     acc_t k_j[RPL], v_j[RPL], P_ij, dS_ij;
                     load_row(k_j, rows.k + j * p.k.sn, D);
                     load_row(v_j, rows.v + j * p.v.sn, D);
-                    pair_terms(e_bh, i, j, q_i, do_i, k_j, v_j, P_ij, dS_ij);
+                    pair_terms(e, i, j, q_i, do_i, k_j, v_j, P_ij, dS_ij);
 #pragma unroll
                     for (int e = 0; e < RPL; ++e) dq_i[e] += dS_ij * k_j[e];
                 }
@@ -236,19 +240,21 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_repair(const Bw
             store_row(dq_h + (i64)i * D, dq_i, scale, D);
         }
     };
-    // dk_j (grad_k) or dv_j of entry bh's k or v head, rows tile_c * tile .., summed over the entries
-    // that share it
-    auto redo_dkv = [&](i64 bh, int tile, bool grad_k) {
-        const Sharers sh = grad_k ? sharers_of(bh, p.batch, p.dk) : sharers_of(bh, p.batch, p.dv);
-        if (!sh.first_flagged(bh, p.kv_flags, T_c, tile)) return;
-        const BatchIndex own = p.batch.split(bh);
-        const i64 at = grad_k ? batch_offset(own, p.dk.s0, p.dk.s1, p.dk.s2) : batch_offset(own, p.dv.s0, p.dv.s1, p.dv.s2);
+    // dk_j (grad_k) or dv_j of work head w's k or v head, rows tile_c * tile .., summed over the work
+    // heads that share it
+    auto redo_dkv = [&](i64 w, int tile, bool grad_k) {
+        const Sharers sh = grad_k ? sharers_of(w, p.batch, p.seqs, p.dk) : sharers_of(w, p.batch, p.seqs, p.dv);
+        if (!sh.first_flagged(w, p.kv_flags, T_c, tile)) return;
+        const Seq own = seq_of(p, w);
+        const Mask& mask = own.mask;
+        const i64 at = (grad_k ? batch_offset(own.bi, p.dk.s0, p.dk.s1, p.dk.s2) : batch_offset(own.bi, p.dv.s0, p.dv.s1, p.dv.s2))
+                       + (i64)own.k0 * D;
         const int r0 = tile * tile_c;
-        for (int j = r0 + warp; j < min(r0 + tile_c, Nk); j += NWARPS) {
+        for (int j = r0 + warp; j < min(r0 + tile_c, mask.Nk); j += NWARPS) {
             acc_t g_j[RPL] = {};
             for (i64 x = 0; x < sh.count; ++x) {
-                const i64 e_bh = sh.bh(x);
-                const EntryRows rows = entry_rows(p, e_bh);
+                const Seq e = seq_of(p, sh.w(x));
+                const EntryRows rows = entry_rows(p, e);
                 acc_t k_j[RPL], v_j[RPL];
                 load_row(k_j, rows.k + j * p.k.sn, D);
                 load_row(v_j, rows.v + j * p.v.sn, D);
@@ -256,7 +262,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_repair(const Bw
                     acc_t q_i[RPL], do_i[RPL], P_ij, dS_ij;
                     load_row(q_i, rows.q + i * p.q.sn, D);
                     load_row(do_i, rows.dO + i * p.dO.sn, D);
-                    if (!pair_terms(e_bh, i, j, q_i, do_i, k_j, v_j, P_ij, dS_ij)) continue;
+                    if (!pair_terms(e, i, j, q_i, do_i, k_j, v_j, P_ij, dS_ij)) continue;
 #pragma unroll
                     for (int e = 0; e < RPL; ++e) g_j[e] += grad_k ? dS_ij * q_i[e] : P_ij * do_i[e];
                 }
@@ -268,8 +274,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_repair(const Bw
         }
     };
 
-    for_each_flagged(p.dq_flags, BH * T_r, [&](i64 t) { redo_dq(t / T_r, (int)(t % T_r)); });
-    for_each_flagged(p.kv_flags, BH * T_c, [&](i64 t) {
+    for_each_flagged(p.dq_flags, heads * T_r, [&](i64 t) { redo_dq(t / T_r, (int)(t % T_r)); });
+    for_each_flagged(p.kv_flags, heads * T_c, [&](i64 t) {
         redo_dkv(t / T_c, (int)(t % T_c), true);
         redo_dkv(t / T_c, (int)(t % T_c), false);
     });

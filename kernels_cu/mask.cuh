@@ -101,6 +101,21 @@ struct Mask {
     }
 };
 
+// One band for sequences of different lengths (packed variable-length sequences, params.cuh: Seqs):
+// the window's sides, the causal mask's right side 0 (the smaller of both), UNBOUNDED where a side
+// bounds nothing. `of` gives a sequence's Mask exactly as MaskGeometry.kernel_fields
+// (cupyflash/_mask.py) gives a call's: lo = off - left, hi = off + right with off = Nk - Nq, a side
+// that bounds no row at -Nq or Nk.
+constexpr int UNBOUNDED = 0x7fffffff;
+
+struct Band {
+    int left, right;
+
+    __host__ __device__ __forceinline__ Mask of(int Nq, int Nk) const {
+        return {Nq, Nk, left < Nk - 1 ? Nk - Nq - left : -Nq, right < Nq - 1 ? Nk - Nq + right : Nk};
+    }
+};
+
 // Invisible pairs of a warp's (16, 8*NT) score tile -> -inf: first row r0, first key kv0, rows g and
 // g + 8 of each lane (mma_sm80.cuh); nothing to do where the tile is `full`.
 template <int NT>

@@ -16,6 +16,12 @@
 #include "score_mod.cuh"
 #include "types.cuh"
 
+// Packed variable-length sequences (flash_attention_varlen_*) compiled in
+#ifndef FLASH_VARLEN
+#define FLASH_VARLEN 0
+#endif
+constexpr bool VARLEN = FLASH_VARLEN != 0;
+
 // A tensor of the call as the kernels read it: base pointer, element strides along the three
 // collapsed batch dims (0 along a broadcast one) and of a row. The head dim is contiguous.
 template <typename T>
@@ -36,6 +42,48 @@ struct Batch {
     __device__ __forceinline__ BatchIndex split(i64 bh) const { return split_batch(bh, n1, n2); }
 };
 
+// The sequences of each batch entry and the work heads the grid walks. With VARLEN a batch entry's rows
+// hold n packed sequences: sequence s is the query rows cu_q[s] .. cu_q[s+1] - 1 and the key rows
+// cu_k[s] .. cu_k[s+1] - 1, and sees only its own keys, under `band` with its own Nq, Nk (causal
+// and windows bottom-right per sequence). Work head w = e n + s is sequence s of batch entry e;
+// the grid's tiles are those of the longest sequence (the params' Mask.Nq, Mask.Nk), and a CTA past
+// its own sequence's rows or keys has nothing to do. Without VARLEN: one sequence, the params' Mask,
+// n = 1.
+struct Seqs {
+    const int* cu_q;       // (n + 1) int32, VARLEN
+    const int* cu_k;
+    i64 heads;             // work heads: batch.count * n
+    int n;                 // sequences per batch entry
+    int rows_q, rows_k;    // a batch entry's rows of q (o, dO, m, l) and of k, v
+    Band band;             // VARLEN: the visibility of every sequence
+};
+
+// What a CTA of work head w reads: its batch entry and its sequence
+struct Seq {
+    BatchIndex bi;         // the batch entry
+    i64 row0;              // the sequence's first query row in the (BH, rows_q) outputs and statistics
+    int s;                 // the sequence (0 without VARLEN)
+    int q0, k0;            // its first rows in the entry's q (o, dO) and k (v) matrices
+    Mask mask;             // its visibility; Nq, Nk its lengths
+
+    // tensor t's matrix of the sequence's query rows, of its key rows
+    template <typename T> __device__ __forceinline__ T* q_rows(const Tensor<T>& t) const { return t.at(bi) + q0 * t.sn; }
+    template <typename T> __device__ __forceinline__ T* k_rows(const Tensor<T>& t) const { return t.at(bi) + k0 * t.sn; }
+};
+
+// the sequence of work head w (FwdParams or BwdParams)
+template <class Params>
+__device__ __forceinline__ Seq seq_of(const Params& p, i64 w) {
+    if constexpr (!VARLEN) {
+        return {p.batch.split(w), w * p.mask.Nq, 0, 0, 0, p.mask};
+    } else {
+        const Seqs& sq = p.seqs;
+        const i64 e = w / sq.n;
+        const int s = (int)(w - e * sq.n), q0 = sq.cu_q[s], k0 = sq.cu_k[s];
+        return {p.batch.split(e), e * sq.rows_q + q0, s, q0, k0, sq.band.of(sq.cu_q[s + 1] - q0, sq.cu_k[s + 1] - k0)};
+    }
+}
+
 // 4-byte words flash_bwd_prep zeroes before the main kernel adds into them
 struct ZeroRange {
     unsigned* ptr;             // 4-byte aligned; 16-byte aligned takes vector stores
@@ -43,17 +91,18 @@ struct ZeroRange {
 };
 
 struct FwdParams {
-    Tensor<const elem_t> q;    // (batch..., Nq, D)
-    Tensor<const elem_t> k;    // (batch..., Nk, D)
-    Tensor<const elem_t> v;    // (batch..., Nk, D)
-    elem_t* o;                 // (BH, Nq, D)
-    acc_t* m;                  // (BH, Nq) row max, natural units
-    acc_t* l;                  // (BH, Nq) row exp-sum
-    acc_t* o_run;              // (BH, Nq, DP) V1: the running O_i between outer steps
+    Tensor<const elem_t> q;    // (batch..., rows_q, D)
+    Tensor<const elem_t> k;    // (batch..., rows_k, D)
+    Tensor<const elem_t> v;    // (batch..., rows_k, D)
+    elem_t* o;                 // (BH, rows_q, D)
+    acc_t* m;                  // (BH, rows_q) row max, natural units
+    acc_t* l;                  // (BH, rows_q) row exp-sum
+    acc_t* o_run;              // (BH, rows_q, DP) V1: the running O_i between outer steps
     unsigned* tile_counter;    // the persistent Hopper forward: tiles claimed past the first grid, zeroed
-    unsigned* repair_flags;    // (BH, T_r) zeroed, causal: Q tiles for flash_fwd_repair
+    unsigned* repair_flags;    // (heads, T_r) zeroed, causal: Q tiles for flash_fwd_repair
     Batch batch;
-    Mask mask;
+    Mask mask;                 // without VARLEN the call's; with, Nq, Nk of the longest sequence
+    Seqs seqs;
     ScoreMods mods;            // softcap, ALiBi slopes (score_mod.cuh; read where compiled in)
     int D;
     int vec;                   // 16-byte loads of q, k, v are safe (aligned rows, D % VEC == 0)
@@ -64,33 +113,34 @@ struct FwdParams {
 };
 
 struct BwdParams {
-    Tensor<const elem_t> q;    // (batch..., Nq, D)
-    Tensor<const elem_t> k;    // (batch..., Nk, D)
-    Tensor<const elem_t> v;    // (batch..., Nk, D)
-    Tensor<const elem_t> o;    // (batch..., Nq, D)
-    Tensor<const elem_t> dO;   // (batch..., Nq, D)
+    Tensor<const elem_t> q;    // (batch..., rows_q, D)
+    Tensor<const elem_t> k;    // (batch..., rows_k, D)
+    Tensor<const elem_t> v;    // (batch..., rows_k, D)
+    Tensor<const elem_t> o;    // (batch..., rows_q, D)
+    Tensor<const elem_t> dO;   // (batch..., rows_q, D)
     Tensor<acc_t> dq_acc;      // q's own shape, contiguous: the dQ sums, zeroed
     Tensor<elem_t> dk;         // k's own shape, contiguous: stored directly unless kv_atomic
     Tensor<elem_t> dv;         // v's own shape, contiguous
     acc_t* dk_acc;             // dk's layout: the dK sums when kv_atomic, zeroed
     acc_t* dv_acc;             // dv's layout: the dV sums when kv_atomic, zeroed
     elem_t* dq;                // dq_acc's layout: dq in the input dtype (flash_convert)
-    const acc_t* m;            // (BH, Nq) the forward's statistics
-    const acc_t* l;            // (BH, Nq)
-    acc_t* m_b;                // (BH, Nq) flash_bwd_prep -> flash_bwd: m_i, +inf where l_i = 0
-    acc_t* inv_l;              // (BH, Nq)                              1 / l_i, 0 where l_i = 0
-    acc_t* lse2;               // (BH, Nq) flash_bwd_prep -> flash_bwd_sm90: (m_i + log l_i) log2 e
-    acc_t* Dsum;               // (BH, Nq) D_i = rowsum(dO_i o O_i)
-    unsigned* dq_turns;        // (BH, T_r, n_chunks) zeroed, deterministic: turns of the adds into dQ_i
-    unsigned* dk_turns;        // (K/V heads of k, T_c, n_chunks) zeroed, deterministic and kv_atomic
-    unsigned* dv_turns;        // (K/V heads of v, T_c, n_chunks)
-    unsigned* dq_flags;        // (BH, T_r) zeroed, causal: dQ tiles for flash_bwd_repair
-    unsigned* kv_flags;        // (BH, T_c) zeroed, causal: dK, dV tiles
+    const acc_t* m;            // (BH, rows_q) the forward's statistics
+    const acc_t* l;            // (BH, rows_q)
+    acc_t* m_b;                // (BH, rows_q) flash_bwd_prep -> flash_bwd: m_i, +inf where l_i = 0
+    acc_t* inv_l;              // (BH, rows_q)                              1 / l_i, 0 where l_i = 0
+    acc_t* lse2;               // (BH, rows_q) flash_bwd_prep -> flash_bwd_sm90: (m_i + log l_i) log2 e
+    acc_t* Dsum;               // (BH, rows_q) D_i = rowsum(dO_i o O_i)
+    unsigned* dq_turns;        // (heads, T_r, n_chunks) zeroed, deterministic: turns of the adds into dQ_i
+    unsigned* dk_turns;        // (K/V heads of k, n, T_c, n_chunks) zeroed, deterministic and kv_atomic
+    unsigned* dv_turns;        // (K/V heads of v, n, T_c, n_chunks)
+    unsigned* dq_flags;        // (heads, T_r) zeroed, causal: dQ tiles for flash_bwd_repair
+    unsigned* kv_flags;        // (heads, T_c) zeroed, causal: dK, dV tiles
     ZeroRange zero[4];         // what the comments call zeroed: the workspace's zeroed part, and the
                                // gradients that are the sums themselves (float32, float64)
     i64 convert_elems[3];      // elements of dq, dk, dv that flash_convert converts (0: none)
     Batch batch;
     Mask mask;
+    Seqs seqs;
     ScoreMods mods;
     int D;
     int vec;                   // 16-byte loads of q, k, v, dO are safe

@@ -162,3 +162,37 @@ def test_full_and_masked_tiles(answers):
                     assert block.all() and k0 + B_C <= g.n_k, (g, B_R, B_C, q0, k0)
                 if q0 + B_R <= g.n_q and k0 + B_C <= g.n_k:
                     assert full == block.all(), (g, B_R, B_C, q0, k0)
+
+
+BAND_DRIVER = r"""
+#include <cstdio>
+#include "mask.cuh"
+
+// per case "left right Nq Nk" on stdin: the sequence's Mask that Band::of gives
+int main() {
+    Band b;
+    int Nq, Nk;
+    while (scanf("%d %d %d %d", &b.left, &b.right, &Nq, &Nk) == 4) {
+        const Mask m = b.of(Nq, Nk);
+        printf("%d %d %d %d\n", m.Nq, m.Nk, m.lo, m.hi);
+    }
+    return 0;
+}
+"""
+
+
+def test_a_band_gives_each_sequence_the_mask_of_its_own_lengths(tmp_path):
+    """Packed sequences share one Band (``MaskGeometry.band_fields``); ``Band::of`` must give each
+    sequence exactly the Mask a call of its lengths gets (``kernel_fields``), sides that bound
+    nothing included, and lengths of 0."""
+    source, binary = tmp_path / "band_driver.cu", tmp_path / "band_driver"
+    source.write_text(BAND_DRIVER)
+    build = subprocess.run([NVCC, "-std=c++17", "-I", str(_compile.kernel_dir()), "-o", str(binary), str(source)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    cases = geometries() + [MaskGeometry(0, 5, True), MaskGeometry(5, 0, False, 3, None), MaskGeometry(0, 0, True, 2, 2),
+                            MaskGeometry(7, 9, False, 2**31 - 1, 2**31 - 1)]
+    stdin = "".join("%d %d %d %d\n" % (*g.band_fields(), g.n_q, g.n_k) for g in cases)
+    run = subprocess.run([str(binary)], input=stdin, capture_output=True, text=True, check=True)
+    got = [tuple(int(x) for x in line.split()) for line in run.stdout.splitlines()]
+    assert got == [g.kernel_fields() for g in cases]
