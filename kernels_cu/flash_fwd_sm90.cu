@@ -186,6 +186,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             mbar_wait(&v_full[s], (pos / STAGES) & 1);
             if (rows_nonfinite(s_V + s * TILE_KV, TILE_KV / SW_COLS, SW_COLS, SW_COLS, tid % WG_THREADS, WG_THREADS))
                 p.repair_flags[flag] = 1u;
+            named_barrier_sync(PRODUCER, WG_THREADS);   // no thread refills what another still scans
         };
         static_assert(STAGES == 2, "a pending flag per stage");
         int kv = 0;

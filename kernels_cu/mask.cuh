@@ -106,9 +106,8 @@ struct Mask {
 // bounds nothing. `of` gives a sequence's Mask exactly as MaskGeometry.kernel_fields
 // (cupyflash/_mask.py) gives a call's: lo = off - left, hi = off + right with off = Nk - Nq, a side
 // that bounds no row at -Nq or Nk.
-constexpr int UNBOUNDED = 0x7fffffff;
-
 struct Band {
+    static constexpr int UNBOUNDED = 0x7fffffff;
     int left, right;
 
     __host__ __device__ __forceinline__ Mask of(int Nq, int Nk) const {
