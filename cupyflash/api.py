@@ -150,11 +150,7 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
     max_seqlen_k) ``flash_attention_varlen_forward``."""
     inputs = _with_entries({"q": q, "k": k, "v": v}, alibi_slopes, sink)
     flags = (causal, softmax_scale, window, softcap, schedule, precision, *_entries_given(alibi_slopes, sink))
-    offsets = ()
-    if varlen is not None:
-        offsets = varlen[:2]
-        inputs.update(cu_seqlens_q=offsets[0], cu_seqlens_k=offsets[1])
-        flags += tuple(varlen[2:])
+    offsets, flags = _with_offsets(inputs, flags, varlen)
     plan, key = _kept_plan(inputs, out, FORWARD_OUTPUTS, flags, _plan_keepable(varlen))
     if plan is not None:
         return plan(q, k, v, out, alibi_slopes, sink, *offsets)
@@ -192,6 +188,15 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
         ready, key = _kernel_ready((q, k, v), key)
         return _forward_gpu(*ready, slopes, sinks, prob.batch_shape, prob,
                             _launch.forward_schedule(schedule, prob.D, prob.dtype), precision, key, out, *_packed(seqs))
+
+
+def _with_offsets(inputs: dict, flags: tuple, varlen):
+    """``(offsets, flags)`` of a call: with ``varlen`` (as in ``_forward``) its offsets, which also join
+    ``inputs`` (they key a kept plan), and its maxima added to ``flags``; else ``((), flags)``."""
+    if varlen is None:
+        return (), flags
+    inputs.update(cu_seqlens_q=varlen[0], cu_seqlens_k=varlen[1])
+    return tuple(varlen[:2]), flags + tuple(varlen[2:])
 
 
 def _plan_keepable(varlen) -> bool:
@@ -426,11 +431,7 @@ def _backward(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softc
     inputs = _with_entries({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}, alibi_slopes, sink)
     flags = (causal, softmax_scale, window, softcap, schedule, precision, deterministic,
              *_entries_given(alibi_slopes, sink))
-    offsets = ()
-    if varlen is not None:
-        offsets = varlen[:2]
-        inputs.update(cu_seqlens_q=offsets[0], cu_seqlens_k=offsets[1])
-        flags += tuple(varlen[2:])
+    offsets, flags = _with_offsets(inputs, flags, varlen)
     plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS, flags, _plan_keepable(varlen))
     if plan is not None:
         return _with_sink_grad(plan(do, q, k, v, o, m, l, out, alibi_slopes, sink, *offsets), do, o, m, l, sink)

@@ -66,7 +66,7 @@ template <int B_R, int B_C, int DP, int STAGES>
 __device__ __forceinline__ void produce_bwd(const BwdParams& p, const BwdRing& r, i64 w, const Seq& sq, int j,
                                             int i_first, int steps, int ptid) {
     constexpr int TILE_KV = B_C * DP, TILE_Q = B_R * DP;
-    const Mask& mask = sq.mask;
+    const Mask& mask = mask_of(p, sq);
     const int Nq = mask.Nq, Nk = mask.Nk, D = p.D, kv0 = j * B_C;
     const int T_r = (p.mask.Nq + B_R - 1) / B_R, T_c = (p.mask.Nk + B_C - 1) / B_C;   // the grid's, of the flags
     const bool vec = p.vec != 0;

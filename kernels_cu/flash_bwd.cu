@@ -108,7 +108,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
     const int kv0 = j * B_C;
 
     const Seq sq = seq_of(p, w);
-    const Mask& mask = sq.mask;
+    const Mask& mask = mask_of(p, sq);
     const int Nq = mask.Nq, Nk = mask.Nk;
     if (kv0 >= Nk) return;                                  // past a shorter sequence's keys
     const elem_t* q = sq.q_rows(p.q);

@@ -149,7 +149,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
     const int j = at.tile;                             // the most Q tiles first when causal
     const int kv0 = j * B_C;
     const Seq sq = seq_of(p, w);
-    const Mask& mask = sq.mask;
+    const Mask& mask = mask_of(p, sq);
     const int Nq = mask.Nq, Nk = mask.Nk;
     if (kv0 >= Nk) return;                             // past a shorter sequence's keys
     const int i_first = mask.q_tile_first<B_R>(kv0);   // the Q tiles that see K_j: i_first .. i_first + steps - 1

@@ -74,7 +74,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
     const int T_grid = (p.mask.Nq + B_R - 1) / B_R;   // Q tiles per head of the repair flags
 
     const Seq sq = seq_of(p, w);
-    const Mask& mask = sq.mask;
+    const Mask& mask = mask_of(p, sq);
     const int Nq = mask.Nq, Nk = mask.Nk;
     const elem_t* q = sq.q_rows(p.q);
     const elem_t* k = sq.k_rows(p.k);

@@ -155,7 +155,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_repair(const Fw
     const int T_r = (p.mask.Nq + tile_rows - 1) / tile_rows;   // the main kernel's grid's
     for_each_flagged(p.repair_flags, p.seqs.heads * T_r, [&](i64 tile) {
         const Seq sq = seq_of(p, tile / T_r);
-        const Mask& mask = sq.mask;
+        const Mask& mask = mask_of(p, sq);
         const int Nq = mask.Nq;
         const int r0 = (int)(tile % T_r) * tile_rows;
         const elem_t* q_h = sq.q_rows(p.q);

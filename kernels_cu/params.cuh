@@ -84,6 +84,10 @@ __device__ __forceinline__ Seq seq_of(const Params& p, i64 w) {
     }
 }
 
+// sequence sq's Mask: without VARLEN the params' own, which the kernels then read from the constant bank
+template <class Params>
+__device__ __forceinline__ const Mask& mask_of(const Params& p, const Seq& sq) { return VARLEN ? sq.mask : p.mask; }
+
 // 4-byte words flash_bwd_prep zeroes before the main kernel adds into them
 struct ZeroRange {
     unsigned* ptr;             // 4-byte aligned; 16-byte aligned takes vector stores
