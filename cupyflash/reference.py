@@ -46,8 +46,8 @@ import numpy as np
 
 from . import blocked
 from ._philox import dropout_keep
-from ._numpy_ops import (NEG_INF, broadcast_shapes, packed_spans, check_variants, exp_shift, reciprocal_or_zero, resolve_scale,
-                         transpose, unbroadcast, visible_matmul)
+from ._numpy_ops import (NEG_INF, broadcast_shapes, check_variants, exp_shift, packed_spans, reciprocal_or_zero,
+                         resolve_scale, transpose, unbroadcast, visible_matmul)
 
 __all__ = [
     "attention_forward",
