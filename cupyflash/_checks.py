@@ -159,6 +159,53 @@ def check_per_entry(name: str, values, prob: "Problem", device=None):
     return x.astype(acc, copy=False)
 
 
+def check_pairwise(name: str, values, prob: "Problem", device=None):
+    """``values`` (``bias``: real numbers, ``mask``: bools, one per (query, key) pair) as the kernels (or
+    the NumPy path) read them: None, or an array of the inputs' kind (on their device) of at least two
+    dims whose shape broadcasts to ``(*batch, Nq, Nk)`` (fewer dims gain leading ones, a view). On the
+    GPU a bias is read in the inputs' dtype: another dtype, or a NumPy array, is converted (a copy of
+    its own shape, never of the broadcast one); any strides are read in place."""
+    if values is None:
+        return None
+    cupy = _cupy()
+    on_gpu = prob.xp is not numpy
+    if cupy is not None and isinstance(values, cupy.ndarray):
+        if not on_gpu:
+            raise TypeError(f"{name} is a cupy.ndarray but q, k, v are NumPy arrays: pass it as a NumPy array")
+        if values.device.id != device:
+            raise ValueError(f"{name} is on device {values.device.id}, q on device {device}")
+        x = values
+    else:
+        try:
+            x = numpy.asarray(values)
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"{name} must be an array, got {type(values).__name__}") from error
+    if name == "mask" and x.dtype != numpy.bool_:
+        raise TypeError(f"mask must be a bool array (True = visible), got dtype {x.dtype}")
+    if name != "mask" and x.dtype.kind not in "fiu" and x.dtype.name != "bfloat16":
+        raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
+    full = (*prob.batch_shape, prob.Nq, prob.Nk)
+    try:
+        fits = numpy.broadcast_shapes(x.shape, full) == full
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{name} of shape {x.shape} does not broadcast to (*batch, Nq, Nk) = {full}")
+    if x.ndim < 2:
+        x = x.reshape((1,) * (2 - x.ndim) + x.shape)
+    if not on_gpu:
+        return x
+    with cupy.cuda.Device(device):
+        if name != "mask" and (not isinstance(x, cupy.ndarray) or x.dtype != prob.dtype):
+            return cupy.asarray(x, dtype=prob.dtype)
+        if not isinstance(x, cupy.ndarray):
+            return cupy.asarray(x)
+        # the kernels take the query and key strides as int32 (score_mod.cuh: Pairs)
+        if any(s % x.itemsize for s in x.strides) or any(abs(s // x.itemsize) >= 2**31 for s in x.strides[-2:]):
+            return cupy.ascontiguousarray(x)
+    return x
+
+
 def with_softcap(prob: "Problem", softcap) -> "Problem":
     """``prob`` with its validated ``softcap``."""
     return replace(prob, softcap=check_softcap(softcap, prob.dtype))

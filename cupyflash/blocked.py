@@ -19,7 +19,8 @@ import numpy as np
 from ._mask import EMPTY, PARTIAL, MaskGeometry
 from ._philox import dropout_keep
 from ._numpy_ops import (NEG_INF, accumulator_dtype, broadcast_shapes, check_variants, exp_shift, packed_spans,
-                         reciprocal_or_zero, resolve_scale, transpose, unbroadcast, visible_matmul)
+                         pair_span, pair_view, reciprocal_or_zero, resolve_scale, transpose, unbroadcast,
+                         visible_matmul)
 
 __all__ = ["forward", "backward", "varlen_forward", "varlen_backward", "FORWARD_TILE", "BACKWARD_TILE"]
 
@@ -369,19 +370,27 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
     ``kw`` as in `forward`.
     """
     spans = packed_spans(cu_seqlens_q, cu_seqlens_k, q.shape[-2], k.shape[-2]) or [(slice(0, 0), slice(0, 0))]
-    parts = [forward(q[..., rq, :], k[..., rk, :], v[..., rk, :], **kw) for rq, rk in spans]
+    bias, mask = kw.pop("bias", None), kw.pop("mask", None)
+    parts = [forward(q[..., rq, :], k[..., rk, :], v[..., rk, :], bias=pair_view(bias, rq, rk),
+                     mask=pair_view(mask, rq, rk), **kw) for rq, rk in spans]
     return (np.concatenate([p[0] for p in parts], axis=-2), np.concatenate([p[1] for p in parts], axis=-1),
             np.concatenate([p[2] for p in parts], axis=-1))
 
 
 def varlen_backward(do, q, k, v, o, m, l, cu_seqlens_q, cu_seqlens_k, **kw):
     """`backward` of packed variable-length sequences: each sequence alone, into its rows of ``dq, dk,
-    dv`` (a ``dsink`` summed over the sequences). Arguments as in `varlen_forward` and `backward`."""
+    dv`` and its block of ``dbias`` (a ``dsink`` summed over the sequences). Arguments as in
+    `varlen_forward` and `backward`."""
     spans = packed_spans(cu_seqlens_q, cu_seqlens_k, q.shape[-2], k.shape[-2]) or [(slice(0, 0), slice(0, 0))]
+    bias, mask = kw.pop("bias", None), kw.pop("mask", None)
+    dbias = np.zeros(np.shape(bias), accumulator_dtype(q.dtype)) if kw.get("bias_grad") else None
     grads = None
     for rq, rk in spans:
-        part = backward(do[..., rq, :], q[..., rq, :], k[..., rk, :], v[..., rk, :], o[..., rq, :], m[..., rq],
-                        l[..., rq], **kw)
+        part = list(backward(do[..., rq, :], q[..., rq, :], k[..., rk, :], v[..., rk, :], o[..., rq, :], m[..., rq],
+                             l[..., rq], bias=pair_view(bias, rq, rk), mask=pair_view(mask, rq, rk), **kw))
+        if dbias is not None:   # its block of the packed pairs (a broadcast dim sums over the sequences)
+            block = part.pop(3)
+            dbias.reshape((1,) * max(0, 2 - dbias.ndim) + dbias.shape)[pair_span(dbias.shape, rq, rk)] += block
         if grads is None:
             grads = [np.empty(x.shape, g.dtype) for x, g in zip((q, k, v), part)] + [np.zeros_like(g) for g in part[3:]]
         grads[0][..., rq, :] = part[0]   # every row lies in exactly one sequence
@@ -389,4 +398,4 @@ def varlen_backward(do, q, k, v, o, m, l, cu_seqlens_q, cu_seqlens_k, **kw):
         grads[2][..., rk, :] = part[2]
         for total, g in zip(grads[3:], part[3:]):
             total += g
-    return tuple(grads)
+    return tuple(grads[:3]) + ((dbias,) if dbias is not None else ()) + tuple(grads[3:])

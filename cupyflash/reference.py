@@ -46,8 +46,8 @@ import numpy as np
 
 from . import blocked
 from ._philox import dropout_keep
-from ._numpy_ops import (NEG_INF, broadcast_shapes, packed_spans, check_variants, exp_shift, reciprocal_or_zero, resolve_scale,
-                         transpose, unbroadcast, visible_matmul)
+from ._numpy_ops import (NEG_INF, broadcast_shapes, check_variants, exp_shift, packed_spans, pair_span, pair_view,
+                         reciprocal_or_zero, resolve_scale, transpose, unbroadcast, visible_matmul)
 
 __all__ = [
     "attention_forward",
@@ -289,7 +289,7 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None, window=None,
-                             softcap=None, alibi_slopes=None, sink=None):
+                             softcap=None, alibi_slopes=None, bias=None, mask=None, sink=None):
     """Naive forward of packed variable-length sequences, in float64.
 
     Parameters
@@ -304,6 +304,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=Fals
     causal, softmax_scale, window, softcap, alibi_slopes, sink
         As in `attention_forward`, applied per sequence (causal and the window bottom-right aligned
         in each).
+    bias, mask : array_like, optional
+        Broadcastable to ``(*batch, total_q, total_k)``: sequence ``s`` reads its own block.
 
     Returns
     -------
@@ -313,7 +315,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=Fals
     """
     kw = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
               sink=sink)
-    parts = [attention_forward(np.asarray(q)[..., rq, :], np.asarray(k)[..., rk, :], np.asarray(v)[..., rk, :], **kw)
+    parts = [attention_forward(np.asarray(q)[..., rq, :], np.asarray(k)[..., rk, :], np.asarray(v)[..., rk, :],
+                               bias=pair_view(bias, rq, rk), mask=pair_view(mask, rq, rk), **kw)
              for rq, rk in packed_spans(cu_seqlens_q, cu_seqlens_k, np.shape(q)[-2], np.shape(k)[-2])]
     if not parts:
         batch = np.broadcast_shapes(np.shape(q)[:-2], np.shape(k)[:-2], np.shape(v)[:-2])
@@ -323,14 +326,17 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=Fals
 
 
 def attention_varlen_backward(do, q, k, v, o, m, l, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None,
-                              window=None, softcap=None, alibi_slopes=None, sink=None):
+                              window=None, softcap=None, alibi_slopes=None, bias=None, mask=None, sink=None,
+                              bias_grad=False):
     """Naive backward of packed variable-length sequences, in float64.
 
     Parameters
     ----------
     do, o : array_like, shape (*batch, total_q, D)
-    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, softcap, alibi_slopes, sink
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink
         As in `attention_varlen_forward`.
+    bias_grad : bool, optional
+        Also return ``dbias`` (needs ``bias``).
     m, l : array_like, shape (*batch, total_q)
         The forward's statistics.
 
@@ -338,21 +344,29 @@ def attention_varlen_backward(do, q, k, v, o, m, l, cu_seqlens_q, cu_seqlens_k, 
     -------
     dq, dk, dv : ndarray, float64
         Of the shapes of ``q``, ``k``, ``v``.
+    dbias : ndarray, float64
+        With ``bias_grad``: of ``bias``'s shape, each sequence's block its own (0 between sequences).
     dsink : ndarray, float64
         With ``sink``: its gradient, summed over the sequences.
     """
     kw = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
               sink=sink)
     q, k, v, do, o, m, l = (np.asarray(x) for x in (q, k, v, do, o, m, l))
-    grads = [np.zeros(x.shape) for x in (q, k, v)] + ([np.zeros(np.shape(sink))] if sink is not None else [])
+    grads = [np.zeros(x.shape) for x in (q, k, v)]
+    grads += [np.zeros(np.shape(bias))] if bias_grad else []
+    grads += [np.zeros(np.shape(sink))] if sink is not None else []
     for rq, rk in packed_spans(cu_seqlens_q, cu_seqlens_k, np.shape(q)[-2], np.shape(k)[-2]):
         part = attention_backward(do[..., rq, :], q[..., rq, :], k[..., rk, :], v[..., rk, :], o[..., rq, :],
-                                  m[..., rq], l[..., rq], **kw)
+                                  m[..., rq], l[..., rq], bias=pair_view(bias, rq, rk), mask=pair_view(mask, rq, rk),
+                                  bias_grad=bias_grad, **kw)
         grads[0][..., rq, :] += part[0]
         grads[1][..., rk, :] += part[1]
         grads[2][..., rk, :] += part[2]
+        if bias_grad:
+            dbias = grads[3]
+            dbias.reshape((1,) * max(0, 2 - dbias.ndim) + dbias.shape)[pair_span(dbias.shape, rq, rk)] += part[3]
         if sink is not None:
-            grads[3] += part[3]
+            grads[-1] += part[-1]
     return tuple(grads)
 
 

@@ -103,15 +103,18 @@ __device__ __forceinline__ void probabilities(unsigned (&Pf)[B_R / 16][4], unsig
             const float2 Dv = *reinterpret_cast<const float2*>(st + B_R + qc);
             const acc_t neg_lse[2] = {-lse.x, -lse.y}, Dq[2] = {Dv.x, Dv.y};
             acc_t x[4] = {S[nn][0], S[nn][1], S[nn][2], S[nn][3]}, grad[4];
-            if constexpr (SCORE_MODS) modify_raw_quad<true>(x, grad, raw, base, nn);
+            if constexpr (SCORE_MODS) modify_raw_quad<true, true>(x, grad, raw, base, key0, q0, nn);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 pt[half][e] = (MASKED && !mask.visible(q0 + qc + e % 2, key0 + g + (e / 2) * 8))
                                   ? (acc_t)0
                                   : exp2_acc(fmaf(x[e], unit_log2, neg_lse[e % 2]));
                 ds[half][e] = pt[half][e] * (dP[nn][e] - Dq[e % 2]);
-                if constexpr (SOFTCAP) ds[half][e] *= grad[e];
             }
+            add_dbias_quad<true>(ds[half], mods, mask, key0, q0, nn);
+            if constexpr (SOFTCAP)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) ds[half][e] *= grad[e];
         }
         // the A fragment of columns 16kk .. 16kk+15: rows g, g+8 of the left, then the right 8
         Pf[kk][0] = pack2(pt[0][0], pt[0][1]);
@@ -176,7 +179,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
         constexpr unsigned K_BLOCK = B_C * SW_COLS * sizeof(elem_t);
 
         const acc_t scale = (acc_t)p.scale;
-        const EntryMods mods = p.mods.at(sq.bi, Nk - Nq);
+        const EntryMods mods = mods_of(p, sq);
         acc_t dK[DP / 8][4], dV[DP / 8][4];               // (16, DP) per warp
         zero_frag(dK);
         zero_frag(dV);

@@ -74,6 +74,8 @@ enum Barrier : int { P_WRITTEN = 1, DS_WRITTEN = 2, DQ_WRITTEN = 3, ADDS_LANDED 
 
 static_assert(CONSUMERS == 2 && B_C == 64 && B_R == 64, "one producer warpgroup, two consumers sharing 64 keys");
 static_assert(DP % SW_COLS == 0 && DP > 128 && DP <= 256 && (STAGES == 1 || STAGES == 2), "tile shapes");
+// consumer 1 has dS = P o (dP - D) only as Pg o (dP - D) under a softcap: no dbias then (the host runs flash_bwd)
+static_assert(!(SOFTCAP && BIAS_GRAD), "dbias under a softcap: flash_bwd");
 static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * (65536 / NTHREADS / 8 * 8), "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
@@ -98,7 +100,7 @@ __device__ __forceinline__ void probabilities(acc_t (&S)[B_R / 8][4], acc_t (&Pg
         const float2 lse = *reinterpret_cast<const float2*>(st + qc);
         const acc_t neg_lse[2] = {-lse.x, -lse.y};
         acc_t grad[4];
-        if constexpr (SCORE_MODS) modify_raw_quad<true>(S[nn], grad, raw, base, nn);
+        if constexpr (SCORE_MODS) modify_raw_quad<true, true>(S[nn], grad, raw, base, key0, q0, nn);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             S[nn][e] = (MASKED && !mask.visible(q0 + qc + e % 2, key0 + g + (e / 2) * 8))
@@ -179,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
     acc_t* dq_acc = sq.q_rows(p.dq_acc);
     constexpr unsigned K_BLOCK = B_C * SW_COLS * sizeof(elem_t);
     const acc_t scale = (acc_t)p.scale;
-    const EntryMods mods = p.mods.at(sq.bi, Nk - Nq);
+    const EntryMods mods = mods_of(p, sq);
     acc_t G[DP / 8][4];                                // dV_j (c = 0) or dK_j (c = 1), (16, DP) per warp
     zero_frag(G);
 
@@ -220,6 +222,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
                 X[nn][1] = P.y * (X[nn][1] - Dv.y);
                 X[nn][2] = P.z * (X[nn][2] - Dv.x);
                 X[nn][3] = P.w * (X[nn][3] - Dv.y);
+                add_dbias_quad<true>(X[nn], mods, mask, key0, q0, nn);   // dS^T is d loss / d final score here
             }
             frag_to_a(A, X);
             issue_grad(G, A, s_Qs);                    // dK_j += dS_ij^T Q_i (scaled at the end)

@@ -230,7 +230,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
                     mbar_wait(&v_empty[s], (use - 1) & 1);
                 }
                 produce_tile<B_C>(s_V + s * TILE_KV, v_h + (i64)j * B_C * v_sn, v_sn, rows, D, vec, &v_full[s], ptid);
-                const unsigned flag = mask.has_masked_pairs(w.i * B_R, B_R, j * B_C, B_C) ? (unsigned)(w.w * T_r + w.i) : NONE;
+                const unsigned flag = may_hide(mask, w.i * B_R, B_R, j * B_C, B_C) ? (unsigned)(w.w * T_r + w.i) : NONE;
                 if (s == 0) pending0 = flag;
                 else        pending1 = flag;
             }
@@ -276,7 +276,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             zero_frag(O);
             // m_i in units of raw scores Q K^T (the softmax scales differences: scale > 0, checked on the
             // host), or of the modifiers' S (RawMods: unit > 0)
-            const EntryMods entry = p.mods.at(seq_of(p, w.w).bi, Nk - Nq);
+            const EntryMods entry = mods_of(p, seq_of(p, w.w));
             const RawMods mods(entry, scale);
             const acc_t unit = SCORE_MODS ? mods.unit : scale, log2_unit = unit * (acc_t)LOG2E;
             acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};

@@ -84,7 +84,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
     acc_t* o_run = p.o_run + sq.row0 * DP;
     acc_t* m_run = p.m + sq.row0;
     acc_t* l_run = p.l + sq.row0;
-    const EntryMods mods = p.mods.at(sq.bi, Nk - Nq);
+    const EntryMods mods = mods_of(p, sq);
 
     const int T_r = (Nq + B_R - 1) / B_R;
     if (split >= T_r) return;
@@ -105,10 +105,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
         __syncthreads();
         // this thread's share of V_j holds an inf or NaN: P~_ij V_j may spread it to the masked pairs of
         // the Q tiles below that have some (nonfinite.cuh), flagged for the repair
-        const bool v_nonfinite = mask.banded() && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS);
+        const bool v_nonfinite = may_hide_any(mask) && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS);
 
         for (int i = split; i < T_r; i += n_splits) {
-            if (v_nonfinite && mask.has_masked_pairs(i * B_R, B_R, kv0, B_C) && j >= mask.kv_tile_first<B_C>(i * B_R)
+            if (v_nonfinite && may_hide(mask, i * B_R, B_R, kv0, B_C) && j >= mask.kv_tile_first<B_C>(i * B_R)
                 && j < mask.kv_tile_stop<B_C>(i * B_R, B_R))
                 p.repair_flags[w * T_grid + i] = 1u;
             const int r0 = i * B_R + 16 * warp;   // first query row of this warp

@@ -88,6 +88,16 @@ __device__ __forceinline__ Seq seq_of(const Params& p, i64 w) {
 template <class Params>
 __device__ __forceinline__ const Mask& mask_of(const Params& p, const Seq& sq) { return VARLEN ? sq.mask : p.mask; }
 
+// sequence sq's modifiers (score_mod.cuh)
+template <class Params>
+__device__ __forceinline__ EntryMods mods_of(const Params& p, const Seq& sq) {
+    const Mask& mask = mask_of(p, sq);
+    return p.mods.at(sq.bi, sq.q0, sq.k0, mask.Nq, mask.Nk);
+}
+
+// ranges of 4-byte words flash_bwd_prep zeroes (BwdParams::zero)
+constexpr int ZERO_RANGES = 5;
+
 // 4-byte words flash_bwd_prep zeroes before the main kernel adds into them
 struct ZeroRange {
     unsigned* ptr;             // 4-byte aligned; 16-byte aligned takes vector stores
@@ -139,8 +149,8 @@ struct BwdParams {
     unsigned* dv_turns;        // (K/V heads of v, n, T_c, n_chunks)
     unsigned* dq_flags;        // (heads, T_r) zeroed, causal: dQ tiles for flash_bwd_repair
     unsigned* kv_flags;        // (heads, T_c) zeroed, causal: dK, dV tiles
-    ZeroRange zero[4];         // what the comments call zeroed: the workspace's zeroed part, and the
-                               // gradients that are the sums themselves (float32, float64)
+    ZeroRange zero[ZERO_RANGES];   // what the comments call zeroed: the workspace's zeroed part, the
+                                   // gradients that are the sums themselves (float32, float64), dbias
     i64 convert_elems[3];      // elements of dq, dk, dv that flash_convert converts (0: none)
     Batch batch;
     Mask mask;

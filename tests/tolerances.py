@@ -123,7 +123,7 @@ def _final_scores(q, k, causal, scale, window=None, **mods):
 
     q, k = (numpy.asarray(x, numpy.float64) for x in (q, k))
     return _Scores(q, k, scale, causal=causal, window=window, softcap=mods.get("softcap"),
-                   alibi_slopes=mods.get("alibi_slopes"), bias=None, mask=None).S
+                   alibi_slopes=mods.get("alibi_slopes"), bias=mods.get("bias"), mask=mods.get("mask")).S
 
 
 def _softmax_rows(q, k, causal, scale, window=None, **mods):
