@@ -8,6 +8,8 @@ term at all, even where its key or value is not finite. ``dbias`` is ``dS = P o 
 over the dims along which the bias broadcasts.
 """
 
+import math
+
 import numpy
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -19,6 +21,7 @@ from helpers import DTYPE_BY_NAME, gpu_test, random_inputs, to_gpu
 from strategies import attention_problem_shapes
 from test_gpu import check_backward, check_forward
 from test_window import SCHEDULES, WINDOWS, assert_float64_close
+from tolerances import _softmax_rows
 
 # how a per-pair array broadcasts against (*batch, Nq, Nk)
 PAIR_KINDS = ("full", "shared", "heads", "keys", "rows", "strided")
@@ -222,22 +225,22 @@ def test_forward_with_bias_and_mask_matches_reference(gpu_schedule, problem, win
 def assert_dbias_close(got, ref, terms, dtype):
     """dbias against the reference, relative to the largest sum of its terms' magnitudes ``terms``
     (``dbias_terms``): a sum may cancel to nothing (a bias along the rows only sums P (dP - D) over
-    each row, which is 0), and its error is that of its terms (P and dP are rounded to the input
-    dtype on the way)."""
+    each row, which is 0), and its error is that of its terms (o, from which D is taken, is rounded
+    to the input dtype)."""
     tol = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-4, "float64": 1e-10}[dtype]
     scale = max(terms.max(initial=0.0), 1e-30)
     numpy.testing.assert_allclose(got / scale, ref / scale, atol=tol, rtol=0)
 
 
-def dbias_terms(do, q, k, v, refs, bias_shape, **kw):
-    """Per element of a bias of ``bias_shape``, the sum of |dS_ij| over the pairs it adds up (the
-    reference's dS of a full-size bias, unbroadcast as magnitudes)."""
+def dbias_terms(do, v, P, bias_shape):
+    """Per element of a bias of ``bias_shape``, the sum of the magnitudes of the terms of the dS_ij it
+    adds up, before they cancel: P_ij (|dO_i| . |v_j| + |D_i|) (``P``: the reference's probabilities,
+    float64), as ``tolerances.gradient_magnitudes`` bounds dS for dq and dk."""
     from cupyflash._numpy_ops import unbroadcast
 
-    batch = numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    full = numpy.broadcast_to(kw.pop("bias"), (*batch, q.shape[-2], k.shape[-2]))
-    *_, dS = reference.attention_backward(do, q, k, v, *refs, bias=full, bias_grad=True, **kw)
-    return unbroadcast(numpy.abs(dS), bias_shape)
+    do, v = (numpy.asarray(x, numpy.float64) for x in (do, v))
+    D = numpy.abs((do * (P @ v)).sum(-1, keepdims=True))
+    return unbroadcast(P * (numpy.abs(do) @ numpy.swapaxes(numpy.abs(v), -1, -2) + D), bias_shape)
 
 
 @gpu_test
@@ -275,7 +278,9 @@ def test_backward_with_bias_and_mask_matches_reference(gpu_schedule, problem, wi
     refs = reference.attention_forward(q, k, v, **kw)
     *_, ref = reference.attention_backward(do, q, k, v, *refs, bias_grad=True, **kw)
     assert dbias.shape == numpy.shape(pairs["bias"]) and dbias.dtype == m.dtype
-    assert_dbias_close(dbias.get(), ref, dbias_terms(do, q, k, v, refs, ref.shape, **kw), dtype)
+    P = _softmax_rows(q, k, causal, 1 / math.sqrt(q.shape[-1]) if scale is None else scale, window,
+                      softcap=softcap, **pairs)
+    assert_dbias_close(dbias.get(), ref, dbias_terms(do, v, P, ref.shape), dtype)
 
 
 @gpu_test
