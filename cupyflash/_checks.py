@@ -118,6 +118,27 @@ def check_softcap(softcap, dtype) -> Optional[float]:
     return float(softcap)
 
 
+def _given_array(name: str, values, on_gpu: bool, device):
+    """A modifier's ``values`` as an array: a CuPy array as it is (for GPU inputs, on their ``device``),
+    anything else through ``numpy.asarray``."""
+    cupy = _cupy()
+    if cupy is not None and isinstance(values, cupy.ndarray):
+        if not on_gpu:
+            raise TypeError(f"{name} is a cupy.ndarray but q, k, v are NumPy arrays: pass it as a NumPy array")
+        if values.device.id != device:
+            raise ValueError(f"{name} is on device {values.device.id}, q on device {device}")
+        return values
+    try:
+        return numpy.asarray(values)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{name} must be an array, got {type(values).__name__}") from error
+
+
+def _check_real(name: str, x):
+    if x.dtype.kind not in "fiu" and x.dtype.name != "bfloat16":
+        raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
+
+
 def check_per_entry(name: str, values, prob: "Problem", device=None):
     """``values`` (``alibi_slopes``, ``sink``: one number per batch entry) as the kernels (or the NumPy
     path) read them: None, or an array of the inputs' kind (on their device) in the accumulator dtype
@@ -128,19 +149,8 @@ def check_per_entry(name: str, values, prob: "Problem", device=None):
     acc = accumulator_dtype(prob.dtype)
     cupy = _cupy()
     on_gpu = prob.xp is not numpy
-    if cupy is not None and isinstance(values, cupy.ndarray):
-        if not on_gpu:
-            raise TypeError(f"{name} is a cupy.ndarray but q, k, v are NumPy arrays: pass it as a NumPy array")
-        if values.device.id != device:
-            raise ValueError(f"{name} is on device {values.device.id}, q on device {device}")
-        x = values
-    else:
-        try:
-            x = numpy.asarray(values)
-        except (TypeError, ValueError) as error:
-            raise TypeError(f"{name} must be an array of floats, got {type(values).__name__}") from error
-    if x.dtype.kind not in "fiu" and x.dtype.name != "bfloat16":
-        raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
+    x = _given_array(name, values, on_gpu, device)
+    _check_real(name, x)
     try:
         fits = numpy.broadcast_shapes(x.shape, prob.batch_shape) == tuple(prob.batch_shape)
     except ValueError:
@@ -169,21 +179,11 @@ def check_pairwise(name: str, values, prob: "Problem", device=None):
         return None
     cupy = _cupy()
     on_gpu = prob.xp is not numpy
-    if cupy is not None and isinstance(values, cupy.ndarray):
-        if not on_gpu:
-            raise TypeError(f"{name} is a cupy.ndarray but q, k, v are NumPy arrays: pass it as a NumPy array")
-        if values.device.id != device:
-            raise ValueError(f"{name} is on device {values.device.id}, q on device {device}")
-        x = values
-    else:
-        try:
-            x = numpy.asarray(values)
-        except (TypeError, ValueError) as error:
-            raise TypeError(f"{name} must be an array, got {type(values).__name__}") from error
+    x = _given_array(name, values, on_gpu, device)
     if name == "mask" and x.dtype != numpy.bool_:
         raise TypeError(f"mask must be a bool array (True = visible), got dtype {x.dtype}")
-    if name != "mask" and x.dtype.kind not in "fiu" and x.dtype.name != "bfloat16":
-        raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
+    if name != "mask":
+        _check_real(name, x)
     full = (*prob.batch_shape, prob.Nq, prob.Nk)
     try:
         fits = numpy.broadcast_shapes(x.shape, full) == full

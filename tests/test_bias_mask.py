@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import cupyflash
 from cupyflash import _launch, reference
-from helpers import DTYPE_BY_NAME, gpu_test, random_inputs, to_gpu
+from helpers import DTYPE_BY_NAME, call_with_keywords, gpu_test, random_inputs, to_gpu
 from strategies import attention_problem_shapes
 from test_gpu import check_backward, check_forward
 from test_window import SCHEDULES, WINDOWS, assert_float64_close
@@ -128,15 +128,7 @@ def test_bad_bias_and_masks_are_refused_naming_the_argument(kw, error, words, ca
     rng = numpy.random.default_rng(0)
     q, k, v = random_inputs(rng, "float32", (2, 3, 10, 8), (2, 3, 12, 8))
     with pytest.raises(error) as raised:
-        if call == "forward":
-            cupyflash.flash_attention_forward(q, k, v, **kw)
-        elif call == "flash_attention":
-            cupyflash.flash_attention(q, k, v, **kw)
-        elif call == "varlen":
-            cupyflash.flash_attention_varlen_forward(q, k, v, numpy.array([0, 4, 10]), numpy.array([0, 5, 12]), **kw)
-        else:
-            o, m, l = cupyflash.flash_attention_forward(q, k, v)
-            cupyflash.flash_attention_backward(q, q, k, v, o, m, l, **kw)
+        call_with_keywords(call, q, k, v, **kw)
     assert words in str(raised.value)
 
 

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 import cupyflash
 from cupyflash import _tiles, reference
-from helpers import DTYPE_BY_NAME, assert_non_finite_rules, gpu_test, random_inputs, reproducible_backward, to_gpu
+from helpers import (DTYPE_BY_NAME, assert_non_finite_rules, call_with_keywords, gpu_test, random_inputs,
+                     reproducible_backward, to_gpu)
 from strategies import attention_problem_shapes
 from test_gpu import check_backward, check_forward
 from test_window import SCHEDULES, WINDOWS, assert_float64_close
@@ -139,13 +140,7 @@ def test_bad_modifiers_are_refused_naming_the_argument(kw, error, words, call):
     rng = numpy.random.default_rng(0)
     q, k, v = random_inputs(rng, "float32", (2, 3, 10, 8), (2, 3, 12, 8))
     with pytest.raises(error) as raised:
-        if call == "forward":
-            cupyflash.flash_attention_forward(q, k, v, **kw)
-        elif call == "flash_attention":
-            cupyflash.flash_attention(q, k, v, **kw)
-        else:
-            o, m, l = cupyflash.flash_attention_forward(q, k, v)
-            cupyflash.flash_attention_backward(q, q, k, v, o, m, l, **kw)
+        call_with_keywords(call, q, k, v, **kw)
     assert words in str(raised.value)
 
 
