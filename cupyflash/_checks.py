@@ -118,15 +118,22 @@ def check_softcap(softcap, dtype) -> Optional[float]:
     return float(softcap)
 
 
+def _is_cupy_of_inputs(name: str, x, on_gpu: bool, device) -> bool:
+    """``x`` is a CuPy array, allowed only for GPU inputs and on their ``device``."""
+    cupy = _cupy()
+    if cupy is None or not isinstance(x, cupy.ndarray):
+        return False
+    if not on_gpu:
+        raise TypeError(f"{name} is a cupy.ndarray but q, k, v are NumPy arrays: pass it as a NumPy array")
+    if x.device.id != device:
+        raise ValueError(f"{name} is on device {x.device.id}, q on device {device}")
+    return True
+
+
 def _given_array(name: str, values, on_gpu: bool, device):
     """A modifier's ``values`` as an array: a CuPy array as it is (for GPU inputs, on their ``device``),
     anything else through ``numpy.asarray``."""
-    cupy = _cupy()
-    if cupy is not None and isinstance(values, cupy.ndarray):
-        if not on_gpu:
-            raise TypeError(f"{name} is a cupy.ndarray but q, k, v are NumPy arrays: pass it as a NumPy array")
-        if values.device.id != device:
-            raise ValueError(f"{name} is on device {values.device.id}, q on device {device}")
+    if _is_cupy_of_inputs(name, values, on_gpu, device):
         return values
     try:
         return numpy.asarray(values)
@@ -391,12 +398,7 @@ def check_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prob: 
     on_gpu = prob.xp is not numpy
     arrays = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     for name, cu in arrays.items():
-        if cupy is not None and isinstance(cu, cupy.ndarray):
-            if not on_gpu:
-                raise TypeError(f"{name} is a cupy.ndarray but q, k, v are NumPy arrays: pass it as a NumPy array")
-            if cu.device.id != device:
-                raise ValueError(f"{name} is on device {cu.device.id}, q on device {device}")
-        elif not isinstance(cu, numpy.ndarray):
+        if not _is_cupy_of_inputs(name, cu, on_gpu, device) and not isinstance(cu, numpy.ndarray):
             raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray of int32 offsets, got {type(cu).__name__}")
         if cu.ndim != 1 or cu.size < 1 or cu.dtype.kind not in "iu":
             raise ValueError(f"{name} must be a 1-D integer array of n_seq + 1 offsets, got shape {cu.shape}, "

@@ -403,6 +403,15 @@ class Packed:
     max_k: int
 
 
+def _grid_lengths(packed, rows_q: int, rows_k: int, entries: int) -> tuple[int, int, int]:
+    """``(Nq, Nk, heads)`` of a plan's grid: the query rows and keys whose tiles it covers (the longest
+    sequence's with ``packed`` sequences, else all of them) and its work heads (one per batch entry and
+    sequence)."""
+    if packed is None:
+        return rows_q, rows_k, entries
+    return packed.max_q, packed.max_k, entries * packed.n
+
+
 def _variant(cfg: TileConfig, mods: Mods, packed) -> TileConfig:
     """``cfg`` with a call's modifiers and, with ``packed`` sequences, varlen compiled in."""
     return with_varlen(mods.config(cfg), packed is not None)
@@ -502,9 +511,8 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
     ``packed`` sequences the rows of q and k are theirs, and a CTA's tiles those of one sequence."""
     rows_q, D = q.shape[-2:]
     rows_k = k.shape[-2]
-    Nq, Nk = (rows_q, rows_k) if packed is None else (packed.max_q, packed.max_k)   # the grid's lengths
     BH = layout.count
-    heads = BH * (1 if packed is None else packed.n)   # the grid's work heads: one per sequence
+    Nq, Nk, heads = _grid_lengths(packed, rows_q, rows_k, BH)
     acc = accumulator_dtype(q.dtype)
     cfg = _variant(with_precision(device_tiles(forward_kernel(schedule, q.dtype, scale), D, q.dtype), precision),
                    mods, packed)
@@ -661,10 +669,9 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
     """
     rows_q, D = q.shape[-2:]
     rows_k = k.shape[-2]
-    Nq, Nk = (rows_q, rows_k) if packed is None else (packed.max_q, packed.max_k)   # the grid's lengths
-    n_seqs = 1 if packed is None else packed.n
     BH = layout.count
-    heads = BH * n_seqs
+    Nq, Nk, heads = _grid_lengths(packed, rows_q, rows_k, BH)
+    n_seqs = heads // BH
     acc = accumulator_dtype(q.dtype)
     prep = get_kernels(device_tiles("bwd_prep", D, q.dtype))
     main_cfg = _variant(replace(with_precision(device_tiles(backward_kernel(schedule, q.dtype, D, scale, mods), D,

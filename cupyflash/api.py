@@ -174,7 +174,7 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
     offsets, flags = _with_offsets(inputs, flags, varlen)
     plan, key = _kept_plan(inputs, out, FORWARD_OUTPUTS, flags, _plan_keepable(varlen))
     if plan is not None:
-        return plan(q, k, v, out, alibi_slopes, sink, *_padded(offsets), bias, mask)
+        return plan(q, k, v, out, alibi_slopes, sink, *offsets, bias, mask)
     prob = with_softcap(check_forward(q, k, v, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
@@ -211,9 +211,9 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
 
 def _with_offsets(inputs: dict, flags: tuple, varlen):
     """``(offsets, flags)`` of a call: with ``varlen`` (as in ``_forward``) its offsets, which also join
-    ``inputs`` (they key a kept plan), and its maxima added to ``flags``; else ``((), flags)``."""
+    ``inputs`` (they key a kept plan), and its maxima added to ``flags``; else ``((None, None), flags)``."""
     if varlen is None:
-        return (), flags
+        return (None, None), flags
     inputs.update(cu_seqlens_q=varlen[0], cu_seqlens_k=varlen[1])
     return tuple(varlen[:2]), flags + tuple(varlen[2:])
 
@@ -236,9 +236,9 @@ def _seqlens(varlen, prob, q, key):
 
 
 def _packed(seqs) -> tuple:
-    """``(packed, offsets)`` of a plan: ``_launch.Packed`` and the device offsets, or ``(None, ())``."""
+    """``(packed, offsets)`` of a plan: ``_launch.Packed`` and the device offsets, or ``(None, (None, None))``."""
     if seqs is None:
-        return None, ()
+        return None, (None, None)
     return _launch.Packed(seqs.n, seqs.max_q, seqs.max_k), (seqs.cu_q, seqs.cu_k)
 
 
@@ -267,11 +267,6 @@ def _checked_mods(prob, q, key, alibi_slopes, sink, bias, mask):
     if any(c is not g for c, g in zip(checked, given)):
         key = None
     return (*checked, key)
-
-
-def _padded(offsets) -> tuple:
-    """A plan call's offsets: both, or None twice."""
-    return tuple(offsets) if offsets else (None, None)
 
 
 def _kept_plan(inputs: dict, out, names, flags, keepable=True):
@@ -351,7 +346,7 @@ def _batch_strides(arrays, batch_shape):
 
 
 def _forward_gpu(q, k, v, slopes, sinks, batch_shape, prob, schedule, precision, key=None, out=None, packed=None,
-                 offsets=(), pairs=(None, None)):
+                 offsets=(None, None), pairs=(None, None)):
     """Plan and run; a single launch's plan is kept under ``key`` (``_call_key``) for like calls. With
     ``packed`` sequences (``_launch.Packed``) ``offsets`` are their device offsets; ``pairs`` the bias
     and the mask (None where not given)."""
@@ -363,7 +358,7 @@ def _forward_gpu(q, k, v, slopes, sinks, batch_shape, prob, schedule, precision,
                                     scale=prob.scale, batch_shape=batch_shape, layout=layout,
                                     mods=_mods(prob, slopes, sinks, *pairs), packed=packed)
         _launch.keep_plan(key, plan)
-        return plan(q, k, v, out, slopes, sinks, *_padded(offsets), *pairs)
+        return plan(q, k, v, out, slopes, sinks, *offsets, *pairs)
     # more than three batch dims that cannot be merged: peel the leading one
     import cupy
 
@@ -495,7 +490,7 @@ def _backward(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softc
     offsets, flags = _with_offsets(inputs, flags, varlen)
     plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS, flags, _plan_keepable(varlen))
     if plan is not None:
-        return _with_sink_grad(plan(do, q, k, v, o, m, l, out, alibi_slopes, sink, *_padded(offsets), bias, mask),
+        return _with_sink_grad(plan(do, q, k, v, o, m, l, out, alibi_slopes, sink, *offsets, bias, mask),
                                do, o, m, l, sink)
     prob = with_softcap(check_backward(do, q, k, v, o, m, l, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
@@ -551,7 +546,7 @@ def _with_sink_grad(grads, do, o, m, l, sinks):
 
 
 def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedule, precision, deterministic,
-                  key=None, out=None, packed=None, offsets=(), pairs=(None, None), bias_grad=False):
+                  key=None, out=None, packed=None, offsets=(None, None), pairs=(None, None), bias_grad=False):
     """Plan and run; a single plan is kept under ``key`` (``_call_key``) for like calls; ``packed``,
     ``offsets``, ``pairs`` as in ``_forward_gpu``; ``bias_grad``: dbias too (after dv)."""
     nb = len(batch_shape)
@@ -571,7 +566,7 @@ def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedu
                                      scale=prob.scale, deterministic=deterministic, layout=layout,
                                      mods=_mods(prob, slopes, sinks, *pairs, dbias), packed=packed, dbias=dbias)
         _launch.keep_plan(key, plan)
-        return plan(do, q, k, v, o, m, l, out, slopes, sinks, *_padded(offsets), *pairs)
+        return plan(do, q, k, v, o, m, l, out, slopes, sinks, *offsets, *pairs)
     # peel the leading batch dim; a gradient is summed where its input broadcast along it
     import cupy
 

@@ -91,7 +91,7 @@ __device__ __forceinline__ void probabilities(unsigned (&Pf)[B_R / 16][4], unsig
     const RawMods raw(mods, scale);
     const acc_t unit_log2 = (SCORE_MODS ? raw.unit : scale) * (acc_t)LOG2E;
     acc_t base[2];
-    raw_base<true>(base, raw.off, key0, q0);
+    raw_base<true>(base, raw.entry.off, key0, q0);
     const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int kk = 0; kk < B_R / 16; ++kk) {

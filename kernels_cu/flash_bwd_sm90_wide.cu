@@ -93,7 +93,7 @@ __device__ __forceinline__ void probabilities(acc_t (&S)[B_R / 8][4], acc_t (&Pg
     const RawMods raw(mods, scale);
     const acc_t unit_log2 = (SCORE_MODS ? raw.unit : scale) * (acc_t)LOG2E;
     acc_t base[2];
-    raw_base<true>(base, raw.off, key0, q0);
+    raw_base<true>(base, raw.entry.off, key0, q0);
 #pragma unroll
     for (int nn = 0; nn < B_R / 8; ++nn) {
         const int qc = nn * 8 + 2 * t;   // query columns qc, qc + 1 of the tile

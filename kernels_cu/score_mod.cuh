@@ -270,12 +270,11 @@ struct RawMods {
     acc_t unit;       // natural units per unit of S: m_i's scale, and the exponent's (times log2 e)
     acc_t slope;      // ALiBi slope / unit
     acc_t inv_unit;   // 1 / unit: the bias's factor
-    int off;
-    const EntryMods& entry;   // the bias and the mask
+    const EntryMods& entry;   // the offset Nk - Nq, the bias and the mask
 
     __device__ __forceinline__ RawMods(const EntryMods& mods, acc_t scale)
         : in_scale(SOFTCAP ? scale * mods.inv_cap : (acc_t)0), unit(SOFTCAP ? mods.cap : scale),
-          slope(ALIBI ? mods.slope / unit : (acc_t)0), inv_unit(BIAS ? (acc_t)1 / unit : (acc_t)0), off(mods.off),
+          slope(ALIBI ? mods.slope / unit : (acc_t)0), inv_unit(BIAS ? (acc_t)1 / unit : (acc_t)0),
           entry(mods) {}
 };
 
@@ -323,7 +322,7 @@ __device__ __forceinline__ void modify_raw_quad(acc_t (&x)[4], acc_t (&grad)[4],
 template <int NT>
 __device__ __forceinline__ void modify_raw_scores(acc_t (&S)[NT][4], const RawMods& mods, int r0, int c0) {
     acc_t base[2], unused[4];
-    raw_base<false>(base, mods.off, r0, c0);
+    raw_base<false>(base, mods.entry.off, r0, c0);
 #pragma unroll
     for (int n = 0; n < NT; ++n) modify_raw_quad<false>(S[n], unused, mods, base, r0, c0, n);
 }
