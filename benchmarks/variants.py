@@ -19,7 +19,8 @@ times that backward.
 
 Modifiers (default N 1024 4096 16384, causal and not): ``cupyflash`` plain, ``cupyflash-softcap``
 (``softcap=30``), ``cupyflash-alibi`` (ALiBi's geometric slopes ``2^(-8 (h + 1) / H)``), both,
-and ``cupyflash-sink`` (a sink logit per head; the backward adds dsink's reductions). The target is
+``cupyflash-sink`` (a sink logit per head; the backward adds dsink's reductions) and
+``cupyflash-dropout`` (``dropout_p=0.1``). The target is
 softcap and ALiBi at >= 0.95x our own plain speed. (torch's FlashAttention-2 build
 refuses ``alibi_slopes``: "This flash attention build does not support alibi"; it has no softcap.)
 
@@ -109,6 +110,7 @@ def fa2_runs(x: bench.Inputs, window) -> dict:
 
 
 SOFTCAP = 30.0   # Gemma 2's attention softcap is 50, Grok's 30
+DROPOUT_P = 0.1  # the usual attention dropout
 
 
 def alibi_slopes(H: int) -> cupy.ndarray:
@@ -230,7 +232,9 @@ def run_mods(args) -> list:
                    "cupyflash-alibi": (lambda: modified_runs(x, {"alibi_slopes": slopes}), bench.cupy_clock),
                    "cupyflash-both": (lambda: modified_runs(x, {"softcap": SOFTCAP, "alibi_slopes": slopes}),
                                       bench.cupy_clock),
-                   "cupyflash-sink": (lambda: modified_runs(x, {"sink": sinks}), bench.cupy_clock)}
+                   "cupyflash-sink": (lambda: modified_runs(x, {"sink": sinks}), bench.cupy_clock),
+                   "cupyflash-dropout": (lambda: modified_runs(x, {"dropout_p": DROPOUT_P, "seed": 1}),
+                                         bench.cupy_clock)}
         pairs = visible_pairs(cfg.N, cfg.causal, (None, None))
         for name, (runs_of, clock_of) in systems.items():
             try:
@@ -266,10 +270,10 @@ def mods_table(records) -> str:
     ratios to plain (queued, single in parentheses)."""
     index = {(r["system"], r["mode"], r["dtype"], r["D"], r["N"], r["causal"]): r
              for r in records if "mode" in r and "causal" in r and "sweep" not in r}
-    variants = ("cupyflash-softcap", "cupyflash-alibi", "cupyflash-both", "cupyflash-sink")
-    lines = ["| dtype | D | N | causal | mode | plain TFLOP/s | softcap | ALiBi | both | sink | softcap / plain "
-             "| ALiBi / plain | both / plain | sink / plain |",
-             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    variants = ("cupyflash-softcap", "cupyflash-alibi", "cupyflash-both", "cupyflash-sink", "cupyflash-dropout")
+    lines = ["| dtype | D | N | causal | mode | plain TFLOP/s | softcap | ALiBi | both | sink | dropout | softcap / plain "
+             "| ALiBi / plain | both / plain | sink / plain | dropout / plain |",
+             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     speed = lambda r: f"{r['tflops_queued']:.1f}" if r else "—"   # noqa: E731
 
     def ratio(a, b):

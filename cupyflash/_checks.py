@@ -13,6 +13,7 @@ from typing import Optional
 import numpy
 
 from ._mask import MaskGeometry
+from ._philox import check_dropout as check_philox_dropout, keep_threshold
 from ._tiles import MAX_HEAD_DIM, accumulator_dtype, dtype_name
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -211,6 +212,20 @@ def check_pairwise(name: str, values, prob: "Problem", device=None):
         if any(s % x.itemsize for s in x.strides) or any(abs(s // x.itemsize) >= 2**31 for s in x.strides[-2:]):
             return cupy.ascontiguousarray(x)
     return x
+
+
+def check_dropout(dropout_p, seed) -> tuple:
+    """``(p, seed)`` of dropout, validated: ``dropout_p`` a real number in [0, 1) (not so close to 1 that
+    round(p 2^32), the kernels' threshold, leaves 32 bits), and for p > 0 an int ``seed`` in [0, 2^64);
+    ``(0.0, 0)`` without dropout."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, numpy.integer, numpy.floating)):
+        raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
+    check_philox_dropout(float(dropout_p), seed)
+    if not dropout_p:
+        return 0.0, 0
+    if int(keep_threshold(float(dropout_p))) >= 2**32:
+        raise ValueError(f"dropout_p must be below 1 - 2^-33, got {dropout_p!r}")
+    return float(dropout_p), int(seed)
 
 
 def with_softcap(prob: "Problem", softcap) -> "Problem":

@@ -27,6 +27,7 @@ import numpy
 from ._compile import get_kernels
 from ._mask import MaskGeometry
 from ._params import BWD, FWD, ZERO_RANGES, Params
+from ._philox import keep_threshold
 from ._tiles import (KERNELS, TileConfig, accumulator_dtype, auto_forward, choose_tiles, with_mods, with_precision,
                      with_varlen)
 
@@ -375,19 +376,24 @@ class Mods:
     mask: bool = False
     bias_grad: bool = False
     pairs: tuple = ((0, 0), (0, 0), (0, 0))
+    dropout: float = 0.0      # p; the seed comes with each call
+    batch0: int = 0           # the flat batch index of entry 0 (a peeled piece's), dropout's counter
 
     def config(self, cfg: TileConfig) -> TileConfig:
         """``cfg`` with these modifiers compiled in."""
-        return with_mods(cfg, self.softcap is not None, self.alibi, self.sink, self.bias, self.mask, self.bias_grad)
+        return with_mods(cfg, self.softcap is not None, self.alibi, self.sink, self.bias, self.mask, self.bias_grad,
+                         self.dropout > 0)
 
     def fields(self, layout: "BatchLayout", dbias_add: bool = False) -> tuple:
-        """``ScoreMods`` but its pointers: the collapsed batch strides of the per-entry and per-pair
-        arrays (the layout's last tensors), the pairs' strides, ``dbias_add`` and the softcap."""
+        """``ScoreMods`` but its pointers and seed: the collapsed batch strides of the per-entry and
+        per-pair arrays (the layout's last tensors), the pairs' strides, ``dbias_add``, dropout's
+        threshold, the softcap, dropout's 1 / (1 - p) and the batch offset."""
         given = (self.alibi, self.sink, self.bias, self.mask, self.bias_grad)
         extra = list(layout.strides[len(layout.strides) - sum(given):])
         alibi, sink, bias, mask, dbias = (extra.pop(0) if g else (0, 0, 0) for g in given)
         pairs = tuple((0, *b, *ij) for b, ij in zip((bias, mask, dbias), self.pairs))
-        return (0, *alibi, 0, *sink, *pairs, int(dbias_add), 0.0 if self.softcap is None else float(self.softcap))
+        return (0, *alibi, 0, *sink, *pairs, int(dbias_add), int(keep_threshold(self.dropout)),
+                0.0 if self.softcap is None else float(self.softcap), 1.0 / (1.0 - self.dropout), self.batch0, 0)
 
 
 PLAIN = Mods()
@@ -466,11 +472,12 @@ class ForwardPlan:
     o_run: int                # bytes of V1's running O_i (0: not used), a workspace of its own
     params: Params            # FwdParams
 
-    def __call__(self, q, k, v, out=None, alibi=None, sink=None, cu_q=None, cu_k=None, bias=None, mask=None):
+    def __call__(self, q, k, v, out=None, alibi=None, sink=None, cu_q=None, cu_k=None, bias=None, mask=None,
+                 seed=0):
         """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given; ``alibi``, ``sink``
         the slopes and sink logits (with ``Mods.alibi``, ``Mods.sink``) as laid out for the plan;
         ``cu_q``, ``cu_k`` the int32 offsets of packed sequences (with ``Packed``); ``bias``, ``mask``
-        the per-pair arrays (with ``Mods.bias``, ``Mods.mask``)."""
+        the per-pair arrays (with ``Mods.bias``, ``Mods.mask``); ``seed`` dropout's (with ``Mods.dropout``)."""
         with _on_device(self.device):
             stream, alloc = call_stream()
             if out is None:   # the outputs and the workspace in one allocation from CuPy's pool
@@ -487,14 +494,14 @@ class ForwardPlan:
             struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, m.data.ptr,
                                                 l.data.ptr, o_run.ptr if o_run else 0, *parts, _address(alibi),
                                                 _address(sink), _address(cu_q), _address(cu_k), _address(bias),
-                                                _address(mask)))
+                                                _address(mask), seed))
             for step in self.launches:
                 step(stream, address)
         return o, m, l
 
 
 FWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o", "m", "l", "o_run", "tile_counter", "repair_flags", "mods.alibi",
-                "mods.sink", "seqs.cu_q", "seqs.cu_k", "mods.bias.ptr", "mods.keep.ptr")
+                "mods.sink", "seqs.cu_q", "seqs.cu_k", "mods.bias.ptr", "mods.keep.ptr", "mods.seed")
 
 
 def _repair(head_dim: int, dtype, flags: int, mods: Mods, packed=None):
@@ -558,7 +565,7 @@ BWD_SUMS = 4
 # flash_bwd_prep zeroes (last: a call passes only the ranges it has)
 BWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o.ptr", "dO.ptr", "m", "l", "dq", "dk.ptr", "dv.ptr", *BWD_PARTS,
                 "mods.alibi", "mods.sink", "seqs.cu_q", "seqs.cu_k", "mods.bias.ptr", "mods.keep.ptr",
-                "mods.dbias.ptr", *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)))
+                "mods.dbias.ptr", "mods.seed", *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)))
 # flash_bwd_prep's zero ranges (BwdParams.zero): the workspace's zeroed part, dbias, then the gradients
 # that are the sums themselves
 ZERO_DBIAS = 1
@@ -618,9 +625,9 @@ class BackwardPlan:
     dbias: DbiasBuffer | None = None   # with bias_grad; flash_bwd_prep zeroes it (BwdParams.zero[ZERO_DBIAS])
 
     def __call__(self, do, q, k, v, o, m, l, out=None, alibi=None, sink=None, cu_q=None, cu_k=None, bias=None,
-                 mask=None):
+                 mask=None, seed=0):
         """``(dq, dk, dv)`` and, with ``dbias``, dbias (of the accumulator dtype and the bias's
-        shape); the modifiers' arrays as in ``ForwardPlan``."""
+        shape); the modifiers' arrays and the seed as in ``ForwardPlan``."""
         with _on_device(self.device):
             # every buffer first: a call that does not fit raises OutOfMemoryError before any launch
             stream, alloc = call_stream()
@@ -645,7 +652,7 @@ class BackwardPlan:
             struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, do.data.ptr,
                                                 m.data.ptr, l.data.ptr, dq, dk, dv, *parts, _address(alibi),
                                                 _address(sink), _address(cu_q), _address(cu_k), _address(bias),
-                                                _address(mask), _address(dbias), base + self.workspace.zero_from,
+                                                _address(mask), _address(dbias), seed, base + self.workspace.zero_from,
                                                 _address(dbias), *sums))
             for step in self.launches:
                 step(stream, address)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Optional, Union
 
 import numpy
 
 from . import _launch, blocked
 from ._numpy_ops import unbroadcast
-from ._checks import (SCHEDULES, check_backward, check_bool, check_choice, check_disjoint, check_forward,
-                      check_out, check_pairwise, check_per_entry, check_seqlens, kernel_ready, readable_in_place,
-                      with_softcap)
+from ._checks import (SCHEDULES, check_backward, check_bool, check_choice, check_disjoint, check_dropout,
+                      check_forward, check_out, check_pairwise, check_per_entry, check_seqlens, kernel_ready,
+                      readable_in_place, with_softcap)
 from ._tiles import PRECISIONS, accumulator_dtype
 
 
@@ -30,8 +31,8 @@ BACKWARD_OUTPUTS = ("dq", "dk", "dv")
 def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False,
                             softmax_scale: Optional[float] = None, window: Optional[Window] = None,
                             softcap: Optional[float] = None, alibi_slopes=None, bias=None, mask=None,
-                            sink=None, schedule: str = "auto", precision: str = "highest",
-                            out: Optional[Outputs] = None) -> Outputs:
+                            sink=None, dropout_p: float = 0.0, seed: Optional[int] = None, schedule: str = "auto",
+                            precision: str = "highest", out: Optional[Outputs] = None) -> Outputs:
     """Exact attention with its softmax statistics (FlashAttention's fused forward).
 
     Parameters
@@ -87,6 +88,16 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         sees one more key, of logit ``sink`` and value zero. It counts in
         ``m`` and adds ``exp(sink − m)`` to ``l``, so a row that sees no
         key has ``m = sink``, ``l = 1``, ``o = 0``.
+    dropout_p : float, optional
+        Dropout on ``P``, ``0 <= p < 1``: a pair is dropped (its weight 0)
+        with probability ``p`` and the others are scaled by ``1 / (1 − p)``.
+        The kept set is a counter-based function of ``(seed, flat batch
+        index, i, j)`` (Philox4x32-10, :func:`cupyflash.dropout_mask`), so
+        it does not depend on tiles, schedule, kernel or GPU, and the
+        backward with the same ``seed`` drops the same pairs. ``m``, ``l``
+        are those of the scores before dropout. Not with packed sequences.
+    seed : int, optional
+        Dropout's seed in ``[0, 2⁶⁴)``; needed when ``dropout_p > 0``.
     schedule : {'auto', 'v1', 'v2'}, optional
         Which GPU kernel runs; all return the same ``(o, m, l)``. 'v1' is
         FlashAttention's Algorithm 1 (K/V-outer, O/m/l through HBM between
@@ -161,20 +172,21 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     cupyflash.blocked.forward : the NumPy Algorithm 1 (CPU path).
     """
     return _forward(q, k, v, None, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, out,
-                    bias, mask)
+                    bias, mask, dropout_p, seed)
 
 
 def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, out,
-             bias=None, mask=None):
+             bias=None, mask=None, dropout_p=0.0, seed=None):
     """``flash_attention_forward``, or with ``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k) ``flash_attention_varlen_forward``."""
+    dropout = _checked_dropout(dropout_p, seed, varlen)
     inputs = _with_entries({"q": q, "k": k, "v": v}, alibi_slopes, sink, bias, mask)
-    flags = (causal, softmax_scale, window, softcap, schedule, precision,
+    flags = (causal, softmax_scale, window, softcap, schedule, precision, dropout[0],
              *_entries_given(alibi_slopes, sink, bias, mask))
     offsets, flags = _with_offsets(inputs, flags, varlen)
     plan, key = _kept_plan(inputs, out, FORWARD_OUTPUTS, flags, _plan_keepable(varlen))
     if plan is not None:
-        return plan(q, k, v, out, alibi_slopes, sink, *offsets, bias, mask)
+        return plan(q, k, v, out, alibi_slopes, sink, *offsets, bias, mask, dropout[1])
     prob = with_softcap(check_forward(q, k, v, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
@@ -190,7 +202,7 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
                   alibi_slopes=slopes, sink=sinks, bias=biases, mask=masks)
         if seqs is not None:
             return _into(out, blocked.varlen_forward(q, k, v, seqs.cu_q, seqs.cu_k, **kw))
-        return _into(out, blocked.forward(q, k, v, **kw))
+        return _into(out, blocked.forward(q, k, v, dropout_p=dropout[0], seed=dropout[1], **kw))
     import cupy
 
     with q.device:
@@ -206,7 +218,7 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
         ready, key = _kernel_ready((q, k, v), key)
         return _forward_gpu(*ready, slopes, sinks, prob.batch_shape, prob,
                             _launch.forward_schedule(schedule, prob.D, prob.dtype), precision, key, out, *_packed(seqs),
-                            pairs=(biases, masks))
+                            pairs=(biases, masks), dropout=dropout)
 
 
 def _with_offsets(inputs: dict, flags: tuple, varlen):
@@ -269,6 +281,14 @@ def _checked_mods(prob, q, key, alibi_slopes, sink, bias, mask):
     return (*checked, key)
 
 
+def _checked_dropout(dropout_p, seed, varlen) -> tuple:
+    """``(p, seed)`` of a call's dropout (``check_dropout``); packed sequences take none yet."""
+    dropout = check_dropout(dropout_p, seed)
+    if dropout[0] and varlen is not None:
+        raise ValueError("dropout_p > 0 with packed sequences is not supported yet")
+    return dropout
+
+
 def _kept_plan(inputs: dict, out, names, flags, keepable=True):
     """The plan an earlier like call kept (None if none) and this call's key (``_call_key``; None where
     not ``keepable``). With a plan, ``out`` is checked against the inputs here: aliasing is what the key
@@ -323,12 +343,13 @@ def _empty(prob) -> bool:
     return prob.Nq == 0 or prob.Nk == 0 or 0 in prob.batch_shape
 
 
-def _mods(prob, slopes, sinks, bias=None, mask=None, dbias=None) -> "_launch.Mods":
-    """The ``_launch.Mods`` of a call's validated modifiers (``dbias``: its ``_launch.DbiasBuffer``)."""
+def _mods(prob, slopes, sinks, bias=None, mask=None, dbias=None, dropout_p=0.0, batch0=0) -> "_launch.Mods":
+    """The ``_launch.Mods`` of a call's validated modifiers (``dbias``: its ``_launch.DbiasBuffer``;
+    ``batch0`` the flat batch index of a peeled piece's first entry)."""
     pairs = tuple(_launch.pair_strides(x) if x is not None else (0, 0) for x in (bias, mask))
     pairs += (dbias.pair_strides if dbias is not None else (0, 0),)
     return _launch.Mods(prob.softcap, slopes is not None, sinks is not None, bias is not None, mask is not None,
-                        dbias is not None, pairs)
+                        dbias is not None, pairs, dropout_p, batch0)
 
 
 def _present(*arrays) -> tuple:
@@ -346,19 +367,21 @@ def _batch_strides(arrays, batch_shape):
 
 
 def _forward_gpu(q, k, v, slopes, sinks, batch_shape, prob, schedule, precision, key=None, out=None, packed=None,
-                 offsets=(None, None), pairs=(None, None)):
+                 offsets=(None, None), pairs=(None, None), dropout=(0.0, 0), batch0=0):
     """Plan and run; a single launch's plan is kept under ``key`` (``_call_key``) for like calls. With
     ``packed`` sequences (``_launch.Packed``) ``offsets`` are their device offsets; ``pairs`` the bias
-    and the mask (None where not given)."""
+    and the mask (None where not given); ``dropout`` its ``(p, seed)``; ``batch0`` the flat batch index
+    of the first entry (of a peeled piece)."""
     nb = len(batch_shape)
     layout = _launch.collapse_batch(batch_shape, _batch_strides((q, k, v, *_as_matrices(slopes, sinks),
                                                                  *_present(*pairs)), batch_shape))
     if layout is not None:
         plan = _launch.forward_plan(q, k, v, schedule=schedule, precision=precision, geometry=prob.geometry,
                                     scale=prob.scale, batch_shape=batch_shape, layout=layout,
-                                    mods=_mods(prob, slopes, sinks, *pairs), packed=packed)
+                                    mods=_mods(prob, slopes, sinks, *pairs, dropout_p=dropout[0], batch0=batch0),
+                                    packed=packed)
         _launch.keep_plan(key, plan)
-        return plan(q, k, v, out, slopes, sinks, *offsets, *pairs)
+        return plan(q, k, v, out, slopes, sinks, *offsets, *pairs, dropout[1])
     # more than three batch dims that cannot be merged: peel the leading one
     import cupy
 
@@ -367,7 +390,8 @@ def _forward_gpu(q, k, v, slopes, sinks, batch_shape, prob, schedule, precision,
     parts = [_forward_gpu(*(_take_leading(x, i, nb) for x in (q, k, v)),
                           *(_leading_entries(x, i, nb) for x in (slopes, sinks)), batch_shape[1:], prob, schedule,
                           precision, packed=packed, offsets=offsets,
-                          pairs=tuple(_take_leading(x, i, nb) for x in pairs))
+                          pairs=tuple(_take_leading(x, i, nb) for x in pairs), dropout=dropout,
+                          batch0=batch0 + i * math.prod(batch_shape[1:]))
              for i in range(batch_shape[0])]
     return _into(out, (cupy.stack([p[n] for p in parts]) for n in range(3)))
 
@@ -392,7 +416,8 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
                              causal: bool = False, softmax_scale: Optional[float] = None,
                              window: Optional[Window] = None, softcap: Optional[float] = None,
                              alibi_slopes=None, bias=None, mask=None, sink=None, bias_grad: bool = False,
-                             schedule: str = "auto", precision: str = "highest", deterministic: bool = False,
+                             dropout_p: float = 0.0, seed: Optional[int] = None, schedule: str = "auto",
+                             precision: str = "highest", deterministic: bool = False,
                              out: Optional[Outputs] = None) -> Outputs:
     """Gradients of exact attention from the forward's outputs (FlashAttention's recomputation backward).
 
@@ -413,6 +438,10 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
         (``dS · (1 − tanh²)``); the slopes get no gradient.
     bias_grad : bool, optional
         Also return ``dbias`` (needs ``bias``).
+    dropout_p, seed : optional
+        The forward's dropout (the same values): the same pairs are dropped,
+        ``dV = (Z ∘ P)ᵀ dO`` and ``dS = P ∘ (Z ∘ dP − D)`` with
+        ``Z = keep / (1 − p)``.
     schedule : {'auto', 'v1', 'v2'}, optional
         'v1' runs the portable recomputation kernel (below); 'v2' and 'auto'
         run the Hopper warpgroup-MMA kernels for float16/bfloat16 on sm_90
@@ -478,20 +507,21 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     cupyflash.blocked.backward : the NumPy version (CPU path).
     """
     return _backward(do, q, k, v, o, m, l, None, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,
-                     precision, deterministic, out, bias, mask, bias_grad)
+                     precision, deterministic, out, bias, mask, bias_grad, dropout_p, seed)
 
 
 def _backward(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,
-              precision, deterministic, out, bias=None, mask=None, bias_grad=False):
+              precision, deterministic, out, bias=None, mask=None, bias_grad=False, dropout_p=0.0, seed=None):
     """``flash_attention_backward``, or with ``varlen`` (as in ``_forward``) ``flash_attention_varlen_backward``."""
+    dropout = _checked_dropout(dropout_p, seed, varlen)
     inputs = _with_entries({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}, alibi_slopes, sink, bias, mask)
-    flags = (causal, softmax_scale, window, softcap, schedule, precision, deterministic, bias_grad,
+    flags = (causal, softmax_scale, window, softcap, schedule, precision, deterministic, bias_grad, dropout[0],
              *_entries_given(alibi_slopes, sink, bias, mask))
     offsets, flags = _with_offsets(inputs, flags, varlen)
     plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS, flags, _plan_keepable(varlen))
     if plan is not None:
-        return _with_sink_grad(plan(do, q, k, v, o, m, l, out, alibi_slopes, sink, *offsets, bias, mask),
-                               do, o, m, l, sink)
+        return _with_sink_grad(plan(do, q, k, v, o, m, l, out, alibi_slopes, sink, *offsets, bias, mask,
+                                    dropout[1]), do, o, m, l, sink)
     prob = with_softcap(check_backward(do, q, k, v, o, m, l, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
@@ -510,7 +540,7 @@ def _backward(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softc
         if seqs is not None:
             grads = blocked.varlen_backward(do, q, k, v, o, m, l, seqs.cu_q, seqs.cu_k, **kw)
         else:
-            grads = blocked.backward(do, q, k, v, o, m, l, **kw)
+            grads = blocked.backward(do, q, k, v, o, m, l, dropout_p=dropout[0], seed=dropout[1], **kw)
         return (*_into(out, grads[:3]), *grads[3:])
     import cupy
 
@@ -525,7 +555,7 @@ def _backward(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softc
             return _with_sink_grad(out, do, o, m, l, sinks)
         ready, key = _kernel_ready((do, q, k, v, o), key)
         grads = _backward_gpu(*ready, m, l, slopes, sinks, prob.batch_shape, prob, schedule, precision, deterministic,
-                              key, out, *_packed(seqs), pairs=(biases, masks), bias_grad=bias_grad)
+                              key, out, *_packed(seqs), pairs=(biases, masks), bias_grad=bias_grad, dropout=dropout)
         return _with_sink_grad(grads, do, o, m, l, sinks)
 
 
@@ -546,9 +576,11 @@ def _with_sink_grad(grads, do, o, m, l, sinks):
 
 
 def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedule, precision, deterministic,
-                  key=None, out=None, packed=None, offsets=(None, None), pairs=(None, None), bias_grad=False):
+                  key=None, out=None, packed=None, offsets=(None, None), pairs=(None, None), bias_grad=False, dropout=(0.0, 0),
+                  batch0=0):
     """Plan and run; a single plan is kept under ``key`` (``_call_key``) for like calls; ``packed``,
-    ``offsets``, ``pairs`` as in ``_forward_gpu``; ``bias_grad``: dbias too (after dv)."""
+    ``offsets``, ``pairs``, ``dropout``, ``batch0`` as in ``_forward_gpu``; ``bias_grad``: dbias too
+    (after dv)."""
     nb = len(batch_shape)
     own = [_launch.contiguous_strides(x.shape)[:-2] for x in (q, k, v)]
     strides = _batch_strides((q, k, v, o, do), batch_shape)
@@ -564,9 +596,10 @@ def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedu
     if layout is not None:
         plan = _launch.backward_plan(do, q, k, v, o, schedule=schedule, precision=precision, geometry=prob.geometry,
                                      scale=prob.scale, deterministic=deterministic, layout=layout,
-                                     mods=_mods(prob, slopes, sinks, *pairs, dbias), packed=packed, dbias=dbias)
+                                     mods=_mods(prob, slopes, sinks, *pairs, dbias, dropout[0], batch0), packed=packed,
+                                     dbias=dbias)
         _launch.keep_plan(key, plan)
-        return plan(do, q, k, v, o, m, l, out, slopes, sinks, *offsets, *pairs)
+        return plan(do, q, k, v, o, m, l, out, slopes, sinks, *offsets, *pairs, dropout[1])
     # peel the leading batch dim; a gradient is summed where its input broadcast along it
     import cupy
 
@@ -575,7 +608,8 @@ def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedu
     parts = [_backward_gpu(do[i], *(_take_leading(x, i, nb) for x in (q, k, v)), o[i], m[i], l[i],
                            *(_leading_entries(x, i, nb) for x in (slopes, sinks)), batch_shape[1:], prob, schedule,
                            precision, deterministic, packed=packed, offsets=offsets,
-                           pairs=tuple(_take_leading(x, i, nb) for x in pairs), bias_grad=bias_grad)
+                           pairs=tuple(_take_leading(x, i, nb) for x in pairs), bias_grad=bias_grad,
+                           dropout=dropout, batch0=batch0 + i * math.prod(batch_shape[1:]))
              for i in range(batch_shape[0])]
     grads = []
     for n, x in enumerate((q, k, v, pairs[0]) if bias_grad else (q, k, v)):
@@ -591,12 +625,14 @@ def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedu
 
 def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softmax_scale: Optional[float] = None,
                     window: Optional[Window] = None, softcap: Optional[float] = None, alibi_slopes=None,
-                    bias=None, mask=None, sink=None, schedule: str = "auto", precision: str = "highest") -> Array:
+                    bias=None, mask=None, sink=None, dropout_p: float = 0.0, seed: Optional[int] = None,
+                    schedule: str = "auto", precision: str = "highest") -> Array:
     """Exact attention ``softmax(softmax_scale · q kᵀ) v``; the ``o`` of :func:`flash_attention_forward`.
 
     Parameters
     ----------
-    q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, schedule, precision
+    q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed, schedule,
+    precision
         As in :func:`flash_attention_forward`.
 
     Returns
@@ -609,15 +645,16 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
     """
     return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                    softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, sink=sink,
-                                   schedule=schedule, precision=precision)[0]
+                                   dropout_p=dropout_p, seed=seed, schedule=schedule, precision=precision)[0]
 
 
 def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,
                                    max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
                                    causal: bool = False, softmax_scale: Optional[float] = None,
                                    window: Optional[Window] = None, softcap: Optional[float] = None,
-                                   alibi_slopes=None, bias=None, mask=None, sink=None, schedule: str = "auto",
-                                   precision: str = "highest", out: Optional[Outputs] = None) -> Outputs:
+                                   alibi_slopes=None, bias=None, mask=None, sink=None, dropout_p: float = 0.0,
+                                   seed: Optional[int] = None, schedule: str = "auto", precision: str = "highest",
+                                   out: Optional[Outputs] = None) -> Outputs:
     """Exact attention over packed variable-length sequences, with its softmax statistics.
 
     Parameters
@@ -653,6 +690,9 @@ def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: A
         broadcastable to ``(*batch, total_q, total_k)``; sequence ``s``
         reads the block of its own rows and keys (pairs between two
         sequences are never read).
+    dropout_p, seed
+        Only ``dropout_p=0`` for now: dropout over packed sequences is not
+        supported yet (ValueError).
 
     Returns
     -------
@@ -684,7 +724,7 @@ def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: A
     cupyflash.reference.attention_varlen_forward : the naive float64 reference.
     """
     return _forward(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), causal, softmax_scale,
-                    window, softcap, alibi_slopes, sink, schedule, precision, out, bias, mask)
+                    window, softcap, alibi_slopes, sink, schedule, precision, out, bias, mask, dropout_p, seed)
 
 
 def flash_attention_varlen_backward(do: Array, q: Array, k: Array, v: Array, o: Array, m: Array, l: Array,
@@ -692,9 +732,9 @@ def flash_attention_varlen_backward(do: Array, q: Array, k: Array, v: Array, o: 
                                     max_seqlen_k: Optional[int] = None, causal: bool = False,
                                     softmax_scale: Optional[float] = None, window: Optional[Window] = None,
                                     softcap: Optional[float] = None, alibi_slopes=None, bias=None, mask=None,
-                                    sink=None, bias_grad: bool = False, schedule: str = "auto",
-                                    precision: str = "highest", deterministic: bool = False,
-                                    out: Optional[Outputs] = None) -> Outputs:
+                                    sink=None, bias_grad: bool = False, dropout_p: float = 0.0,
+                                    seed: Optional[int] = None, schedule: str = "auto", precision: str = "highest",
+                                    deterministic: bool = False, out: Optional[Outputs] = None) -> Outputs:
     """Gradients of attention over packed variable-length sequences.
 
     Parameters
@@ -704,8 +744,8 @@ def flash_attention_varlen_backward(do: Array, q: Array, k: Array, v: Array, o: 
         As in :func:`flash_attention_varlen_forward` (the same values).
     m, l : ndarray, shape (*batch, total_q)
         The forward's statistics.
-    causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, bias_grad, schedule, precision,
-    deterministic, out
+    causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, bias_grad, dropout_p, seed, schedule,
+    precision, deterministic, out
         As in :func:`flash_attention_backward` (``bias`` and ``mask`` as in
         :func:`flash_attention_varlen_forward`).
 
@@ -732,4 +772,71 @@ def flash_attention_varlen_backward(do: Array, q: Array, k: Array, v: Array, o: 
     """
     return _backward(do, q, k, v, o, m, l, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), causal,
                      softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, deterministic, out, bias,
-                     mask, bias_grad)
+                     mask, bias_grad, dropout_p, seed)
+
+
+def dropout_mask(seed: int, p: float, batch_shape, n_q: int, n_k: int, *, xp=numpy) -> Array:
+    """The pairs that dropout with probability ``p`` under ``seed`` keeps.
+
+    Parameters
+    ----------
+    seed : int
+        In ``[0, 2⁶⁴)`` (any value when ``p == 0``).
+    p : float
+        ``0 <= p < 1``.
+    batch_shape : tuple of int
+        The broadcast batch shape of the call; entries are counted in C order.
+    n_q, n_k : int
+        Query rows and keys.
+    xp : module, optional
+        ``numpy`` (default) or ``cupy``: where the mask is made (CuPy draws it on the current device
+        with the kernels' own generator, ``kernels_cu/philox.cuh``).
+
+    Returns
+    -------
+    keep : ndarray of bool, shape (*batch_shape, n_q, n_k)
+        Pair ``(i, j)`` of flat batch entry ``b`` is kept iff word ``j % 4`` of Philox4x32-10 at
+        counter ``(j // 4, i, b mod 2³², b >> 32)`` under key ``(seed mod 2³², seed >> 32)`` is at least
+        ``round(p · 2³²)`` (``cupyflash._philox``): the set :func:`flash_attention_forward` and
+        :func:`flash_attention_backward` keep with ``dropout_p=p, seed=seed``, on any kernel.
+    """
+    p, seed = check_dropout(p, seed)
+    shape = (*tuple(int(n) for n in batch_shape), int(n_q), int(n_k))
+    if xp is numpy:
+        from ._philox import dropout_keep
+
+        return dropout_keep(seed, p, shape[:-2], n_q, n_k)
+    from ._philox import keep_threshold
+
+    keep = xp.empty(shape, dtype=bool)
+    if keep.size:
+        _keep_kernel()(numpy.uint32(n_q), numpy.uint32(n_k), numpy.uint64(seed), numpy.uint32(keep_threshold(p)),
+                       keep)
+    return keep
+
+
+_KEEP_BODY = """
+const unsigned long long key = (unsigned long long)i % n_k, rest = (unsigned long long)i / n_k;
+const unsigned long long b = rest / n_q;
+const Words4 r = philox4x32((unsigned)(key >> 2), (unsigned)(rest % n_q), (unsigned)b, (unsigned)(b >> 32),
+                            (unsigned)seed, (unsigned)(seed >> 32));
+const unsigned w = (unsigned)(key & 3);
+keep = ((w & 2) ? ((w & 1) ? r.w[3] : r.w[2]) : ((w & 1) ? r.w[1] : r.w[0])) >= threshold;
+"""
+
+
+def _keep_kernel():
+    """The CuPy elementwise kernel of ``dropout_mask`` (one per process), on ``philox.cuh``."""
+    global _KEEP_KERNEL
+    if _KEEP_KERNEL is None:
+        import cupy
+
+        from ._compile import kernel_dir
+
+        _KEEP_KERNEL = cupy.ElementwiseKernel("uint32 n_q, uint32 n_k, uint64 seed, uint32 threshold", "bool keep",
+                                              _KEEP_BODY, "cupyflash_dropout_keep",
+                                              preamble=(kernel_dir() / "philox.cuh").read_text())
+    return _KEEP_KERNEL
+
+
+_KEEP_KERNEL = None

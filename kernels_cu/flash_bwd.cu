@@ -179,10 +179,22 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         acc_t G[SOFTCAP ? B_R / 8 : 1][4];                // the softcap's ds'/ds
         if (mask.full(q0, B_R, key0, 16)) probabilities<false>(P, G, mods, mask, q0, key0, s_m, s_inv_l, scale);
         else                         probabilities<true>(P, G, mods, mask, q0, key0, s_m, s_inv_l, scale);
-        store_frag_smem(s_dSw, DS_PITCH, P);
+        unsigned keep[DROPOUT ? B_R / 8 : 1] = {};        // dropout's keep bits (keep_bits)
+        if constexpr (DROPOUT) {
+            acc_t Pz[B_R / 8][4];                         // Z o P_ij^T, what dV_j takes
+#pragma unroll
+            for (int n = 0; n < B_R / 8; ++n) {
+                keep[n] = keep_bits<true>(mods, key0, q0, n);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) Pz[n][e] = P[n][e] * keep_factor(mods, keep[n], e);
+            }
+            store_frag_smem(s_dSw, DS_PITCH, Pz);
+        } else {
+            store_frag_smem(s_dSw, DS_PITCH, P);
+        }
         __syncwarp();
 
-        // dV_j += P_ij^T dO_i                                              (16, DC)
+        // dV_j += (Z o P_ij)^T dO_i                                        (16, DC)
         if (plain) warp_mma<DC / 8, B_R, false, true, B_PLAIN>(dV, s_dSw, DS_PITCH, s_dO + c0, QKV_PITCH);
         else       warp_mma<DC / 8, B_R, false, true>(dV, s_dSw, DS_PITCH, s_dO + c0, QKV_PITCH);
 
@@ -192,12 +204,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         if (plain) warp_mma<B_R / 8, DP, false, false, PLAIN>(dP, s_V + 16 * warp * QKV_PITCH, QKV_PITCH, s_dO, QKV_PITCH);
         else       warp_mma<B_R / 8, DP, false, false>(dP, s_V + 16 * warp * QKV_PITCH, QKV_PITCH, s_dO, QKV_PITCH);
 
-        // dS_ij^T = P_ij^T o (dP_ij^T - D_i) (into dbias from the first head-dim chunk), by scale Q K^T:
+        // dS_ij^T = P_ij^T o (Z o dP_ij^T - D_i) (into dbias from the first head-dim chunk), by scale Q K^T:
         // o ds'/ds where a softcap applies
 #pragma unroll
         for (int n = 0; n < B_R / 8; ++n) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) P[n][e] *= dP[n][e] - s_D[n * 8 + 2 * t + e % 2];
+            for (int e = 0; e < 4; ++e)
+                P[n][e] *= keep_factor(mods, keep[DROPOUT ? n : 0], e) * dP[n][e] - s_D[n * 8 + 2 * t + e % 2];
             if (BIAS_GRAD && c0 == 0) add_dbias_quad<true>(P[n], mods, mask, key0, q0, n);
             if constexpr (SOFTCAP)
 #pragma unroll

@@ -291,6 +291,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
                 if constexpr (SCORE_MODS) modify_raw_scores(S, mods, r0, kv0);
                 mask_scores(S, mask, r0, kv0);
                 online_softmax(S, m_i, m_new, alpha, rowsum, log2_unit);
+                if constexpr (DROPOUT) drop_probs(S, entry, r0, kv0);   // out of P~_ij V_j, not of l_i
             };
             // m_i <- m_new;  l_i <- alpha l_i + rowsum(P~_ij);  O_i <- alpha O_i (skipped while no row
             // max of the warp moved: alpha = 1 exactly);  P~_ij to A fragments
@@ -385,7 +386,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
 
             // O_i = diag(l_i)^-1 O_i; write O_i, m_i (in natural units), l_i to HBM
             const i64 row0 = seq_of(p, w.w).row0;
-            store_output_rows(p.o + row0 * D, p.m + row0, p.l + row0, O, m_i, l_i, unit, r0, Nq, D, entry.sink);
+            store_output_rows(p.o + row0 * D, p.m + row0, p.l + row0, O, m_i, l_i, unit, r0, Nq, D, entry.sink,
+                              DROPOUT ? entry.keep_scale : (acc_t)1);
             kv += j_stop;
         }
         if (c == 0) my_turn();   // the hand-off of the last issue

@@ -146,6 +146,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
             online_softmax(S, m_i, m_new, alpha, rowsum, (acc_t)LOG2E);
 #pragma unroll
             for (int h = 0; h < 2; ++h) l_new[h] = alpha[h] * l_i[h] + rowsum[h];
+            if constexpr (DROPOUT) drop_probs(S, mods, r0, kv0);   // out of P~_ij V_j, not of l_i
 
             __syncwarp();
             store_frag_smem(s_Pw, P_PITCH, S);
@@ -154,7 +155,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
             // O_i^new = diag(l_i^new)^-1 (diag(e^(m_i - m_i^new) l_i) O_i + P~_ij V_j), DC columns at a time
             // At the warp's last step the sink, where compiled in, is folded into m_i^new, l_i^new (fold_sink)
             const bool last = j == j_last;
-            acc_t inv_l[2], keep[2];
+            acc_t inv_l[2], keep[2], pv_scale[2];   // pv_scale: of P~_ij V_j (dropout's 1 / (1 - p) too)
             bool none[2];                                 // no key so far
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -166,6 +167,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
                     inv_l[h] *= folded;
                     keep[h] *= folded;
                 }
+                pv_scale[h] = DROPOUT ? inv_l[h] * mods.keep_scale : inv_l[h];
             }
 #pragma unroll
             for (int c0 = 0; c0 < DP; c0 += DC) {
@@ -179,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
                     for (int h = 0; h < 2; ++h) {
                         const int row = r0 + g + 8 * h, col = c0 + n * 8 + 2 * t;
                         if (row >= Nq) continue;
-                        acc_t o0 = PV[n][2 * h] * inv_l[h], o1 = PV[n][2 * h + 1] * inv_l[h];
+                        acc_t o0 = PV[n][2 * h] * pv_scale[h], o1 = PV[n][2 * h + 1] * pv_scale[h];
                         if (none[h]) o0 = o1 = (acc_t)0;   // P~ V may hold 0 · NaN of a masked key
                         else if (carry) {
                             o0 += keep[h] * O_prev[n][2 * h];

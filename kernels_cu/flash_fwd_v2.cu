@@ -160,6 +160,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
                 O[n][2 * h + 1] *= alpha[h];
             }
         }
+        if constexpr (DROPOUT) drop_probs(S, mods, r0, kv0);   // out of P~_ij V_j, not of l_i
 
         // O_i += P~_ij V_j                                                 (16, DP)
 #if FLASH_TENSOR_CORES
@@ -185,5 +186,5 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
     }
 
     // O_i = diag(l_i)^-1 O_i (the sink folded in, SINK); write O_i, m_i, l_i to HBM
-    store_output_rows(o, m_out, l_out, O, m_i, l_i, (acc_t)1, r0, Nq, D, mods.sink);
+    store_output_rows(o, m_out, l_out, O, m_i, l_i, (acc_t)1, r0, Nq, D, mods.sink, DROPOUT ? mods.keep_scale : (acc_t)1);
 }

@@ -168,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_repair(const Fw
             if (l_i != (acc_t)0) {
                 load_row(q_i, q_h + r * p.q.sn, D);
                 for (int j = mask.key_start(r); j < mask.key_stop(r); ++j) {
-                    if (mods.hidden(r, j)) continue;
+                    if (mods.hidden(r, j) || (DROPOUT && !mods.kept(r, j))) continue;   // no term
                     acc_t k_j[RPL], v_j[RPL];
                     load_row(k_j, k_h + j * p.k.sn, D);
                     load_row(v_j, v_h + j * p.v.sn, D);
@@ -178,7 +178,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_repair(const Fw
                     for (int e = 0; e < RPL; ++e) o_i[e] += pr * v_j[e];
                 }
             }
-            store_row(p.o + (sq.row0 + r) * D, o_i, l_i == (acc_t)0 ? (acc_t)0 : (acc_t)1 / l_i, D);
+            store_row(p.o + (sq.row0 + r) * D, o_i, l_i == (acc_t)0 ? (acc_t)0 : (DROPOUT ? mods.keep_scale : (acc_t)1) / l_i,
+                      D);
         }
     });
 }
@@ -199,8 +200,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_repair(const Bw
     const int warp = threadIdx.x / WARP_SIZE;
     const int T_r = (p.mask.Nq + tile_r - 1) / tile_r, T_c = (p.mask.Nk + tile_c - 1) / tile_c;   // the grid's
 
-    // P_ij and dS_ij of sequence sq's rows i, j (q_i, dO_i, k_j, v_j this lane's elements); false where
-    // row i saw no key or the boolean mask hides the pair (neither adds a term)
+    // Z P_ij (dropout's Z = keep / (1 - p), else 1) and dS_ij = P_ij (Z dP_ij - D_i) of sequence sq's rows
+    // i, j (q_i, dO_i, k_j, v_j this lane's elements); false where row i saw no key or the boolean mask
+    // hides the pair (neither adds a term)
     auto pair_terms = [&](const Seq& sq, int i, int j, const acc_t (&q_i)[RPL], const acc_t (&do_i)[RPL],
                           const acc_t (&k_j)[RPL], const acc_t (&v_j)[RPL], acc_t& P_ij, acc_t& dS_ij) {
         acc_t s, dp, grad = (acc_t)1;
@@ -209,7 +211,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_repair(const Bw
         const EntryMods mods = mods_of(p, sq);
         s = mods.apply<true>(s * scale, i, j, grad);
         P_ij = l_i == (acc_t)0 ? (acc_t)0 : exp2_acc((s - p.m[sq.row0 + i]) * (acc_t)LOG2E) / l_i;
-        dS_ij = P_ij * (dp - p.Dsum[sq.row0 + i]) * grad;
+        const acc_t z = DROPOUT ? (mods.kept(i, j) ? mods.keep_scale : (acc_t)0) : (acc_t)1;
+        dS_ij = P_ij * (z * dp - p.Dsum[sq.row0 + i]) * grad;
+        P_ij *= z;
         return l_i != (acc_t)0 && !mods.hidden(i, j);
     };
 

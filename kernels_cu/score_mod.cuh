@@ -6,7 +6,10 @@
 //     ALiBi slope: s <- s - slope |i + off - j|  FLASH_ALIBI
 //     bias:        s <- s + bias_ij              FLASH_BIAS (FLASH_BIAS_GRAD: the backward adds dS_ij to dbias_ij)
 //     mask:        s <- -inf where mask_ij false FLASH_MASK (the pair is hidden, as the band hides it)
-// then the band (mask.cuh). m_i, l_i are the statistics of the modified scores. A modifier is
+// then the band (mask.cuh). m_i, l_i are the statistics of the modified scores. Dropout (FLASH_DROPOUT)
+// then zeroes the pairs of P~ its keep set drops (philox.cuh) and scales the rest by 1 / (1 - p): the
+// forward drops them from P~ V (not from l_i) and scales O_i at the end; the backward takes
+// Z = keep / (1 - p) into dV = (Z o P)^T dO and dS = P o (Z o dP - D). A modifier is
 // compiled in only where a call uses it (TileConfig.mods), so a plain call runs the plain kernel and
 // pays nothing. The backward's dS is taken with respect to the modified score; the chain back to
 // scale q . k multiplies it by ds'/ds = 1 - tanh^2 (softcap; ALiBi adds a constant).
@@ -20,6 +23,7 @@
 
 #include "layout.cuh"
 #include "mask.cuh"
+#include "philox.cuh"
 #include "types.cuh"
 
 #ifndef FLASH_SOFTCAP
@@ -40,6 +44,9 @@
 #ifndef FLASH_MASK
 #define FLASH_MASK 0
 #endif
+#ifndef FLASH_DROPOUT
+#define FLASH_DROPOUT 0
+#endif
 
 constexpr bool SOFTCAP = FLASH_SOFTCAP != 0;
 constexpr bool ALIBI = FLASH_ALIBI != 0;
@@ -47,6 +54,7 @@ constexpr bool BIAS = FLASH_BIAS != 0;
 constexpr bool BIAS_GRAD = BIAS && FLASH_BIAS_GRAD != 0;   // the backward's dbias
 constexpr bool BOOL_MASK = FLASH_MASK != 0;
 constexpr bool SCORE_MODS = SOFTCAP || ALIBI || BIAS || BOOL_MASK;
+constexpr bool DROPOUT = FLASH_DROPOUT != 0;
 // the attention sink: one more key per batch entry, of logit `sink` and value zero, folded into the
 // forward's final m_i, l_i (softmax.cuh: fold_sink); the backward's P = exp(S - lse) needs nothing more
 constexpr bool SINK = FLASH_SINK != 0;
@@ -113,6 +121,30 @@ struct EntryMods {
     Pairs<const unsigned char> keep;   // the boolean mask, 1 = visible
     Pairs<acc_t> dbias;
     bool dbias_add;       // several CTAs or lanes add into one dbias element (atomics), else one stores it
+    // dropout: the batch entry's flat index b (two words), the sequence's first packed row and key,
+    // the Philox key (the seed's two words), the threshold round(p 2^32) and 1 / (1 - p)
+    unsigned b_lo, b_hi, pq0, pk0, seed_lo, seed_hi, threshold;
+    acc_t keep_scale;
+
+    // word `w` (0-3) of a Philox result
+    __device__ __forceinline__ static unsigned word(const Words4& r, unsigned w) {
+        return (w & 2) ? ((w & 1) ? r.w[3] : r.w[2]) : ((w & 1) ? r.w[1] : r.w[0]);
+    }
+
+    // dropout keeps pair (i, j) of the sequence: word (k0 + j) % 4 of Philox at counter
+    // ((k0 + j) / 4, q0 + i, b) is at least the threshold (cupyflash/_philox.py: dropout_keep)
+    __device__ __forceinline__ bool kept(int i, int j) const {
+        const unsigned key = pk0 + (unsigned)j;
+        return word(philox4x32(key >> 2, pq0 + (unsigned)i, b_lo, b_hi, seed_lo, seed_hi), key & 3) >= threshold;
+    }
+
+    // ... of the pairs (i, j) and (i, j + 1), from one Philox result where both keys share it
+    __device__ __forceinline__ void kept2(int i, int j, bool& first, bool& second) const {
+        const unsigned key = pk0 + (unsigned)j;
+        const Words4 r = philox4x32(key >> 2, pq0 + (unsigned)i, b_lo, b_hi, seed_lo, seed_hi);
+        first = word(r, key & 3) >= threshold;
+        second = (key & 3) != 3 ? word(r, (key & 3) + 1) >= threshold : kept(i, j + 1);
+    }
 
     // the boolean mask hides pair (i, j) (always false without one); pairs past the lengths are hidden
     __device__ __forceinline__ bool hidden(int i, int j) const {
@@ -174,11 +206,15 @@ struct ScoreMods {
     PairArray<const unsigned char> keep;    // FLASH_MASK: bool, 1 = visible
     PairArray<acc_t> dbias;                 // FLASH_BIAS_GRAD: bias's shape (or the full one), zeroed
     int dbias_add;                          // EntryMods::dbias_add
+    unsigned threshold;                     // FLASH_DROPOUT: round(p 2^32), a word below it drops its pair
     double softcap;                         // c > 0
+    double keep_scale;                      // FLASH_DROPOUT: 1 / (1 - p)
+    i64 batch0;                             // the flat batch index of the call's entry 0 (of a peeled piece)
+    unsigned long long seed;                // FLASH_DROPOUT: the Philox key (written per call)
 
-    // the modifiers of batch entry bi's sequence of Nq queries and Nk keys, its first pair at (q0, k0)
-    // of the entry's (packed) rows and keys
-    __device__ __forceinline__ EntryMods at(BatchIndex bi, int q0, int k0, int Nq, int Nk) const {
+    // the modifiers of batch entry bi (flat index `entry`) for its sequence of Nq queries and Nk keys, the
+    // first pair at (q0, k0) of the entry's (packed) rows and keys
+    __device__ __forceinline__ EntryMods at(BatchIndex bi, i64 entry, int q0, int k0, int Nq, int Nk) const {
         EntryMods e;
         e.cap = (acc_t)softcap;
         e.inv_cap = SOFTCAP ? (acc_t)1 / e.cap : (acc_t)0;
@@ -191,6 +227,17 @@ struct ScoreMods {
         if constexpr (BOOL_MASK) e.keep = {keep.at(bi, q0, k0), (int)keep.si, (int)keep.sj};
         if constexpr (BIAS_GRAD) e.dbias = {dbias.at(bi, q0, k0), (int)dbias.si, (int)dbias.sj};
         e.dbias_add = dbias_add != 0;
+        if constexpr (DROPOUT) {
+            const unsigned long long b = (unsigned long long)(batch0 + entry);
+            e.b_lo = (unsigned)b;
+            e.b_hi = (unsigned)(b >> 32);
+            e.pq0 = (unsigned)q0;
+            e.pk0 = (unsigned)k0;
+            e.seed_lo = (unsigned)seed;
+            e.seed_hi = (unsigned)(seed >> 32);
+            e.threshold = threshold;
+            e.keep_scale = (acc_t)keep_scale;
+        }
         return e;
     }
 };
@@ -212,6 +259,46 @@ __device__ __forceinline__ bool may_hide_any(const Mask& mask) { return BOOL_MAS
 // ragged end (nonfinite.cuh): the band's answer, and under a boolean mask any tile
 __device__ __forceinline__ bool may_hide(const Mask& mask, int q0, int rows, int k0, int cols) {
     return BOOL_MASK || mask.has_masked_pairs(q0, rows, k0, cols);
+}
+
+// Dropout's keep bits of the four elements of n-tile n of a warp's tile (rows r0 .., columns c0 .. as
+// in pair_at): bit e set where element e's pair is kept
+template <bool TRANSPOSED>
+__device__ __forceinline__ unsigned keep_bits(const EntryMods& mods, int r0, int c0, int n) {
+    unsigned bits = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int i, j;
+        pair_at<TRANSPOSED>(r0, c0, n, 2 * h, i, j);
+        bool first, second;
+        if constexpr (TRANSPOSED) {   // elements 2h, 2h + 1: one key, two queries
+            first = mods.kept(i, j);
+            second = mods.kept(i + 1, j);
+        } else {                      // one query, two keys
+            mods.kept2(i, j, first, second);
+        }
+        bits |= (unsigned)first << (2 * h) | (unsigned)second << (2 * h + 1);
+    }
+    return bits;
+}
+
+// Dropout on a warp's (16, 8 NT) tile of P~ (rows queries): the dropped elements -> 0; the kept keep
+// their value (the 1 / (1 - p) is applied to O_i at the end)
+template <int NT>
+__device__ __forceinline__ void drop_probs(acc_t (&P)[NT][4], const EntryMods& mods, int r0, int c0) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const unsigned bits = keep_bits<false>(mods, r0, c0, n);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (!(bits >> e & 1)) P[n][e] = (acc_t)0;
+    }
+}
+
+// Z = keep / (1 - p) of element e under keep bits `bits` (1 without dropout)
+__device__ __forceinline__ acc_t keep_factor(const EntryMods& mods, unsigned bits, int e) {
+    if constexpr (DROPOUT) return (bits >> e & 1) ? mods.keep_scale : (acc_t)0;
+    return (acc_t)1;
 }
 
 // dbias of the four elements ds of n-tile n of a warp's (16, 8 NT) tile of dS (rows r0 .., columns

@@ -373,7 +373,8 @@ def test_the_kernels_modifier_fields_take_the_layouts_last_tensors(alibi, sink, 
     fields = Mods(2.5, alibi, sink, bias, mask, grad, pairs).fields(BatchLayout((4, 5, 6), tuple(tensors)), grad)
     of = {name: strides[name] if g else (0, 0, 0) for name, g in given.items()}
     assert fields == (0, *of["alibi"], 0, *of["sink"], *((0, *of[name], *ij) for name, ij in
-                                                         zip(("bias", "mask", "dbias"), pairs)), int(grad), 2.5)
+                                                         zip(("bias", "mask", "dbias"), pairs)), int(grad),
+                      0, 2.5, 1.0, 0, 0)   # no dropout: threshold 0, scale 1, batch offset 0, seed per call
     assert Mods().fields(BatchLayout((4, 5, 6), tuple(tensors[:3])))[-1] == 0.0
 
 

@@ -1,0 +1,182 @@
+"""Dropout (``dropout_p``, ``seed``) on every path: the keep set (``cupyflash.dropout_mask``, the NumPy
+definition in ``cupyflash._philox`` and the kernels' ``philox.cuh``), the NumPy path and the validation
+on the CPU, every GPU kernel against the float64 reference with the same keep set.
+
+A pair is dropped with probability ``p`` by a counter-based draw of (seed, flat batch index, i, j): the
+kept set is the same on any tiling, schedule, kernel or GPU, and the backward drops what the forward
+dropped. ``m``, ``l`` are the statistics before dropout.
+"""
+
+import math
+
+import numpy
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cupyflash
+from cupyflash import _philox, blocked, reference
+from helpers import DTYPE_BY_NAME, call_with_keywords, gpu_test, random_inputs, to_gpu
+from strategies import attention_problem_shapes
+from test_window import SCHEDULES, WINDOWS, assert_float64_close
+
+# ---------------------------------------------------------------------------
+# CPU: the keep set, the NumPy path, the checks
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_the_keep_rate_is_one_minus_p(p):
+    """Over 2^20 pairs the kept share is 1 - p within five standard deviations, in every batch entry,
+    row block and key residue mod 4 (each Philox word)."""
+    keep = cupyflash.dropout_mask(12345, p, (4,), 512, 512)
+    n = keep.size
+    assert abs(keep.mean() - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
+    for part in (keep[0], keep[:, :128], keep[..., 1::4]):
+        assert abs(part.mean() - (1 - p)) < 5 * math.sqrt(p * (1 - p) / part.size)
+
+
+def test_the_keep_set_depends_on_seed_entry_row_and_key_only():
+    """dropout_mask is _philox.dropout_keep; a tile of it is the tile drawn alone; another seed or
+    another batch entry draws another set."""
+    keep = cupyflash.dropout_mask(7, 0.3, (2, 3), 70, 90)
+    numpy.testing.assert_array_equal(keep, _philox.dropout_keep(7, 0.3, (2, 3), 70, 90))
+    tile = _philox.dropout_keep(7, 0.3, (2, 3), 70, 90, range(16, 48), range(33, 90))
+    numpy.testing.assert_array_equal(keep[..., 16:48, 33:90], tile)
+    assert (keep != cupyflash.dropout_mask(8, 0.3, (2, 3), 70, 90)).mean() > 0.3
+    assert (keep[0, 0] != keep[0, 1]).mean() > 0.3
+    assert cupyflash.dropout_mask(None, 0.0, (2,), 5, 6).all()
+
+
+@settings(deadline=None, max_examples=30)
+@given(attention_problem_shapes(), WINDOWS, st.sampled_from([0.1, 0.5]), st.integers(0, 2**64 - 1))
+def test_numpy_path_takes_dropout(problem, window, p, seed):
+    """The NumPy path equals the float64 reference with dropout; m, l are those without it."""
+    _, q_shape, kv_shape, causal, scale = problem
+    rng = numpy.random.default_rng(seed % 2**32)
+    q, k, v = random_inputs(rng, "float64", q_shape, kv_shape)
+    kw = dict(causal=causal, softmax_scale=scale, window=window, dropout_p=p, seed=seed)
+    out = cupyflash.flash_attention_forward(q, k, v, **kw)
+    refs = reference.attention_forward(q, k, v, **kw)
+    plain = reference.attention_forward(q, k, v, causal=causal, softmax_scale=scale, window=window)
+    do = rng.standard_normal(out[0].shape)
+    grads = cupyflash.flash_attention_backward(do, q, k, v, *out, **kw)
+    ref_grads = reference.attention_backward(do, q, k, v, *refs, **kw)
+    for name, got, ref in zip(("o", "m", "l", "dq", "dk", "dv"), (*out, *grads), (*refs, *ref_grads)):
+        assert_float64_close(name, got, ref)
+    assert_float64_close("m", out[1], plain[1])
+    assert_float64_close("l", out[2], plain[2])
+
+
+def test_the_blocked_path_drops_the_same_pairs_on_any_tiling():
+    rng = numpy.random.default_rng(2)
+    q, k, v = random_inputs(rng, "float32", (2, 130, 32), (2, 150, 32))
+    kw = dict(dropout_p=0.4, seed=99, causal=True)
+    a = blocked.forward(q, k, v, block_r=16, block_c=32, **kw)
+    b = blocked.forward(q, k, v, block_r=64, block_c=16, **kw)
+    for x, y in zip(a, b):
+        numpy.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw, error, words", [
+    (dict(dropout_p=1.0, seed=1), ValueError, "dropout_p must satisfy 0 <= p < 1"),
+    (dict(dropout_p=-0.1, seed=1), ValueError, "dropout_p must satisfy 0 <= p < 1"),
+    (dict(dropout_p=0.5), ValueError, "needs an int seed"),
+    (dict(dropout_p=0.5, seed=2**64), ValueError, "needs an int seed"),
+    (dict(dropout_p=0.5, seed=1.5), ValueError, "needs an int seed"),
+    (dict(dropout_p=1 - 2**-40, seed=1), ValueError, "dropout_p must be below 1 - 2^-33"),
+    (dict(dropout_p=True, seed=1), TypeError, "dropout_p must be a real number"),
+    (dict(dropout_p="0.1", seed=1), TypeError, "dropout_p must be a real number"),
+])
+@pytest.mark.parametrize("call", ["forward", "backward", "flash_attention", "varlen"])
+def test_bad_dropout_is_refused_naming_the_argument(kw, error, words, call):
+    q, k, v = random_inputs(numpy.random.default_rng(0), "float32", (2, 3, 10, 8), (2, 3, 12, 8))
+    with pytest.raises(error) as raised:
+        call_with_keywords(call, q, k, v, **kw)
+    assert words in str(raised.value)
+
+
+def test_dropout_with_packed_sequences_is_refused():
+    q, k, v = random_inputs(numpy.random.default_rng(0), "float32", (2, 10, 8), (2, 12, 8))
+    with pytest.raises(ValueError, match="not supported yet"):
+        call_with_keywords("varlen", q, k, v, dropout_p=0.1, seed=3)
+
+
+# ---------------------------------------------------------------------------
+# GPU: every kernel against the reference, with the same keep set
+
+GPU_SETTINGS = settings(deadline=None, max_examples=20,
+                        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+TOL = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-4, "float64": 1e-10}
+
+
+def assert_close_to(name, got, ref, dtype):
+    """``got`` against the float64 reference, relative to the reference's largest magnitude."""
+    got = numpy.asarray(got, numpy.float64)
+    scale = max(numpy.abs(ref[numpy.isfinite(ref)]).max(initial=0.0), 1e-30)
+    numpy.testing.assert_allclose(got / scale, ref / scale, atol=TOL[dtype], rtol=0, err_msg=name)
+
+
+@gpu_test
+def test_the_gpu_draws_the_same_keep_set():
+    import cupy
+
+    for shape, p in (((2, 3), 0.3), ((5,), 0.9), ((), 0.01)):
+        got = cupyflash.dropout_mask(2**63 + 5, p, shape, 77, 130, xp=cupy)
+        numpy.testing.assert_array_equal(got.get(), cupyflash.dropout_mask(2**63 + 5, p, shape, 77, 130))
+
+
+@gpu_test
+@SCHEDULES
+@GPU_SETTINGS
+@given(attention_problem_shapes(), WINDOWS, st.sampled_from([0.1, 0.5]), st.integers(0, 2**64 - 1), st.booleans(),
+       st.sampled_from([None, 5.0]))
+def test_dropout_on_every_kernel_matches_the_reference(gpu_schedule, problem, window, p, seed, deterministic,
+                                                       softcap):
+    """o, m, l and the gradients with dropout (and a softcap) against the float64 reference with the same
+    keep set: the kernels drop exactly the pairs `dropout_mask` names."""
+    import cupy
+
+    dtype, q_shape, kv_shape, causal, scale = problem
+    rng = numpy.random.default_rng(seed % 2**32)
+    q, k, v = random_inputs(rng, dtype, q_shape, kv_shape)
+    kw = dict(causal=causal, softmax_scale=scale, window=window, softcap=softcap, dropout_p=p, seed=seed)
+    schedule = "v1" if gpu_schedule == "v1" else "v2"
+    o, m, l = cupyflash.flash_attention_forward(*to_gpu(q, k, v), schedule=schedule, **kw)
+    refs = reference.attention_forward(q, k, v, **kw)
+    for name, got, ref in zip(("o", "m", "l"), (o, m, l), refs):
+        assert_close_to(name, got.get(), ref, dtype)
+    do = rng.standard_normal(o.shape).astype(DTYPE_BY_NAME[dtype])
+    grads = cupyflash.flash_attention_backward(cupy.asarray(do), *to_gpu(q, k, v), o, m, l, schedule=schedule,
+                                               deterministic=deterministic, **kw)
+    ref_grads = reference.attention_backward(do, q, k, v, o.get(), m.get(), l.get(), **kw)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close_to(name, got.get(), ref, dtype)
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype, D", [("float16", 64), ("bfloat16", 128), ("float16", 200), ("float32", 64)])
+def test_a_deterministic_backward_with_dropout_is_bitwise_reproducible(dtype, D):
+    import cupy
+
+    rng = numpy.random.default_rng(4)
+    q, k, v = (cupy.asarray(rng.standard_normal(s).astype(DTYPE_BY_NAME[dtype]))
+               for s in ((2, 3, 300, D), (2, 1, 400, D), (1, 3, 400, D)))
+    kw = dict(causal=True, dropout_p=0.2, seed=2024)
+    o, m, l = cupyflash.flash_attention_forward(q, k, v, **kw)
+    do = cupy.asarray(rng.standard_normal(q.shape).astype(DTYPE_BY_NAME[dtype]))
+    runs = [[g.get() for g in cupyflash.flash_attention_backward(do, q, k, v, o, m, l, deterministic=True, **kw)]
+            for _ in range(3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert a.tobytes() == b.tobytes()
+
+
+@gpu_test
+def test_dropout_counts_batch_entries_across_peeled_dims():
+    """More than three batch dims that do not merge are computed piece by piece: each piece draws with
+    the flat batch index of the whole call."""
+    rng = numpy.random.default_rng(5)
+    q, k, v = random_inputs(rng, "float32", (2, 1, 3, 2, 60, 32), (1, 2, 1, 2, 70, 32))
+    kw = dict(dropout_p=0.3, seed=11)
+    o, m, l = cupyflash.flash_attention_forward(*to_gpu(q, k, v), **kw)
+    assert_close_to("o", o.get(), reference.attention_forward(q, k, v, **kw)[0], "float32")
