@@ -95,7 +95,7 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         index, i, j)`` (Philox4x32-10, :func:`cupyflash.dropout_mask`), so
         it does not depend on tiles, schedule, kernel or GPU, and the
         backward with the same ``seed`` drops the same pairs. ``m``, ``l``
-        are those of the scores before dropout. Not with packed sequences.
+        are those of the scores before dropout.
     seed : int, optional
         Dropout's seed in ``[0, 2⁶⁴)``; needed when ``dropout_p > 0``.
     schedule : {'auto', 'v1', 'v2'}, optional
@@ -179,7 +179,7 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
              bias=None, mask=None, dropout_p=0.0, seed=None):
     """``flash_attention_forward``, or with ``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k) ``flash_attention_varlen_forward``."""
-    dropout = _checked_dropout(dropout_p, seed, varlen)
+    dropout = check_dropout(dropout_p, seed)
     inputs = _with_entries({"q": q, "k": k, "v": v}, alibi_slopes, sink, bias, mask)
     flags = (causal, softmax_scale, window, softcap, schedule, precision, dropout[0],
              *_entries_given(alibi_slopes, sink, bias, mask))
@@ -199,10 +199,10 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
                         _device_id(q, prob), {"q": q, "k": k, "v": v})
     if prob.xp is numpy:
         kw = dict(causal=prob.causal, softmax_scale=prob.scale, window=prob.window, softcap=prob.softcap,
-                  alibi_slopes=slopes, sink=sinks, bias=biases, mask=masks)
+                  alibi_slopes=slopes, sink=sinks, bias=biases, mask=masks, dropout_p=dropout[0], seed=dropout[1])
         if seqs is not None:
             return _into(out, blocked.varlen_forward(q, k, v, seqs.cu_q, seqs.cu_k, **kw))
-        return _into(out, blocked.forward(q, k, v, dropout_p=dropout[0], seed=dropout[1], **kw))
+        return _into(out, blocked.forward(q, k, v, **kw))
     import cupy
 
     with q.device:
@@ -281,12 +281,6 @@ def _checked_mods(prob, q, key, alibi_slopes, sink, bias, mask):
     return (*checked, key)
 
 
-def _checked_dropout(dropout_p, seed, varlen) -> tuple:
-    """``(p, seed)`` of a call's dropout (``check_dropout``); packed sequences take none yet."""
-    dropout = check_dropout(dropout_p, seed)
-    if dropout[0] and varlen is not None:
-        raise ValueError("dropout_p > 0 with packed sequences is not supported yet")
-    return dropout
 
 
 def _kept_plan(inputs: dict, out, names, flags, keepable=True):
@@ -513,7 +507,7 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
 def _backward(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,
               precision, deterministic, out, bias=None, mask=None, bias_grad=False, dropout_p=0.0, seed=None):
     """``flash_attention_backward``, or with ``varlen`` (as in ``_forward``) ``flash_attention_varlen_backward``."""
-    dropout = _checked_dropout(dropout_p, seed, varlen)
+    dropout = check_dropout(dropout_p, seed)
     inputs = _with_entries({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}, alibi_slopes, sink, bias, mask)
     flags = (causal, softmax_scale, window, softcap, schedule, precision, deterministic, bias_grad, dropout[0],
              *_entries_given(alibi_slopes, sink, bias, mask))
@@ -536,11 +530,12 @@ def _backward(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softc
                         _device_id(q, prob), inputs)
     if prob.xp is numpy:
         kw = dict(causal=prob.causal, softmax_scale=prob.scale, window=prob.window, softcap=prob.softcap,
-                  alibi_slopes=slopes, sink=sinks, bias=biases, mask=masks, bias_grad=bias_grad)
+                  alibi_slopes=slopes, sink=sinks, bias=biases, mask=masks, bias_grad=bias_grad,
+                  dropout_p=dropout[0], seed=dropout[1])
         if seqs is not None:
             grads = blocked.varlen_backward(do, q, k, v, o, m, l, seqs.cu_q, seqs.cu_k, **kw)
         else:
-            grads = blocked.backward(do, q, k, v, o, m, l, dropout_p=dropout[0], seed=dropout[1], **kw)
+            grads = blocked.backward(do, q, k, v, o, m, l, **kw)
         return (*_into(out, grads[:3]), *grads[3:])
     import cupy
 
@@ -691,8 +686,9 @@ def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: A
         reads the block of its own rows and keys (pairs between two
         sequences are never read).
     dropout_p, seed
-        Only ``dropout_p=0`` for now: dropout over packed sequences is not
-        supported yet (ValueError).
+        As in :func:`flash_attention_forward` over the packed pairs: pair
+        ``(i, j)`` of the packed rows and keys, so sequence ``s`` drops its
+        own block of ``dropout_mask(seed, p, batch, total_q, total_k)``.
 
     Returns
     -------

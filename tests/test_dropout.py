@@ -95,10 +95,30 @@ def test_bad_dropout_is_refused_naming_the_argument(kw, error, words, call):
     assert words in str(raised.value)
 
 
-def test_dropout_with_packed_sequences_is_refused():
-    q, k, v = random_inputs(numpy.random.default_rng(0), "float32", (2, 10, 8), (2, 12, 8))
-    with pytest.raises(ValueError, match="not supported yet"):
-        call_with_keywords("varlen", q, k, v, dropout_p=0.1, seed=3)
+@settings(deadline=None, max_examples=20)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=4), st.lists(st.integers(0, 40), min_size=1, max_size=4),
+       st.integers(0, 2**64 - 1), st.booleans())
+def test_packed_sequences_drop_their_block_of_the_packed_pairs(lens_q, lens_k, seed, causal):
+    """Dropout over packed sequences keys on the packed rows and keys: the NumPy path equals the reference,
+    and sequence s's output is that of its own problem with its block of the packed keep set."""
+    n = min(len(lens_q), len(lens_k))
+    cu_q, cu_k = (numpy.concatenate([[0], numpy.cumsum(x[:n])]) for x in (lens_q, lens_k))
+    rng = numpy.random.default_rng(seed % 2**32)
+    q, k, v = random_inputs(rng, "float64", (2, int(cu_q[-1]), 16), (2, int(cu_k[-1]), 16))
+    kw = dict(causal=causal, dropout_p=0.3, seed=seed)
+    out = cupyflash.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, **kw)
+    refs = reference.attention_varlen_forward(q, k, v, cu_q, cu_k, **kw)
+    do = rng.standard_normal(out[0].shape)
+    grads = cupyflash.flash_attention_varlen_backward(do, q, k, v, *out, cu_q, cu_k, **kw)
+    ref_grads = reference.attention_varlen_backward(do, q, k, v, *refs, cu_q, cu_k, **kw)
+    for name, got, ref in zip(("o", "m", "l", "dq", "dk", "dv"), (*out, *grads), (*refs, *ref_grads)):
+        assert_float64_close(name, got, ref)
+    keep = cupyflash.dropout_mask(seed, 0.3, (2,), int(cu_q[-1]), int(cu_k[-1]))
+    for s in range(n):
+        rq, rk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        if rq.stop > rq.start and rk.stop > rk.start:
+            P = reference.attention_forward(q[:, rq], k[:, rk], numpy.eye(rk.stop - rk.start)[None], causal=causal)[0]
+            numpy.testing.assert_allclose(out[0][:, rq], P * keep[:, rq, rk] / 0.7 @ v[:, rk], atol=1e-12)
 
 
 # ---------------------------------------------------------------------------
@@ -180,3 +200,27 @@ def test_dropout_counts_batch_entries_across_peeled_dims():
     kw = dict(dropout_p=0.3, seed=11)
     o, m, l = cupyflash.flash_attention_forward(*to_gpu(q, k, v), **kw)
     assert_close_to("o", o.get(), reference.attention_forward(q, k, v, **kw)[0], "float32")
+
+
+@gpu_test
+@pytest.mark.parametrize("schedule", ["v1", "v2", "v2-mma"])
+@pytest.mark.parametrize("dtype, D", [("float16", 64), ("bfloat16", 200), ("float32", 96)])
+def test_packed_sequences_with_dropout_match_the_reference(schedule, dtype, D, monkeypatch):
+    import cupy
+    from cupyflash import _launch
+
+    monkeypatch.setattr(_launch, "USE_WGMMA", schedule != "v2-mma")
+    rng = numpy.random.default_rng(6)
+    cu_q, cu_k = numpy.array([0, 130, 130, 400], numpy.int32), numpy.array([0, 70, 201, 390], numpy.int32)
+    q, k, v = random_inputs(rng, dtype, (2, 400, D), (2, 390, D))
+    kw = dict(causal=True, dropout_p=0.25, seed=77)
+    o, m, l = cupyflash.flash_attention_varlen_forward(*to_gpu(q, k, v), cu_q, cu_k, schedule=schedule[:2], **kw)
+    refs = reference.attention_varlen_forward(q, k, v, cu_q, cu_k, **kw)
+    for name, got, ref in zip(("o", "m", "l"), (o, m, l), refs):
+        assert_close_to(name, got.get(), ref, dtype)
+    do = rng.standard_normal(o.shape).astype(DTYPE_BY_NAME[dtype])
+    grads = cupyflash.flash_attention_varlen_backward(cupy.asarray(do), *to_gpu(q, k, v), o, m, l, cu_q, cu_k,
+                                                      schedule=schedule[:2], **kw)
+    ref_grads = reference.attention_varlen_backward(do, q, k, v, o.get(), m.get(), l.get(), cu_q, cu_k, **kw)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert_close_to(name, got.get(), ref, dtype)
