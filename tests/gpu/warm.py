@@ -4,8 +4,8 @@ suite itself compiles nothing (compiling on first use, one at a time, takes most
     PYTHONPATH=$PWD python3 tests/gpu/warm.py [count] [--jobs 16]
 
 The plain specialisations (every family, dtype, head-dim bucket, precision, ordered or not), each
-score-modifier set the tests draw (softcap, ALiBi, sink, bias, mask, dbias) on every family, and
-packed sequences at the head dims tests/test_varlen.py and tests/test_bias_mask.py use. ``count`` only
+score-modifier set the tests draw (softcap, ALiBi, sink, bias, mask, dbias, dropout) on every family, and
+packed sequences at the head dims tests/test_varlen.py, tests/test_bias_mask.py and tests/test_dropout.py use. ``count`` only
 prints how many there are. About 2600 specialisations, 250 s on 16 cores of the H200 machine.
 """
 
@@ -46,6 +46,7 @@ def specialisations() -> list:
         if not cfg.spec.score_mods or cfg.fp32_mma not in (0, 1):
             continue
         out += [_tiles.with_mods(cfg, *flags) for flags in SCORE_SETS]
+        out += [_tiles.with_mods(cfg, softcap, False, False, dropout=True) for softcap in (False, True)]
         for softcap in (False, True):
             for bias, mask in PAIR_SETS:
                 for grad in (False, True) if bias else (False,):
@@ -56,6 +57,7 @@ def specialisations() -> list:
             pads[key] = _varlen_pads(cfg.kernel, cfg.dtype)
         if cfg.d_pad in pads[key] or cfg.kernel == "repair":
             out += [_tiles.with_varlen(_tiles.with_mods(cfg, *flags), True) for flags in VARLEN_SETS]
+            out.append(_tiles.with_varlen(_tiles.with_mods(cfg, False, False, False, dropout=True), True))
     return list(dict.fromkeys(out))
 
 
