@@ -12,7 +12,8 @@ run), the four dtypes (float32 under both precisions: 450 cases), one head dim p
 not, causal with a NaN in each of q, k, v, do inside a diagonal tile (the scans, the flags and
 flash_repair.cu), a sliding window without and (causal) with the NaNs, K/V broadcast over a group of
 query heads, the backward unordered and deterministic; ``--mods all`` runs them with the softcap,
-ALiBi and a sink compiled in, ``--mods pairs`` with a bias (and dbias) and a boolean mask.
+ALiBi and a sink compiled in, ``--mods pairs`` with a bias (and dbias) and a boolean mask,
+``--mods dropout`` with dropout.
 ``--quick`` keeps two head dims, ``--head-dims`` picks some, ``--dtypes`` some dtypes, ``--schedules`` some
 schedules, ``--masks`` some masks (racecheck over all six head dims takes
 longer than one 10-minute device call: run it in parts). The script also checks each result
@@ -64,7 +65,8 @@ _PAIRS = numpy.random.default_rng(7)
 MODS = {"none": {}, "all": dict(softcap=4.0, alibi_slopes=numpy.array([[0.5], [0.125]], numpy.float32),
                                 sink=numpy.array([[0.5, -1.0], [1.5, 0.0]], numpy.float32)),
         "pairs": dict(bias=_PAIRS.integers(-8, 8, (2, Q_SHAPE[-1], KV_SHAPE[-1])) / 4,
-                      mask=_PAIRS.random((Q_SHAPE[0], 1, 1, Q_SHAPE[-1], KV_SHAPE[-1])) < 0.75)}
+                      mask=_PAIRS.random((Q_SHAPE[0], 1, 1, Q_SHAPE[-1], KV_SHAPE[-1])) < 0.75),
+        "dropout": dict(dropout_p=0.25, seed=2**40 + 3)}
 
 
 def run_case(dtype, precision, D, schedule, causal, window, poison, rng, mods=None) -> float:
