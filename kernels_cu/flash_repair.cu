@@ -168,12 +168,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_repair(const Fw
             if (l_i != (acc_t)0) {
                 load_row(q_i, q_h + r * p.q.sn, D);
                 for (int j = mask.key_start(r); j < mask.key_stop(r); ++j) {
-                    if (mods.hidden(r, j) || (DROPOUT && !mods.kept(r, j))) continue;   // no term
+                    if (mods.hidden(r, j)) continue;   // no term (a dropped pair keeps its 0 · v_j)
                     acc_t k_j[RPL], v_j[RPL];
                     load_row(k_j, k_h + j * p.k.sn, D);
                     load_row(v_j, v_h + j * p.v.sn, D);
                     acc_t unused;
-                    const acc_t pr = exp2_acc((mods.apply(dot(q_i, k_j) * scale, r, j, unused) - m_i) * (acc_t)LOG2E);
+                    acc_t pr = exp2_acc((mods.apply(dot(q_i, k_j) * scale, r, j, unused) - m_i) * (acc_t)LOG2E);
+                    if (DROPOUT) pr *= mods.kept(r, j) ? (acc_t)1 : (acc_t)0;   // Z P (its 1 / (1 - p) below)
 #pragma unroll
                     for (int e = 0; e < RPL; ++e) o_i[e] += pr * v_j[e];
                 }
