@@ -262,9 +262,33 @@ __device__ __forceinline__ bool may_hide(const Mask& mask, int q0, int rows, int
 }
 
 // Dropout's keep bits of the four elements of n-tile n of a warp's tile (rows r0 .., columns c0 .. as
-// in pair_at): bit e set where element e's pair is kept
+// in pair_at): bit e set where element e's pair is kept.
+//
+// TRANSPOSED (rows keys, the backward's S^T): a lane's four elements are four Philox results, one word
+// of each (keys g and g + 8, queries c and c + 1). Where the warp's first key starts a group of four
+// in the keep set (always but for packed sequences that start off one), the four lanes g = 4m .. 4m+3
+// of one t need the same four results, word g % 4 of each: lane r = g % 4 draws result r (element r),
+// and four shuffles hand each lane its word of each: one draw per lane instead of four.
 template <bool TRANSPOSED>
 __device__ __forceinline__ unsigned keep_bits(const EntryMods& mods, int r0, int c0, int n) {
+    if constexpr (TRANSPOSED) {
+        if (((mods.pk0 + (unsigned)r0) & 3) == 0) {
+            const int lane = threadIdx.x % WARP_SIZE, r = lane / 4 & 3;
+            int i, j;
+            pair_at<true>(r0, c0, n, r, i, j);   // element r: key g + 8 (r / 2), query c + r % 2
+            const Words4 mine = philox4x32((mods.pk0 + (unsigned)j) >> 2, mods.pq0 + (unsigned)i, mods.b_lo, mods.b_hi,
+                                           mods.seed_lo, mods.seed_hi);
+            unsigned bits = 0;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {   // round k: receive word r of the result of lane r - k (its element)
+                const int from = (r - k) & 3;
+                const unsigned word = __shfl_sync(0xffffffffu, EntryMods::word(mine, (unsigned)(r + k) & 3),
+                                                  (lane & ~12) | from << 2);
+                bits |= (unsigned)(word >= mods.threshold) << from;
+            }
+            return bits;
+        }
+    }
     unsigned bits = 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
