@@ -506,7 +506,18 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
 
 def _backward(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,
               precision, deterministic, out, bias=None, mask=None, bias_grad=False, dropout_p=0.0, seed=None):
-    """``flash_attention_backward``, or with ``varlen`` (as in ``_forward``) ``flash_attention_varlen_backward``."""
+    """``flash_attention_backward``, or with ``varlen`` (as in ``_forward``) ``flash_attention_varlen_backward``:
+    ``_gradients``, with dbias in the shape of the bias given (read as (1, Nk) where 1-D)."""
+    grads = _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink,
+                       schedule, precision, deterministic, out, bias, mask, bias_grad, dropout_p, seed)
+    if bias_grad:   # validated by _gradients
+        grads = (*grads[:3], grads[3].reshape(numpy.shape(bias)), *grads[4:])
+    return grads
+
+
+def _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,
+               precision, deterministic, out, bias, mask, bias_grad, dropout_p, seed):
+    """dq, dk, dv (dbias, dsink where asked) of ``_backward``'s call."""
     dropout = check_dropout(dropout_p, seed)
     inputs = _with_entries({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}, alibi_slopes, sink, bias, mask)
     flags = (causal, softmax_scale, window, softcap, schedule, precision, deterministic, bias_grad, dropout[0],

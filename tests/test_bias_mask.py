@@ -24,13 +24,14 @@ from test_window import SCHEDULES, WINDOWS, assert_float64_close
 from tolerances import _softmax_rows
 
 # how a per-pair array broadcasts against (*batch, Nq, Nk)
-PAIR_KINDS = ("full", "shared", "heads", "keys", "rows", "strided")
+PAIR_KINDS = ("full", "shared", "heads", "keys", "rows", "strided", "vector")
 
 
 def pair_shape(kind, batch, n_q, n_k):
-    """The shape of a per-pair array of ``kind`` (``strided``: full, laid out keys-major)."""
+    """The shape of a per-pair array of ``kind`` (``strided``: full, laid out keys-major; ``vector``: 1-D,
+    one value per key)."""
     return {"full": (*batch, n_q, n_k), "shared": (n_q, n_k), "heads": (*batch[-1:], n_q, n_k),
-            "keys": (*batch, 1, n_k), "rows": (n_q, 1), "strided": (*batch, n_q, n_k)}[kind]
+            "keys": (*batch, 1, n_k), "rows": (n_q, 1), "strided": (*batch, n_q, n_k), "vector": (n_k,)}[kind]
 
 
 def pair_array(kind, batch, n_q, n_k, rng, dtype, is_mask):
