@@ -194,6 +194,15 @@ def call_with_keywords(call, q, k, v, **kw):
     return cupyflash.flash_attention_backward(o, q, k, v, o, m, l, **kw)
 
 
+def assert_refused(call, error, words, **kw):
+    """``call_with_keywords(call, ...)`` on small float32 inputs (a batch of (2, 3), 10 queries, 12 keys,
+    D 8) with keywords ``kw`` raises ``error`` whose message holds ``words``."""
+    q, k, v = random_inputs(numpy.random.default_rng(0), "float32", (2, 3, 10, 8), (2, 3, 12, 8))
+    with pytest.raises(error) as raised:
+        call_with_keywords(call, q, k, v, **kw)
+    assert words in str(raised.value)
+
+
 def reproducible_backward(q, k, v, do, runs=3, **kw):
     """The deterministic backward of the CuPy inputs, run ``runs`` times after one forward (both with
     ``kw``): asserts every run gives the same bits and returns the first's results."""
