@@ -1,8 +1,9 @@
 """Attention variants on the GPU against FlashAttention-2 and against our own plain kernels, side by
 side in one process on the same inputs (issue #17's targets): sliding windows, the score
-modifiers (softcap, ALiBi, sink) and packed variable-length sequences.
+modifiers (softcap, ALiBi, sink), packed variable-length sequences, a bias with its gradient and a
+boolean mask.
 
-    python benchmarks/variants.py [--sweep windows mods varlen] [--dtypes fp16 bf16] [--head-dims 64 128]
+    python benchmarks/variants.py [--sweep windows mods varlen bias] [--dtypes fp16 bf16] [--head-dims 64 128]
                                   [--seqlens ...] [--windows 256 1024] [--out DIR]
 
 Windows (default N 4096 8192 16384): for each case of the FlashAttention papers' protocol
@@ -18,7 +19,8 @@ times that backward.
 
 Modifiers (default N 1024 4096 16384, causal and not): ``cupyflash`` plain, ``cupyflash-softcap``
 (``softcap=30``), ``cupyflash-alibi`` (ALiBi's geometric slopes ``2^(-8 (h + 1) / H)``), both,
-and ``cupyflash-sink`` (a sink logit per head; the backward adds dsink's reductions). The target is
+``cupyflash-sink`` (a sink logit per head; the backward adds dsink's reductions) and
+``cupyflash-dropout`` (``dropout_p=0.1``). The target is
 softcap and ALiBi at >= 0.95x our own plain speed. (torch's FlashAttention-2 build
 refuses ``alibi_slopes``: "This flash attention build does not support alibi"; it has no softcap.)
 
@@ -28,6 +30,13 @@ and not: ``cupyflash`` (``flash_attention_varlen_forward``/``_backward`` with Cu
 ``torch.ops.aten._flash_attention_forward``/``_backward`` with ``cum_seq_q/k`` on the same packed
 (total, H, D) memory (ours reads it as (H, total, D) through DLPack, no copy). TFLOP/s count each
 sequence's visible pairs.
+
+Bias (default N 1024 2048 4096, not causal): a bias ``(1, H, N, N)`` of the inputs' dtype, the backward
+with ``bias_grad=True`` (dbias summed over the batch with atomics), against torch SDPA with the same
+bias as a float ``attn_mask`` that requires grad, on its cuDNN backend and on its memory-efficient one
+(the backward returns the mask's gradient too), all on the same memory; and ``cupyflash-mask``, a
+key-padding boolean mask ``(B, 1, 1, N)`` (the last eighth of each row's keys hidden), against our own
+plain call. The target: the bias backward at >= 1.0x cuDNN's.
 
 Every call is timed two ways: queued (the median of calls issued back to back, one between two
 events: the GPU's time) and single (a synchronised call between two events: the host's cost
@@ -101,6 +110,7 @@ def fa2_runs(x: bench.Inputs, window) -> dict:
 
 
 SOFTCAP = 30.0   # Gemma 2's attention softcap is 50, Grok's 30
+DROPOUT_P = 0.1  # the usual attention dropout
 
 
 def alibi_slopes(H: int) -> cupy.ndarray:
@@ -113,6 +123,94 @@ def modified_runs(x: bench.Inputs, mods: dict) -> dict:
     saved = cupyflash.flash_attention_forward(x.q, x.k, x.v, **kw)
     return {"fwd": lambda: cupyflash.flash_attention_forward(x.q, x.k, x.v, **kw),
             "bwd": lambda: cupyflash.flash_attention_backward(x.do, x.q, x.k, x.v, *saved, **kw)}
+
+
+def bias_runs(x: bench.Inputs, bias, mask=None, bias_grad=False) -> dict:
+    kw = dict(causal=x.causal, bias=bias, mask=mask)
+    saved = cupyflash.flash_attention_forward(x.q, x.k, x.v, **kw)
+    return {"fwd": lambda: cupyflash.flash_attention_forward(x.q, x.k, x.v, **kw),
+            "bwd": lambda: cupyflash.flash_attention_backward(x.do, x.q, x.k, x.v, *saved, bias_grad=bias_grad, **kw)}
+
+
+def torch_bias_runs(backend_name: str, x: bench.Inputs, bias) -> dict:
+    """torch SDPA with ``bias`` as a float ``attn_mask`` that requires grad (the same memory)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+    q, k, v, do, b = (torch.from_dlpack(a) for a in (x.q, x.k, x.v, x.do, bias))
+    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v, b))
+
+    def sdpa(q, k, v, b):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=b)
+
+    try:
+        out = sdpa(*leaves)
+        grads = torch.autograd.grad(out, leaves, do, retain_graph=True)
+    except RuntimeError as error:
+        raise bench.Unavailable(f"{backend_name} cannot run this: {bench.short(error)}") from error
+    assert grads[3].shape == b.shape
+    return {"fwd": lambda: sdpa(q, k, v, b), "bwd": lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)}
+
+
+def run_bias(args) -> list:
+    records = []
+    for dtype in args.dtypes:
+        for D in args.head_dims:
+            for N in args.seqlens or [1024, 2048, 4096]:
+                cfg = bench.protocol_config(dtype, D, N, False)
+                x = bench.make_inputs(cfg, bench.SEED)
+                rng = cupy.random.default_rng(1)
+                bias = rng.standard_normal((1, cfg.H, N, N), dtype=numpy.float32).astype(x.q.dtype)
+                keep = cupy.ones((cfg.B, 1, 1, N), bool)
+                keep[..., N - N // 8:] = False
+                systems = {"cupyflash": (lambda: modified_runs(x, {}), bench.cupy_clock),
+                           "cupyflash-bias": (lambda: bias_runs(x, bias, bias_grad=True), bench.cupy_clock),
+                           "cupyflash-mask": (lambda: bias_runs(x, None, keep), bench.cupy_clock),
+                           "torch-cudnn-bias": (lambda: torch_bias_runs("CUDNN_ATTENTION", x, bias), bench.torch_clock),
+                           "torch-efficient-bias": (lambda: torch_bias_runs("EFFICIENT_ATTENTION", x, bias),
+                                                    bench.torch_clock)}
+                pairs = visible_pairs(N, False, (None, None))
+                for name, (runs_of, clock_of) in systems.items():
+                    try:
+                        runs = runs_of()
+                    except Exception as error:  # noqa: BLE001 - recorded: a system that cannot run this case
+                        records.append(dict(system=name, sweep="bias", dtype=dtype, D=D, N=N, note=bench.short(error)))
+                        print(f"{name} {cfg}: {bench.short(error)}", flush=True)
+                        continue
+                    clock = clock_of()
+                    for mode, call in runs.items():
+                        records.append(timed(name, mode, cfg, call, clock, pairs, causal=False, sweep="bias"))
+                del x, bias, keep
+                bench.free_memory()
+    return records
+
+
+def bias_table(records) -> str:
+    """A row per case and mode: our plain, bias and mask speeds and cuDNN's and the efficient kernel's
+    with the bias (queued TFLOP/s), and our bias over theirs (queued, single in parentheses)."""
+    index = {(r["system"], r["mode"], r["dtype"], r["D"], r["N"]): r for r in records
+             if r.get("sweep") == "bias" and "mode" in r}
+    names = ("cupyflash", "cupyflash-bias", "cupyflash-mask", "torch-cudnn-bias", "torch-efficient-bias")
+    lines = ["| dtype | D | N | mode | plain | bias | mask | cuDNN bias | efficient bias | bias / cuDNN "
+             "| bias / efficient | mask / plain |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    speed = lambda r: f"{r['tflops_queued']:.1f}" if r else "—"   # noqa: E731
+
+    def ratio(a, b):
+        if not (a and b):
+            return "—"
+        return f"{a['tflops_queued'] / b['tflops_queued']:.2f} ({a['tflops_single'] / b['tflops_single']:.2f})"
+
+    for (system, mode, *case) in list(index):
+        if system != "cupyflash":
+            continue
+        plain, bias, mask, cudnn, eff = (index.get((name, mode, *case)) for name in names)
+        dtype, D, N = case
+        lines.append(f"| {dtype} | {D} | {N} | {mode} | {speed(plain)} | {speed(bias)} | {speed(mask)} | "
+                     f"{speed(cudnn)} | {speed(eff)} | {ratio(bias, cudnn)} | {ratio(bias, eff)} | "
+                     f"{ratio(mask, plain)} |")
+    return "\n".join(lines) + "\n"
 
 
 def mods_cases(dtypes, head_dims, seqlens):
@@ -134,7 +232,9 @@ def run_mods(args) -> list:
                    "cupyflash-alibi": (lambda: modified_runs(x, {"alibi_slopes": slopes}), bench.cupy_clock),
                    "cupyflash-both": (lambda: modified_runs(x, {"softcap": SOFTCAP, "alibi_slopes": slopes}),
                                       bench.cupy_clock),
-                   "cupyflash-sink": (lambda: modified_runs(x, {"sink": sinks}), bench.cupy_clock)}
+                   "cupyflash-sink": (lambda: modified_runs(x, {"sink": sinks}), bench.cupy_clock),
+                   "cupyflash-dropout": (lambda: modified_runs(x, {"dropout_p": DROPOUT_P, "seed": 1}),
+                                         bench.cupy_clock)}
         pairs = visible_pairs(cfg.N, cfg.causal, (None, None))
         for name, (runs_of, clock_of) in systems.items():
             try:
@@ -169,11 +269,11 @@ def mods_table(records) -> str:
     """A row per case and mode: our plain, softcap, ALiBi, both and sink speeds (queued) and their
     ratios to plain (queued, single in parentheses)."""
     index = {(r["system"], r["mode"], r["dtype"], r["D"], r["N"], r["causal"]): r
-             for r in records if "mode" in r and "causal" in r}
-    variants = ("cupyflash-softcap", "cupyflash-alibi", "cupyflash-both", "cupyflash-sink")
-    lines = ["| dtype | D | N | causal | mode | plain TFLOP/s | softcap | ALiBi | both | sink | softcap / plain "
-             "| ALiBi / plain | both / plain | sink / plain |",
-             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             for r in records if "mode" in r and "causal" in r and "sweep" not in r}
+    variants = ("cupyflash-softcap", "cupyflash-alibi", "cupyflash-both", "cupyflash-sink", "cupyflash-dropout")
+    lines = ["| dtype | D | N | causal | mode | plain TFLOP/s | softcap | ALiBi | both | sink | dropout | softcap / plain "
+             "| ALiBi / plain | both / plain | sink / plain | dropout / plain |",
+             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     speed = lambda r: f"{r['tflops_queued']:.1f}" if r else "—"   # noqa: E731
 
     def ratio(a, b):
@@ -324,19 +424,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=["fp16", "bf16"])
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
-    parser.add_argument("--sweep", nargs="+", default=["windows", "mods", "varlen"],
-                        choices=["windows", "mods", "varlen"])
+    parser.add_argument("--sweep", nargs="+", default=["windows", "mods", "varlen", "bias"],
+                        choices=["windows", "mods", "varlen", "bias"])
     parser.add_argument("--seqlens", nargs="+", type=int, default=None, help="default: per sweep (module doc)")
     parser.add_argument("--windows", nargs="+", type=int, default=[256, 1024])
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args(argv)
     records = ((run_windows(args) if "windows" in args.sweep else []) + (run_mods(args) if "mods" in args.sweep else [])
-               + (run_varlen(args) if "varlen" in args.sweep else []))
+               + (run_varlen(args) if "varlen" in args.sweep else [])
+               + (run_bias(args) if "bias" in args.sweep else []))
     args.out.mkdir(parents=True, exist_ok=True)
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     (args.out / "variants_results.json").write_text(json.dumps(dict(device=device, commit=bench.git_commit(),
                                                                     records=records), indent=1))
-    tables = table(records) + "\n" + mods_table(records) + "\n" + varlen_table(records)
+    tables = table(records) + "\n" + mods_table(records) + "\n" + varlen_table(records) + "\n" + bias_table(records)
     (args.out / "variants_results.md").write_text(f"{device}, commit {bench.git_commit()}\n\n" + tables)
     print(tables)
     return 0

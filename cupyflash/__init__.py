@@ -7,9 +7,9 @@ softmax statistics ``m`` (row max) and ``l`` (row exp-sum).
 
 from . import reference
 from ._compile import precompile
-from .api import (flash_attention, flash_attention_backward, flash_attention_forward, flash_attention_varlen_backward,
-                  flash_attention_varlen_forward)
+from .api import (dropout_mask, flash_attention, flash_attention_backward, flash_attention_forward,
+                  flash_attention_varlen_backward, flash_attention_varlen_forward)
 
 __version__ = "0.1.0"
 __all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward", "flash_attention_varlen_forward",
-           "flash_attention_varlen_backward", "precompile", "reference", "__version__"]
+           "flash_attention_varlen_backward", "dropout_mask", "precompile", "reference", "__version__"]

@@ -13,6 +13,7 @@ from typing import Optional
 import numpy
 
 from ._mask import MaskGeometry
+from ._philox import check_dropout as check_philox_dropout, keep_threshold
 from ._tiles import MAX_HEAD_DIM, accumulator_dtype, dtype_name
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -118,6 +119,34 @@ def check_softcap(softcap, dtype) -> Optional[float]:
     return float(softcap)
 
 
+def _is_cupy_of_inputs(name: str, x, on_gpu: bool, device) -> bool:
+    """``x`` is a CuPy array, allowed only for GPU inputs and on their ``device``."""
+    cupy = _cupy()
+    if cupy is None or not isinstance(x, cupy.ndarray):
+        return False
+    if not on_gpu:
+        raise TypeError(f"{name} is a cupy.ndarray but q, k, v are NumPy arrays: pass it as a NumPy array")
+    if x.device.id != device:
+        raise ValueError(f"{name} is on device {x.device.id}, q on device {device}")
+    return True
+
+
+def _given_array(name: str, values, on_gpu: bool, device):
+    """A modifier's ``values`` as an array: a CuPy array as it is (for GPU inputs, on their ``device``),
+    anything else through ``numpy.asarray``."""
+    if _is_cupy_of_inputs(name, values, on_gpu, device):
+        return values
+    try:
+        return numpy.asarray(values)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{name} must be an array, got {type(values).__name__}") from error
+
+
+def _check_real(name: str, x):
+    if x.dtype.kind not in "fiu" and x.dtype.name != "bfloat16":
+        raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
+
+
 def check_per_entry(name: str, values, prob: "Problem", device=None):
     """``values`` (``alibi_slopes``, ``sink``: one number per batch entry) as the kernels (or the NumPy
     path) read them: None, or an array of the inputs' kind (on their device) in the accumulator dtype
@@ -128,19 +157,8 @@ def check_per_entry(name: str, values, prob: "Problem", device=None):
     acc = accumulator_dtype(prob.dtype)
     cupy = _cupy()
     on_gpu = prob.xp is not numpy
-    if cupy is not None and isinstance(values, cupy.ndarray):
-        if not on_gpu:
-            raise TypeError(f"{name} is a cupy.ndarray but q, k, v are NumPy arrays: pass it as a NumPy array")
-        if values.device.id != device:
-            raise ValueError(f"{name} is on device {values.device.id}, q on device {device}")
-        x = values
-    else:
-        try:
-            x = numpy.asarray(values)
-        except (TypeError, ValueError) as error:
-            raise TypeError(f"{name} must be an array of floats, got {type(values).__name__}") from error
-    if x.dtype.kind not in "fiu" and x.dtype.name != "bfloat16":
-        raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
+    x = _given_array(name, values, on_gpu, device)
+    _check_real(name, x)
     try:
         fits = numpy.broadcast_shapes(x.shape, prob.batch_shape) == tuple(prob.batch_shape)
     except ValueError:
@@ -157,6 +175,57 @@ def check_per_entry(name: str, values, prob: "Problem", device=None):
                 x = cupy.ascontiguousarray(x)
         return x
     return x.astype(acc, copy=False)
+
+
+def check_pairwise(name: str, values, prob: "Problem", device=None):
+    """``values`` (``bias``: real numbers, ``mask``: bools, one per (query, key) pair) as the kernels (or
+    the NumPy path) read them: None, or an array of the inputs' kind (on their device) of at least two
+    dims whose shape broadcasts to ``(*batch, Nq, Nk)`` (fewer dims gain leading ones, a view). On the
+    GPU a bias is read in the inputs' dtype: another dtype, or a NumPy array, is converted (a copy of
+    its own shape, never of the broadcast one); any strides are read in place."""
+    if values is None:
+        return None
+    cupy = _cupy()
+    on_gpu = prob.xp is not numpy
+    x = _given_array(name, values, on_gpu, device)
+    if name == "mask" and x.dtype != numpy.bool_:
+        raise TypeError(f"mask must be a bool array (True = visible), got dtype {x.dtype}")
+    if name != "mask":
+        _check_real(name, x)
+    full = (*prob.batch_shape, prob.Nq, prob.Nk)
+    try:
+        fits = numpy.broadcast_shapes(x.shape, full) == full
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{name} of shape {x.shape} does not broadcast to (*batch, Nq, Nk) = {full}")
+    if x.ndim < 2:
+        x = x.reshape((1,) * (2 - x.ndim) + x.shape)
+    if not on_gpu:
+        return x
+    with cupy.cuda.Device(device):
+        if name != "mask" and (not isinstance(x, cupy.ndarray) or x.dtype != prob.dtype):
+            return cupy.asarray(x, dtype=prob.dtype)
+        if not isinstance(x, cupy.ndarray):
+            return cupy.asarray(x)
+        # the kernels take the query and key strides as int32 (score_mod.cuh: Pairs)
+        if any(s % x.itemsize for s in x.strides) or any(abs(s // x.itemsize) >= 2**31 for s in x.strides[-2:]):
+            return cupy.ascontiguousarray(x)
+    return x
+
+
+def check_dropout(dropout_p, seed) -> tuple:
+    """``(p, seed)`` of dropout, validated: ``dropout_p`` a real number in [0, 1) (not so close to 1 that
+    round(p 2^32), the kernels' threshold, leaves 32 bits), and for p > 0 an int ``seed`` in [0, 2^64);
+    ``(0.0, 0)`` without dropout."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, numpy.integer, numpy.floating)):
+        raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
+    check_philox_dropout(float(dropout_p), seed)
+    if not dropout_p:
+        return 0.0, 0
+    if int(keep_threshold(float(dropout_p))) >= 2**32:
+        raise ValueError(f"dropout_p must be below 1 - 2^-33, got {dropout_p!r}")
+    return float(dropout_p), int(seed)
 
 
 def with_softcap(prob: "Problem", softcap) -> "Problem":
@@ -344,12 +413,7 @@ def check_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prob: 
     on_gpu = prob.xp is not numpy
     arrays = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
     for name, cu in arrays.items():
-        if cupy is not None and isinstance(cu, cupy.ndarray):
-            if not on_gpu:
-                raise TypeError(f"{name} is a cupy.ndarray but q, k, v are NumPy arrays: pass it as a NumPy array")
-            if cu.device.id != device:
-                raise ValueError(f"{name} is on device {cu.device.id}, q on device {device}")
-        elif not isinstance(cu, numpy.ndarray):
+        if not _is_cupy_of_inputs(name, cu, on_gpu, device) and not isinstance(cu, numpy.ndarray):
             raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray of int32 offsets, got {type(cu).__name__}")
         if cu.ndim != 1 or cu.size < 1 or cu.dtype.kind not in "iu":
             raise ValueError(f"{name} must be a 1-D integer array of n_seq + 1 offsets, got shape {cu.shape}, "

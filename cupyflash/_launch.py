@@ -27,6 +27,7 @@ import numpy
 from ._compile import get_kernels
 from ._mask import MaskGeometry
 from ._params import BWD, FWD, ZERO_RANGES, Params
+from ._philox import keep_threshold
 from ._tiles import (KERNELS, TileConfig, accumulator_dtype, auto_forward, choose_tiles, with_mods, with_precision,
                      with_varlen)
 
@@ -183,10 +184,21 @@ def forward_kernel(schedule: str, dtype, scale: float = 1.0) -> str:
     return f"fwd_{schedule}"
 
 
-def backward_kernel(schedule: str, dtype, head_dim: int) -> str:
-    """The main kernel of a backward ``schedule`` for ``dtype`` and ``head_dim`` on the current device."""
+def backward_kernel(schedule: str, dtype, head_dim: int, scale: float = 1.0, mods: "Mods" = None) -> str:
+    """The main kernel of a backward ``schedule`` for ``dtype`` and ``head_dim`` on the current device.
+
+    The Hopper kernels take modified scores in units of ``scale`` (score_mod.cuh: RawMods): with
+    modifiers, a zero scale (as the kernel reads it, in float32) runs the portable kernel; so does
+    dbias under a softcap for ``head_dim`` > 128 (the wide kernel has no plain dS there).
+    """
     if schedule != "v1" and _hopper(dtype):
-        return "bwd_sm90" if head_dim <= KERNELS["bwd_sm90"].max_head_dim else "bwd_sm90_wide"
+        scored = mods is not None and (mods.alibi or mods.bias or mods.mask or mods.softcap is not None)
+        if scored and numpy.float32(scale) == 0:
+            return "bwd"
+        if head_dim <= KERNELS["bwd_sm90"].max_head_dim:
+            return "bwd_sm90"
+        if mods is None or not (mods.bias_grad and mods.softcap is not None):
+            return "bwd_sm90_wide"
     return "bwd"
 
 
@@ -352,25 +364,36 @@ def _launch_grid(n: int) -> int:
 
 @dataclass(frozen=True)
 class Mods:
-    """The modifiers of a call (``score_mod.cuh``): the softcap (None: none) and whether ALiBi slopes
-    and sink logits come (their arrays follow the call's tensors in its batch layout, slopes first,
-    and its call)."""
+    """The modifiers of a call (``score_mod.cuh``): the softcap (None: none), whether ALiBi slopes,
+    sink logits, a bias and a boolean mask come, and a backward's dbias. Their arrays follow the
+    call's tensors in its batch layout, in that order (slopes, sinks, bias, mask, dbias), and its
+    call; ``pairs`` holds the query and key strides of bias, mask and dbias (``pair_strides``)."""
 
     softcap: float | None = None
     alibi: bool = False
     sink: bool = False
+    bias: bool = False
+    mask: bool = False
+    bias_grad: bool = False
+    pairs: tuple = ((0, 0), (0, 0), (0, 0))
+    dropout: float = 0.0      # p; the seed comes with each call
+    batch0: int = 0           # the flat batch index of entry 0 (a peeled piece's), dropout's counter
 
     def config(self, cfg: TileConfig) -> TileConfig:
         """``cfg`` with these modifiers compiled in."""
-        return with_mods(cfg, self.softcap is not None, self.alibi, self.sink)
+        return with_mods(cfg, self.softcap is not None, self.alibi, self.sink, self.bias, self.mask, self.bias_grad,
+                         self.dropout > 0)
 
-    def fields(self, layout: "BatchLayout") -> tuple:
-        """``ScoreMods`` but its pointers: the slopes' and the sinks' collapsed batch strides (the
-        layout's last tensors) and the softcap."""
-        extra = list(layout.strides[len(layout.strides) - self.alibi - self.sink:])
-        alibi = extra.pop(0) if self.alibi else (0, 0, 0)
-        sink = extra.pop(0) if self.sink else (0, 0, 0)
-        return (0, *alibi, 0, *sink, 0.0 if self.softcap is None else float(self.softcap))
+    def fields(self, layout: "BatchLayout", dbias_add: bool = False) -> tuple:
+        """``ScoreMods`` but its pointers and seed: the collapsed batch strides of the per-entry and
+        per-pair arrays (the layout's last tensors), the pairs' strides, ``dbias_add``, dropout's
+        threshold, the softcap, dropout's 1 / (1 - p) and the batch offset."""
+        given = (self.alibi, self.sink, self.bias, self.mask, self.bias_grad)
+        extra = list(layout.strides[len(layout.strides) - sum(given):])
+        alibi, sink, bias, mask, dbias = (extra.pop(0) if g else (0, 0, 0) for g in given)
+        pairs = tuple((0, *b, *ij) for b, ij in zip((bias, mask, dbias), self.pairs))
+        return (0, *alibi, 0, *sink, *pairs, int(dbias_add), int(keep_threshold(self.dropout)),
+                0.0 if self.softcap is None else float(self.softcap), 1.0 / (1.0 - self.dropout), self.batch0, 0)
 
 
 PLAIN = Mods()
@@ -384,6 +407,15 @@ class Packed:
     n: int
     max_q: int
     max_k: int
+
+
+def _grid_lengths(packed, rows_q: int, rows_k: int, entries: int) -> tuple[int, int, int]:
+    """``(Nq, Nk, heads)`` of a plan's grid: the query rows and keys whose tiles it covers (the longest
+    sequence's with ``packed`` sequences, else all of them) and its work heads (one per batch entry and
+    sequence)."""
+    if packed is None:
+        return rows_q, rows_k, entries
+    return packed.max_q, packed.max_k, entries * packed.n
 
 
 def _variant(cfg: TileConfig, mods: Mods, packed) -> TileConfig:
@@ -405,10 +437,20 @@ def _address(x) -> int:
     return 0 if x is None else x.data.ptr
 
 
-def _masked_pairs(geometry: MaskGeometry, packed=None) -> bool:
+def pair_strides(x) -> tuple[int, int]:
+    """The query and key element strides of a per-pair array ``x`` (..., Nq or 1, Nk or 1): 0 along a
+    dim of 1, which broadcasts."""
+    rows, cols = x.shape[-2:]
+    si, sj = element_strides(x)[-2:]
+    return (si if rows != 1 else 0, sj if cols != 1 else 0)
+
+
+def _masked_pairs(geometry: MaskGeometry, packed=None, mods: Mods = None) -> bool:
     """Some pair of the whole problem is masked inside the ragged ends: the tile of every row and key
     has masked pairs (a causal mask or a window that bounds some row); of packed sequences, which may
-    be of any lengths, wherever a causal mask or a window applies."""
+    be of any lengths, wherever a causal mask or a window applies; under a boolean mask always."""
+    if mods is not None and mods.mask:
+        return True
     if packed is not None:
         return geometry.causal or geometry.left is not None or geometry.right is not None
     return geometry.has_masked_pairs(0, 0, geometry.n_k)
@@ -430,10 +472,12 @@ class ForwardPlan:
     o_run: int                # bytes of V1's running O_i (0: not used), a workspace of its own
     params: Params            # FwdParams
 
-    def __call__(self, q, k, v, out=None, alibi=None, sink=None, cu_q=None, cu_k=None):
+    def __call__(self, q, k, v, out=None, alibi=None, sink=None, cu_q=None, cu_k=None, bias=None, mask=None,
+                 seed=0):
         """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given; ``alibi``, ``sink``
         the slopes and sink logits (with ``Mods.alibi``, ``Mods.sink``) as laid out for the plan;
-        ``cu_q``, ``cu_k`` the int32 offsets of packed sequences (with ``Packed``)."""
+        ``cu_q``, ``cu_k`` the int32 offsets of packed sequences (with ``Packed``); ``bias``, ``mask``
+        the per-pair arrays (with ``Mods.bias``, ``Mods.mask``); ``seed`` dropout's (with ``Mods.dropout``)."""
         with _on_device(self.device):
             stream, alloc = call_stream()
             if out is None:   # the outputs and the workspace in one allocation from CuPy's pool
@@ -449,14 +493,15 @@ class ForwardPlan:
             o_run = alloc(self.o_run) if self.o_run else None
             struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, m.data.ptr,
                                                 l.data.ptr, o_run.ptr if o_run else 0, *parts, _address(alibi),
-                                                _address(sink), _address(cu_q), _address(cu_k)))
+                                                _address(sink), _address(cu_q), _address(cu_k), _address(bias),
+                                                _address(mask), seed))
             for step in self.launches:
                 step(stream, address)
         return o, m, l
 
 
 FWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o", "m", "l", "o_run", "tile_counter", "repair_flags", "mods.alibi",
-                "mods.sink", "seqs.cu_q", "seqs.cu_k")
+                "mods.sink", "seqs.cu_q", "seqs.cu_k", "mods.bias.ptr", "mods.keep.ptr", "mods.seed")
 
 
 def _repair(head_dim: int, dtype, flags: int, mods: Mods, packed=None):
@@ -473,9 +518,8 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
     ``packed`` sequences the rows of q and k are theirs, and a CTA's tiles those of one sequence."""
     rows_q, D = q.shape[-2:]
     rows_k = k.shape[-2]
-    Nq, Nk = (rows_q, rows_k) if packed is None else (packed.max_q, packed.max_k)   # the grid's lengths
     BH = layout.count
-    heads = BH * (1 if packed is None else packed.n)   # the grid's work heads: one per sequence
+    Nq, Nk, heads = _grid_lengths(packed, rows_q, rows_k, BH)
     acc = accumulator_dtype(q.dtype)
     cfg = _variant(with_precision(device_tiles(forward_kernel(schedule, q.dtype, scale), D, q.dtype), precision),
                    mods, packed)
@@ -495,7 +539,7 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
     o_run = BH * rows_q * cfg.d_pad * acc.itemsize if cfg.kernel == "fwd_v1" and Nk > cfg.block_c else 0
     counter = 4 if cfg.kernel == "fwd_sm90" else 0
     # masked: the kernel flags the Q tiles where a masked pair met an inf or NaN, flash_fwd_repair redoes them
-    flags = heads * T_r if _masked_pairs(geometry, packed) else 0
+    flags = heads * T_r if _masked_pairs(geometry, packed, mods) else 0
     launches = [launch(kernel, grid, cfg.threads, cfg.smem_bytes)]
     if flags:
         kernels, repair_grid = _repair(D, q.dtype, flags, mods, packed)
@@ -520,7 +564,44 @@ BWD_SUMS = 4
 # the pointers a backward call writes: inputs, gradients, workspace parts, the modifiers' arrays, the ranges
 # flash_bwd_prep zeroes (last: a call passes only the ranges it has)
 BWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o.ptr", "dO.ptr", "m", "l", "dq", "dk.ptr", "dv.ptr", *BWD_PARTS,
-                "mods.alibi", "mods.sink", "seqs.cu_q", "seqs.cu_k", *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)))
+                "mods.alibi", "mods.sink", "seqs.cu_q", "seqs.cu_k", "mods.bias.ptr", "mods.keep.ptr",
+                "mods.dbias.ptr", "mods.seed", *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)))
+# flash_bwd_prep's zero ranges (BwdParams.zero): the workspace's zeroed part, dbias, then the gradients
+# that are the sums themselves
+ZERO_DBIAS = 1
+
+
+@dataclass(frozen=True)
+class DbiasBuffer:
+    """Where a backward's kernels write dbias (``EntryMods::add_dbias``): a zeroed, contiguous buffer
+    of the accumulator dtype and ``shape``. A bias that broadcasts nowhere has one writer per element:
+    stores into a buffer of its shape. One that broadcasts has several: float atomics into its shape
+    or, deterministic, stores into the full ``(*batch, Nq, Nk)`` that CuPy then sums to ``to`` (its
+    shape) in a fixed order."""
+
+    shape: tuple
+    add: bool                  # several writers per element: atomics
+    to: tuple | None = None    # the bias's shape the buffer is summed to, or None
+
+    @property
+    def batch_shape(self) -> tuple:
+        return self.shape[:-2]
+
+    @property
+    def pair_strides(self) -> tuple[int, int]:
+        rows, cols = self.shape[-2:]
+        return (cols if rows != 1 else 0, 1 if cols != 1 else 0)
+
+
+def dbias_buffer(bias_shape, batch_shape, rows_q: int, rows_k: int, deterministic: bool) -> DbiasBuffer:
+    """The ``DbiasBuffer`` of a backward of ``batch_shape``, ``rows_q`` x ``rows_k`` pairs per entry
+    (packed rows with varlen), for a bias of ``bias_shape``."""
+    full = (*batch_shape, rows_q, rows_k)
+    if math.prod(bias_shape) == math.prod(full):
+        return DbiasBuffer(tuple(bias_shape), False)
+    if deterministic:
+        return DbiasBuffer(full, False, tuple(bias_shape))
+    return DbiasBuffer(tuple(bias_shape), True)
 
 
 @dataclass(frozen=True)
@@ -541,8 +622,12 @@ class BackwardPlan:
     params: Params            # BwdParams
     workspace: Block          # BWD_PARTS; flash_bwd_prep zeroes its zeroed parts (BwdParams.zero[0])
     grad_block: Block         # dq, dk, dv in one allocation
+    dbias: DbiasBuffer | None = None   # with bias_grad; flash_bwd_prep zeroes it (BwdParams.zero[ZERO_DBIAS])
 
-    def __call__(self, do, q, k, v, o, m, l, out=None, alibi=None, sink=None, cu_q=None, cu_k=None):
+    def __call__(self, do, q, k, v, o, m, l, out=None, alibi=None, sink=None, cu_q=None, cu_k=None, bias=None,
+                 mask=None, seed=0):
+        """``(dq, dk, dv)`` and, with ``dbias``, dbias (of the accumulator dtype and the bias's
+        shape); the modifiers' arrays and the seed as in ``ForwardPlan``."""
         with _on_device(self.device):
             # every buffer first: a call that does not fit raises OutOfMemoryError before any launch
             stream, alloc = call_stream()
@@ -554,37 +639,50 @@ class BackwardPlan:
                 grads = self.grad_block.arrays(self.grad_block.allocate(cupy.cuda.alloc, stream)[0], self.grads)
             else:
                 grads = out
+            dbias = None
+            if self.dbias is not None:
+                import cupy
+
+                acc = accumulator_dtype(q.dtype)
+                dbias = cupy.ndarray(self.dbias.shape, acc, alloc(math.prod(self.dbias.shape) * acc.itemsize))
             dq, dk, dv = (g.data.ptr for g in grads)
             parts = self.workspace.pointers(base)
             sums = (dq, dk, dv)[:self.sums]
             parts[BWD_SUMS:BWD_SUMS + self.sums] = sums   # the gradients of the accumulator dtype are the sums
             struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, do.data.ptr,
                                                 m.data.ptr, l.data.ptr, dq, dk, dv, *parts, _address(alibi),
-                                                _address(sink), _address(cu_q), _address(cu_k),
-                                                base + self.workspace.zero_from, *sums))
+                                                _address(sink), _address(cu_q), _address(cu_k), _address(bias),
+                                                _address(mask), _address(dbias), seed, base + self.workspace.zero_from,
+                                                _address(dbias), *sums))
             for step in self.launches:
                 step(stream, address)
-        return tuple(grads)
+        if dbias is None:
+            return tuple(grads)
+        if self.dbias.to is not None:
+            from ._numpy_ops import unbroadcast
+
+            dbias = unbroadcast(dbias, self.dbias.to)
+        return (*grads, dbias)
 
 
 def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: MaskGeometry, scale: float,
-                  deterministic: bool, layout: BatchLayout, mods: Mods = PLAIN, packed: Packed | None = None):
+                  deterministic: bool, layout: BatchLayout, mods: Mods = PLAIN, packed: Packed | None = None,
+                  dbias: DbiasBuffer | None = None):
     """The backward of ``schedule`` for validated inputs as a ``BackwardPlan``.
 
     ``layout.strides`` holds, in order, q, k, v, o, do, the contiguous own-shape layouts of
-    dq, dk, dv and, with ALiBi, the slopes, with a sink, the sink logits. ``packed`` as in
-    ``forward_plan``.
+    dq, dk, dv and, with ALiBi, the slopes, with a sink, the sink logits, then the bias, the mask
+    and dbias's buffer (``dbias``, with ``mods.bias_grad``). ``packed`` as in ``forward_plan``.
     """
     rows_q, D = q.shape[-2:]
     rows_k = k.shape[-2]
-    Nq, Nk = (rows_q, rows_k) if packed is None else (packed.max_q, packed.max_k)   # the grid's lengths
-    n_seqs = 1 if packed is None else packed.n
     BH = layout.count
-    heads = BH * n_seqs
+    Nq, Nk, heads = _grid_lengths(packed, rows_q, rows_k, BH)
+    n_seqs = heads // BH
     acc = accumulator_dtype(q.dtype)
     prep = get_kernels(device_tiles("bwd_prep", D, q.dtype))
-    main_cfg = _variant(replace(with_precision(device_tiles(backward_kernel(schedule, q.dtype, D), D, q.dtype),
-                                               precision), ordered=deterministic), mods, packed)
+    main_cfg = _variant(replace(with_precision(device_tiles(backward_kernel(schedule, q.dtype, D, scale, mods), D,
+                                                            q.dtype), precision), ordered=deterministic), mods, packed)
     main = get_kernels(main_cfg)[main_cfg.spec.entries[0]]
     s_q, s_k, s_v, s_o, s_do, s_dq, s_dk, s_dv = layout.strides[:8]
     lse_stats = main_cfg.kernel in ("bwd_sm90", "bwd_sm90_wide")
@@ -601,7 +699,7 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
                    for x in (k, v))
     # masked: the main kernel flags the dQ tiles and the dK, dV tiles (per batch entry) where a masked
     # pair met an inf or NaN, flash_bwd_repair redoes them
-    masked = _masked_pairs(geometry, packed)
+    masked = _masked_pairs(geometry, packed, mods)
     sizes = {
         "m_b": (rows * acc.itemsize * (not lse_stats), False), "inv_l": (rows * acc.itemsize * (not lse_stats), False),
         "lse2": (rows * acc.itemsize * lse_stats, False), "Dsum": (rows * acc.itemsize, False),
@@ -619,14 +717,15 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
     group = head_group(heads, Nq * (D * (2 * q.itemsize + acc.itemsize) + 2 * acc.itemsize) + 2 * Nk * D * q.itemsize)
     # flash_bwd_prep zeroes the workspace's zeroed part and the gradients that are the sums
     sums = 0 if converted else 3 if kv_atomic else 1
-    zero_words = [(space.nbytes - space.zero_from) // 4] + [math.prod(x.shape) * acc.itemsize // 4
-                                                            for x in (q, k, v)[:sums]]
+    zero_words = [(space.nbytes - space.zero_from) // 4, math.prod(dbias.shape) * acc.itemsize // 4 if dbias else 0]
+    zero_words += [math.prod(x.shape) * acc.itemsize // 4 for x in (q, k, v)[:sums]]
     zero_words += [0] * (ZERO_RANGES - len(zero_words))
     params = Params(BWD, BWD_POINTERS,
                     q=_strides4(q, s_q), k=_strides4(k, s_k), v=_strides4(v, s_v), o=_strides4(o, s_o),
                     dO=_strides4(do, s_do), dq_acc=(*s_dq, D), dk=(*s_dk, D), dv=(*s_dv, D),
                     convert_elems=convert_elems, batch=(layout.sizes[1], layout.sizes[2], BH),
-                    **_sequence_fields(geometry, packed, BH, rows_q, rows_k), mods=mods.fields(layout), D=D,
+                    **_sequence_fields(geometry, packed, BH, rows_q, rows_k),
+                    mods=mods.fields(layout, dbias is not None and dbias.add), D=D,
                     vec=int(_vector_ok((q, k, v, do), D)),
                     prep_vec=int(_vector_ok((o, do), D)), head_group=group, kv_atomic=int(kv_atomic),
                     lse_stats=int(lse_stats), tile_r=main_cfg.block_r, tile_c=main_cfg.block_c,
@@ -643,7 +742,7 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
     if converted:
         launches.append(launch(prep["flash_convert"], convert_grid, convert_threads))
     return BackwardPlan(launches=tuple(launches), device=q.data.device_id, grads=grads, sums=sums, params=params,
-                        workspace=space, grad_block=block_layout(array_parts(grads)))
+                        workspace=space, grad_block=block_layout(array_parts(grads)), dbias=dbias)
 
 
 # threads per CTA of the kernels whose CTA shape does not depend on the call (their TileConfigs)

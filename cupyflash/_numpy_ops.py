@@ -112,3 +112,18 @@ def packed_spans(cu_seqlens_q, cu_seqlens_k, total_q, total_k):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, "
                          f"got {len(cq) - 1} and {len(ck) - 1}")
     return [(slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])) for s in range(len(cq) - 1)]
+
+
+def pair_span(x, rows, cols):
+    """The index of one sequence's block (``rows`` x ``cols`` slices of the packed pairs) in a per-pair
+    array of shape ``x_shape`` (..., total_q or 1, total_k or 1): a dim of 1 broadcasts and is kept."""
+    shape = (1,) * max(0, 2 - len(x)) + tuple(x)
+    return (..., rows if shape[-2] != 1 else slice(None), cols if shape[-1] != 1 else slice(None))
+
+
+def pair_view(x, rows, cols):
+    """A per-pair array's block of one sequence (``pair_span``), or None for None."""
+    if x is None:
+        return None
+    x = np.asarray(x)
+    return x.reshape((1,) * max(0, 2 - x.ndim) + x.shape)[pair_span(x.shape, rows, cols)]

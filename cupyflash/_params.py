@@ -35,12 +35,19 @@ BAND = _struct([("left", _i32), ("right", _i32)])
 # Seqs (params.cuh): packed variable-length sequences and the work heads of the grid
 SEQS = _struct([("cu_q", _ptr), ("cu_k", _ptr), ("heads", _i64), ("n", _i32), ("rows_q", _i32), ("rows_k", _i32),
                 ("band", BAND)])
-# ScoreMods (score_mod.cuh): ALiBi slopes and sink logits (pointer, collapsed batch strides), the softcap
+# PairArray<T> (score_mod.cuh): a per-pair array (bias, mask, dbias): pointer, collapsed batch strides,
+# the query and key strides (elements, 0 along a broadcast dim)
+PAIR_ARRAY = _struct([("ptr", _ptr), ("s0", _i64), ("s1", _i64), ("s2", _i64), ("si", _i64), ("sj", _i64)])
+# ScoreMods (score_mod.cuh): ALiBi slopes and sink logits (pointer, collapsed batch strides), the per-pair
+# arrays, the softcap, dropout's threshold, scale, batch offset and seed (the seed written per call)
 SCORE_MODS = _struct([("alibi", _ptr), ("alibi_s0", _i64), ("alibi_s1", _i64), ("alibi_s2", _i64),
-                      ("sink", _ptr), ("sink_s0", _i64), ("sink_s1", _i64), ("sink_s2", _i64), ("softcap", _f64)])
-# ZeroRange: 4-byte words flash_bwd_prep zeroes
+                      ("sink", _ptr), ("sink_s0", _i64), ("sink_s1", _i64), ("sink_s2", _i64),
+                      ("bias", PAIR_ARRAY), ("keep", PAIR_ARRAY), ("dbias", PAIR_ARRAY), ("dbias_add", _i32),
+                      ("threshold", numpy.uint32), ("softcap", _f64), ("keep_scale", _f64), ("batch0", _i64),
+                      ("seed", numpy.uint64)])
+# ZeroRange: 4-byte words flash_bwd_prep zeroes (the workspace, up to three sums, dbias)
 ZERO_RANGE = _struct([("ptr", _ptr), ("words", _i64)])
-ZERO_RANGES = 4
+ZERO_RANGES = 5
 
 FWD = _struct([
     ("q", TENSOR), ("k", TENSOR), ("v", TENSOR),

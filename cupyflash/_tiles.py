@@ -164,9 +164,13 @@ class TileConfig:
     fp32_mma : int
         float32 products (``mma_sm80.cuh``): 0 exact FMA, 1 3xTF32, 2 one TF32 product on the
         tensor cores (``with_precision``).
-    softcap, alibi, sink : bool
+    softcap, alibi, sink, bias, mask : bool
         The modifiers compiled in (``score_mod.cuh``, ``with_mods``); a plain call's kernel has
         none.
+    bias_grad : bool
+        A backward with ``bias`` that also writes dbias.
+    dropout : bool
+        Dropout on P (``score_mod.cuh``, ``philox.cuh``).
     varlen : bool
         Packed variable-length sequences (``params.cuh``: Seqs, ``with_varlen``).
     """
@@ -183,6 +187,10 @@ class TileConfig:
     softcap: bool = False
     alibi: bool = False
     sink: bool = False
+    bias: bool = False
+    bias_grad: bool = False
+    mask: bool = False
+    dropout: bool = False
     varlen: bool = False
 
     @property
@@ -432,13 +440,27 @@ PRECISION_OF = {code: name for name, code in FP32_PRODUCTS.items()}
 
 
 # the modifiers (score_mod.cuh) a kernel can compile in, TileConfig fields of the same names: the score
-# modifiers and the attention sink; every family takes them but bwd_prep, which computes no score
-SCORE_MODS = ("softcap", "alibi", "sink")
+# modifiers, the attention sink, the bias (and the backward's dbias) and the boolean mask; every family
+# takes them but bwd_prep, which computes no score
+SCORE_MODS = ("softcap", "alibi", "sink", "bias", "bias_grad", "mask", "dropout")
+# the main backward kernels, the only ones that write dbias
+DBIAS_KERNELS = ("bwd", "bwd_sm90", "bwd_sm90_wide")
+# K/V tile rows of the Hopper forward that reads a bias or a mask, or draws dropout's keep set: each
+# consumer thread loads (or draws) one value per score it holds, and at B_c = 128 (D <= 128) that
+# spills hundreds of bytes (NVRTC 13)
+PAIR_BLOCK_C = {"fwd_sm90": 64}
 
 
-def with_mods(cfg: TileConfig, softcap: bool, alibi: bool, sink: bool = False) -> TileConfig:
-    """``cfg`` with the modifiers ``softcap``, ``alibi`` and ``sink`` compiled in (or not)."""
-    return replace(cfg, softcap=softcap, alibi=alibi, sink=sink) if cfg.spec.score_mods else cfg
+def with_mods(cfg: TileConfig, softcap: bool, alibi: bool, sink: bool = False, bias: bool = False,
+              mask: bool = False, bias_grad: bool = False, dropout: bool = False) -> TileConfig:
+    """``cfg`` (a plain one) with the modifiers compiled in (or not); ``bias_grad`` (with ``bias``) only in
+    the main backward kernels, the others ignore it. With a bias, a mask or dropout the Hopper forward
+    takes smaller K/V tiles (``PAIR_BLOCK_C``)."""
+    if not cfg.spec.score_mods:
+        return cfg
+    block_c = min(cfg.block_c, PAIR_BLOCK_C.get(cfg.kernel, cfg.block_c)) if bias or mask or dropout else cfg.block_c
+    return replace(cfg, softcap=softcap, alibi=alibi, sink=sink, bias=bias, mask=mask,
+                   bias_grad=bias and bias_grad and cfg.kernel in DBIAS_KERNELS, dropout=dropout, block_c=block_c)
 
 
 def with_varlen(cfg: TileConfig, varlen: bool) -> TileConfig:
@@ -529,9 +551,13 @@ def modified_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConf
     that takes modifiers, at every dtype and head-dim bucket, with all of them and varlen compiled in
     (each is an ``if constexpr`` block of its own, so this compiles every modifier and varlen line of
     every kernel). The ordered and per-precision variants change nothing they touch and are not
-    repeated."""
+    repeated. The wide Hopper backward takes no dbias under a softcap: it is built both ways."""
     out = []
     for cfg in all_tile_configs(smem_limit, arch):
         if cfg.spec.score_mods and not cfg.ordered and cfg.fp32_mma in (0, FP32_PRODUCTS["highest"]):
-            out.append(with_varlen(with_mods(cfg, True, True, True), True))
+            if cfg.kernel == "bwd_sm90_wide":
+                out.append(with_varlen(with_mods(cfg, True, True, True, True, True, False, True), True))
+                out.append(with_varlen(with_mods(cfg, False, True, True, True, True, True, True), True))
+            else:
+                out.append(with_varlen(with_mods(cfg, True, True, True, True, True, True, True), True))
     return out

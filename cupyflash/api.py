@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Optional, Union
 
 import numpy
 
 from . import _launch, blocked
 from ._numpy_ops import unbroadcast
-from ._checks import (SCHEDULES, check_backward, check_bool, check_choice, check_disjoint, check_forward,
-                      check_out, check_per_entry, check_seqlens, kernel_ready, readable_in_place, with_softcap)
+from ._checks import (SCHEDULES, check_backward, check_bool, check_choice, check_disjoint, check_dropout,
+                      check_forward, check_out, check_pairwise, check_per_entry, check_seqlens, kernel_ready,
+                      readable_in_place, with_softcap)
 from ._tiles import PRECISIONS, accumulator_dtype
 
 
@@ -28,9 +30,9 @@ BACKWARD_OUTPUTS = ("dq", "dk", "dv")
 
 def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False,
                             softmax_scale: Optional[float] = None, window: Optional[Window] = None,
-                            softcap: Optional[float] = None, alibi_slopes=None, sink=None,
-                            schedule: str = "auto", precision: str = "highest",
-                            out: Optional[Outputs] = None) -> Outputs:
+                            softcap: Optional[float] = None, alibi_slopes=None, bias=None, mask=None,
+                            sink=None, dropout_p: float = 0.0, seed: Optional[int] = None, schedule: str = "auto",
+                            precision: str = "highest", out: Optional[Outputs] = None) -> Outputs:
     """Exact attention with its softmax statistics (FlashAttention's fused forward).
 
     Parameters
@@ -65,12 +67,37 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         ``slope · |i + off − j|`` (ALiBi, bottom-right aligned like the mask).
         Read in the accumulator dtype (float32; float64 for float64 inputs);
         another dtype, or a NumPy array for CuPy inputs, is converted first.
+    bias : ndarray, optional
+        Added to the scores (after the softcap and ALiBi): any shape that
+        broadcasts to ``(*batch, Nq, Nk)`` without enlarging it, e.g.
+        ``(1, H, Nq, Nk)`` or a key-padding ``(B, 1, 1, Nk)``; read in place
+        with its strides (0 along a broadcast dim), never expanded. The
+        GPU reads it in the inputs' dtype: a bias of another dtype (or a
+        NumPy bias for CuPy inputs) is converted first, a copy of its own
+        shape. A ``-inf`` bias gives a pair zero weight but, unlike
+        ``mask``, keeps its term (``0 · v`` is NaN where ``v`` is).
+    mask : ndarray of bool, optional
+        Broadcastable to ``(*batch, Nq, Nk)`` like ``bias``; ``True`` =
+        visible. A hidden pair has no term at all, exactly as those the
+        causal mask and the window hide (a NaN or inf in its key or value
+        does not reach the output). The kernels visit every K/V tile the
+        causal mask and the window leave: the mask saves no work.
     sink : array_like, optional
         Attention-sink logits, one per batch entry, broadcastable to the
         batch shape like ``alibi_slopes`` (and read the same way): each row
         sees one more key, of logit ``sink`` and value zero. It counts in
         ``m`` and adds ``exp(sink − m)`` to ``l``, so a row that sees no
         key has ``m = sink``, ``l = 1``, ``o = 0``.
+    dropout_p : float, optional
+        Dropout on ``P``, ``0 <= p < 1``: a pair is dropped (its weight 0)
+        with probability ``p`` and the others are scaled by ``1 / (1 − p)``.
+        The kept set is a counter-based function of ``(seed, flat batch
+        index, i, j)`` (Philox4x32-10, :func:`cupyflash.dropout_mask`), so
+        it does not depend on tiles, schedule, kernel or GPU, and the
+        backward with the same ``seed`` drops the same pairs. ``m``, ``l``
+        are those of the scores before dropout.
+    seed : int, optional
+        Dropout's seed in ``[0, 2⁶⁴)``; needed when ``dropout_p > 0``.
     schedule : {'auto', 'v1', 'v2'}, optional
         Which GPU kernel runs; all return the same ``(o, m, l)``. 'v1' is
         FlashAttention's Algorithm 1 (K/V-outer, O/m/l through HBM between
@@ -100,8 +127,8 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         less ALiBi), in the input dtype, C-contiguous; ``batch`` is the
         broadcast batch shape.
     m : ndarray, shape (*batch, Nq)
-        Row max of ``S`` over visible keys (those the causal mask and the
-        window leave); float32 (float64 for float64).
+        Row max of ``S`` over visible keys (those the causal mask, the
+        window and ``mask`` leave); float32 (float64 for float64).
     l : ndarray, shape (*batch, Nq)
         ``Σ_j exp(S_j − m)`` over visible keys, natural exp; same dtype as
         ``m``. ``lse = m + log(l)``. A row that sees no key has ``o = 0``,
@@ -116,7 +143,9 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         ``D`` outside [1, 256], inputs on different devices, a negative window
         side (a window that is not a pair of ints or None is a TypeError), a
         ``softcap`` <= 0 or not finite, ``alibi_slopes`` that do not broadcast
-        to the batch shape or lie on another device; an ``out`` array
+        to the batch shape or lie on another device, a ``bias`` or ``mask``
+        that does not broadcast to ``(*batch, Nq, Nk)`` (a ``mask`` that is not
+        bool, a ``bias`` that is not real, is a TypeError); an ``out`` array
         of the wrong shape, layout, device or alignment, or overlapping (a
         wrong count, kind or dtype of ``out`` is a TypeError).
 
@@ -142,25 +171,26 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     cupyflash.reference.attention_forward : the naive float64 reference.
     cupyflash.blocked.forward : the NumPy Algorithm 1 (CPU path).
     """
-    return _forward(q, k, v, None, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, out)
+    return _forward(q, k, v, None, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, out,
+                    bias, mask, dropout_p, seed)
 
 
-def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, out):
+def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, out,
+             bias=None, mask=None, dropout_p=0.0, seed=None):
     """``flash_attention_forward``, or with ``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k) ``flash_attention_varlen_forward``."""
-    inputs = _with_entries({"q": q, "k": k, "v": v}, alibi_slopes, sink)
-    flags = (causal, softmax_scale, window, softcap, schedule, precision, *_entries_given(alibi_slopes, sink))
+    dropout = check_dropout(dropout_p, seed)
+    inputs = _with_entries({"q": q, "k": k, "v": v}, alibi_slopes, sink, bias, mask)
+    flags = (causal, softmax_scale, window, softcap, schedule, precision, dropout[0],
+             *_entries_given(alibi_slopes, sink, bias, mask))
     offsets, flags = _with_offsets(inputs, flags, varlen)
     plan, key = _kept_plan(inputs, out, FORWARD_OUTPUTS, flags, _plan_keepable(varlen))
     if plan is not None:
-        return plan(q, k, v, out, alibi_slopes, sink, *offsets)
+        return plan(q, k, v, out, alibi_slopes, sink, *offsets, bias, mask, dropout[1])
     prob = with_softcap(check_forward(q, k, v, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
-    slopes, sinks = (check_per_entry(name, x, prob, _device_id(q, prob))
-                     for name, x in (("alibi_slopes", alibi_slopes), ("sink", sink)))
-    if slopes is not alibi_slopes or sinks is not sink:   # converted: a like call converts again, no plan kept
-        key = None
+    slopes, sinks, biases, masks, key = _checked_mods(prob, q, key, alibi_slopes, sink, bias, mask)
     seqs, key = _seqlens(varlen, prob, q, key)
     acc = accumulator_dtype(prob.dtype)
     stats = (*prob.batch_shape, prob.Nq)
@@ -169,7 +199,7 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
                         _device_id(q, prob), {"q": q, "k": k, "v": v})
     if prob.xp is numpy:
         kw = dict(causal=prob.causal, softmax_scale=prob.scale, window=prob.window, softcap=prob.softcap,
-                  alibi_slopes=slopes, sink=sinks)
+                  alibi_slopes=slopes, sink=sinks, bias=biases, mask=masks, dropout_p=dropout[0], seed=dropout[1])
         if seqs is not None:
             return _into(out, blocked.varlen_forward(q, k, v, seqs.cu_q, seqs.cu_k, **kw))
         return _into(out, blocked.forward(q, k, v, **kw))
@@ -187,14 +217,15 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
             return out
         ready, key = _kernel_ready((q, k, v), key)
         return _forward_gpu(*ready, slopes, sinks, prob.batch_shape, prob,
-                            _launch.forward_schedule(schedule, prob.D, prob.dtype), precision, key, out, *_packed(seqs))
+                            _launch.forward_schedule(schedule, prob.D, prob.dtype), precision, key, out, *_packed(seqs),
+                            pairs=(biases, masks), dropout=dropout)
 
 
 def _with_offsets(inputs: dict, flags: tuple, varlen):
     """``(offsets, flags)`` of a call: with ``varlen`` (as in ``_forward``) its offsets, which also join
-    ``inputs`` (they key a kept plan), and its maxima added to ``flags``; else ``((), flags)``."""
+    ``inputs`` (they key a kept plan), and its maxima added to ``flags``; else ``((None, None), flags)``."""
     if varlen is None:
-        return (), flags
+        return (None, None), flags
     inputs.update(cu_seqlens_q=varlen[0], cu_seqlens_k=varlen[1])
     return tuple(varlen[:2]), flags + tuple(varlen[2:])
 
@@ -217,23 +248,39 @@ def _seqlens(varlen, prob, q, key):
 
 
 def _packed(seqs) -> tuple:
-    """``(packed, offsets)`` of a plan: ``_launch.Packed`` and the device offsets, or ``(None, ())``."""
+    """``(packed, offsets)`` of a plan: ``_launch.Packed`` and the device offsets, or ``(None, (None, None))``."""
     if seqs is None:
-        return None, ()
+        return None, (None, None)
     return _launch.Packed(seqs.n, seqs.max_q, seqs.max_k), (seqs.cu_q, seqs.cu_k)
 
 
-def _entries_given(alibi_slopes, sink) -> tuple:
-    """Which per-entry arrays a call has, for its plan's key: slopes and sinks of one layout key alike."""
-    return (alibi_slopes is not None, sink is not None)
+def _entries_given(alibi_slopes, sink, bias, mask) -> tuple:
+    """Which per-entry and per-pair arrays a call has, for its plan's key: arrays of one layout key
+    alike."""
+    return (alibi_slopes is not None, sink is not None, bias is not None, mask is not None)
 
 
-def _with_entries(inputs: dict, alibi_slopes, sink) -> dict:
-    """``inputs`` and the per-entry arrays that are given (they key a kept plan too)."""
-    for name, x in (("alibi_slopes", alibi_slopes), ("sink", sink)):
+def _with_entries(inputs: dict, alibi_slopes, sink, bias, mask) -> dict:
+    """``inputs`` and the per-entry and per-pair arrays that are given (they key a kept plan too)."""
+    for name, x in (("alibi_slopes", alibi_slopes), ("sink", sink), ("bias", bias), ("mask", mask)):
         if x is not None:
             inputs[name] = x
     return inputs
+
+
+def _checked_mods(prob, q, key, alibi_slopes, sink, bias, mask):
+    """``(slopes, sinks, bias, mask, key)``: the modifiers' arrays as the kernels or the NumPy path read
+    them (``check_per_entry``, ``check_pairwise``), and ``key``, or None where one was converted (a like
+    call converts it again, so no plan is kept)."""
+    device = _device_id(q, prob)
+    given = (alibi_slopes, sink, bias, mask)
+    checked = (check_per_entry("alibi_slopes", alibi_slopes, prob, device), check_per_entry("sink", sink, prob, device),
+               check_pairwise("bias", bias, prob, device), check_pairwise("mask", mask, prob, device))
+    if any(c is not g for c, g in zip(checked, given)):
+        key = None
+    return (*checked, key)
+
+
 
 
 def _kept_plan(inputs: dict, out, names, flags, keepable=True):
@@ -290,8 +337,17 @@ def _empty(prob) -> bool:
     return prob.Nq == 0 or prob.Nk == 0 or 0 in prob.batch_shape
 
 
-def _mods(prob, slopes, sinks) -> "_launch.Mods":
-    return _launch.Mods(prob.softcap, slopes is not None, sinks is not None)
+def _mods(prob, slopes, sinks, bias=None, mask=None, dbias=None, dropout_p=0.0, batch0=0) -> "_launch.Mods":
+    """The ``_launch.Mods`` of a call's validated modifiers (``dbias``: its ``_launch.DbiasBuffer``;
+    ``batch0`` the flat batch index of a peeled piece's first entry)."""
+    pairs = tuple(_launch.pair_strides(x) if x is not None else (0, 0) for x in (bias, mask))
+    pairs += (dbias.pair_strides if dbias is not None else (0, 0),)
+    return _launch.Mods(prob.softcap, slopes is not None, sinks is not None, bias is not None, mask is not None,
+                        dbias is not None, pairs, dropout_p, batch0)
+
+
+def _present(*arrays) -> tuple:
+    return tuple(x for x in arrays if x is not None)
 
 
 def _as_matrices(*per_entry):
@@ -305,17 +361,21 @@ def _batch_strides(arrays, batch_shape):
 
 
 def _forward_gpu(q, k, v, slopes, sinks, batch_shape, prob, schedule, precision, key=None, out=None, packed=None,
-                 offsets=()):
+                 offsets=(None, None), pairs=(None, None), dropout=(0.0, 0), batch0=0):
     """Plan and run; a single launch's plan is kept under ``key`` (``_call_key``) for like calls. With
-    ``packed`` sequences (``_launch.Packed``) ``offsets`` are their device offsets."""
+    ``packed`` sequences (``_launch.Packed``) ``offsets`` are their device offsets; ``pairs`` the bias
+    and the mask (None where not given); ``dropout`` its ``(p, seed)``; ``batch0`` the flat batch index
+    of the first entry (of a peeled piece)."""
     nb = len(batch_shape)
-    layout = _launch.collapse_batch(batch_shape, _batch_strides((q, k, v, *_as_matrices(slopes, sinks)), batch_shape))
+    layout = _launch.collapse_batch(batch_shape, _batch_strides((q, k, v, *_as_matrices(slopes, sinks),
+                                                                 *_present(*pairs)), batch_shape))
     if layout is not None:
         plan = _launch.forward_plan(q, k, v, schedule=schedule, precision=precision, geometry=prob.geometry,
                                     scale=prob.scale, batch_shape=batch_shape, layout=layout,
-                                    mods=_mods(prob, slopes, sinks), packed=packed)
+                                    mods=_mods(prob, slopes, sinks, *pairs, dropout_p=dropout[0], batch0=batch0),
+                                    packed=packed)
         _launch.keep_plan(key, plan)
-        return plan(q, k, v, out, slopes, sinks, *offsets)
+        return plan(q, k, v, out, slopes, sinks, *offsets, *pairs, dropout[1])
     # more than three batch dims that cannot be merged: peel the leading one
     import cupy
 
@@ -323,7 +383,9 @@ def _forward_gpu(q, k, v, slopes, sinks, batch_shape, prob, schedule, precision,
 
     parts = [_forward_gpu(*(_take_leading(x, i, nb) for x in (q, k, v)),
                           *(_leading_entries(x, i, nb) for x in (slopes, sinks)), batch_shape[1:], prob, schedule,
-                          precision, packed=packed, offsets=offsets)
+                          precision, packed=packed, offsets=offsets,
+                          pairs=tuple(_take_leading(x, i, nb) for x in pairs), dropout=dropout,
+                          batch0=batch0 + i * math.prod(batch_shape[1:]))
              for i in range(batch_shape[0])]
     return _into(out, (cupy.stack([p[n] for p in parts]) for n in range(3)))
 
@@ -337,8 +399,9 @@ def _leading_entries(values, index, nb):
 
 
 def _take_leading(x, index, nb):
-    """Entry ``index`` of the leading broadcast batch dim of ``x`` (its batch dims right-aligned to ``nb``)."""
-    if x.ndim - 2 < nb:
+    """Entry ``index`` of the leading broadcast batch dim of ``x`` (its batch dims right-aligned to ``nb``;
+    None stays None)."""
+    if x is None or x.ndim - 2 < nb:
         return x
     return x[0] if x.shape[0] == 1 else x[index]
 
@@ -346,7 +409,8 @@ def _take_leading(x, index, nb):
 def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, m: Array, l: Array, *,
                              causal: bool = False, softmax_scale: Optional[float] = None,
                              window: Optional[Window] = None, softcap: Optional[float] = None,
-                             alibi_slopes=None, sink=None, schedule: str = "auto",
+                             alibi_slopes=None, bias=None, mask=None, sink=None, bias_grad: bool = False,
+                             dropout_p: float = 0.0, seed: Optional[int] = None, schedule: str = "auto",
                              precision: str = "highest", deterministic: bool = False,
                              out: Optional[Outputs] = None) -> Outputs:
     """Gradients of exact attention from the forward's outputs (FlashAttention's recomputation backward).
@@ -362,10 +426,16 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
         The forward's output.
     m, l : ndarray, shape (*batch, Nq)
         The forward's statistics, float32 (float64 for float64 inputs).
-    causal, softmax_scale, window, softcap, alibi_slopes, sink : optional
+    causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink : optional
         As in the forward (the same values the forward was called with). The
         gradients are those of ``softmax_scale · q kᵀ`` through the softcap
         (``dS · (1 − tanh²)``); the slopes get no gradient.
+    bias_grad : bool, optional
+        Also return ``dbias`` (needs ``bias``).
+    dropout_p, seed : optional
+        The forward's dropout (the same values): the same pairs are dropped,
+        ``dV = (Z ∘ P)ᵀ dO`` and ``dS = P ∘ (Z ∘ dP − D)`` with
+        ``Z = keep / (1 − p)``.
     schedule : {'auto', 'v1', 'v2'}, optional
         'v1' runs the portable recomputation kernel (below); 'v2' and 'auto'
         run the Hopper warpgroup-MMA kernels for float16/bfloat16 on sm_90
@@ -380,7 +450,10 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
         sum (``dQ_i`` over the K/V tiles; ``dK_j``, ``dV_j`` over the query
         heads that share a K/V head) then take turns in a fixed order instead
         of racing with float atomics, at a measured cost in speed
-        (``benchmarks/RESULTS.md``). The NumPy path is always deterministic.
+        (``benchmarks/RESULTS.md``). A ``dbias`` of a bias that broadcasts is
+        then written in full, ``(*batch, Nq, Nk)`` in the accumulator dtype,
+        and summed by CuPy (memory of that size for the call). The NumPy
+        path is always deterministic.
     out : tuple of three ndarrays, optional
         ``(dq, dk, dv)`` to write into, under the forward's rules for ``out``;
         returned.
@@ -391,8 +464,14 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
         Exactly the shapes of ``q``, ``k``, ``v`` (summed over the batch dims
         along which an input was broadcast), in the input dtype, C-contiguous.
         Rows that saw no key contribute nothing.
+    dbias : ndarray
+        With ``bias_grad`` only (after ``dv``, never written into ``out``):
+        ``dS = P ∘ (dP − D)``, the gradient of the final scores, summed over
+        the dims along which ``bias`` broadcasts; ``bias``'s shape, float32
+        (float64 for float64 inputs); 0 for hidden pairs. Without
+        ``deterministic`` a bias that broadcasts is summed with float atomics.
     dsink : ndarray
-        With ``sink`` only (a fourth result, never written into ``out``):
+        With ``sink`` only (the last result, never written into ``out``):
         ``−Σ_i exp(sink − m_i) / l_i · D_i`` with ``D_i = rowsum(dO_i ∘ O_i)``,
         summed over the batch dims along which ``sink`` broadcasts; ``sink``'s
         shape, float32 (float64 for float64 inputs).
@@ -422,34 +501,48 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     cupyflash.blocked.backward : the NumPy version (CPU path).
     """
     return _backward(do, q, k, v, o, m, l, None, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,
-                     precision, deterministic, out)
+                     precision, deterministic, out, bias, mask, bias_grad, dropout_p, seed)
 
 
 def _backward(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,
-              precision, deterministic, out):
-    """``flash_attention_backward``, or with ``varlen`` (as in ``_forward``) ``flash_attention_varlen_backward``."""
-    inputs = _with_entries({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}, alibi_slopes, sink)
-    flags = (causal, softmax_scale, window, softcap, schedule, precision, deterministic,
-             *_entries_given(alibi_slopes, sink))
+              precision, deterministic, out, bias=None, mask=None, bias_grad=False, dropout_p=0.0, seed=None):
+    """``flash_attention_backward``, or with ``varlen`` (as in ``_forward``) ``flash_attention_varlen_backward``:
+    ``_gradients``, with dbias in the shape of the bias given (read as (1, Nk) where 1-D)."""
+    grads = _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink,
+                       schedule, precision, deterministic, out, bias, mask, bias_grad, dropout_p, seed)
+    if bias_grad:   # validated by _gradients
+        grads = (*grads[:3], grads[3].reshape(numpy.shape(bias)), *grads[4:])
+    return grads
+
+
+def _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,
+               precision, deterministic, out, bias, mask, bias_grad, dropout_p, seed):
+    """dq, dk, dv (dbias, dsink where asked) of ``_backward``'s call."""
+    dropout = check_dropout(dropout_p, seed)
+    inputs = _with_entries({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}, alibi_slopes, sink, bias, mask)
+    flags = (causal, softmax_scale, window, softcap, schedule, precision, deterministic, bias_grad, dropout[0],
+             *_entries_given(alibi_slopes, sink, bias, mask))
     offsets, flags = _with_offsets(inputs, flags, varlen)
     plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS, flags, _plan_keepable(varlen))
     if plan is not None:
-        return _with_sink_grad(plan(do, q, k, v, o, m, l, out, alibi_slopes, sink, *offsets), do, o, m, l, sink)
+        return _with_sink_grad(plan(do, q, k, v, o, m, l, out, alibi_slopes, sink, *offsets, bias, mask,
+                                    dropout[1]), do, o, m, l, sink)
     prob = with_softcap(check_backward(do, q, k, v, o, m, l, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
     deterministic = check_bool("deterministic", deterministic)
-    slopes, sinks = (check_per_entry(name, x, prob, _device_id(q, prob))
-                     for name, x in (("alibi_slopes", alibi_slopes), ("sink", sink)))
-    if slopes is not alibi_slopes or sinks is not sink:
-        key = None
+    bias_grad = check_bool("bias_grad", bias_grad)
+    if bias_grad and bias is None:
+        raise ValueError("bias_grad=True needs a bias")
+    slopes, sinks, biases, masks, key = _checked_mods(prob, q, key, alibi_slopes, sink, bias, mask)
     seqs, key = _seqlens(varlen, prob, q, key)
     if out is not None:
         out = check_out(out, BACKWARD_OUTPUTS, (q.shape, k.shape, v.shape), (prob.dtype,) * 3, prob,
                         _device_id(q, prob), inputs)
     if prob.xp is numpy:
         kw = dict(causal=prob.causal, softmax_scale=prob.scale, window=prob.window, softcap=prob.softcap,
-                  alibi_slopes=slopes, sink=sinks)
+                  alibi_slopes=slopes, sink=sinks, bias=biases, mask=masks, bias_grad=bias_grad,
+                  dropout_p=dropout[0], seed=dropout[1])
         if seqs is not None:
             grads = blocked.varlen_backward(do, q, k, v, o, m, l, seqs.cu_q, seqs.cu_k, **kw)
         else:
@@ -463,10 +556,12 @@ def _backward(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softc
                 out = tuple(cupy.empty(x.shape, prob.dtype) for x in (q, k, v))
             for x in out:
                 x.fill(0)
+            if bias_grad:
+                out = (*out, cupy.zeros(biases.shape, m.dtype))
             return _with_sink_grad(out, do, o, m, l, sinks)
         ready, key = _kernel_ready((do, q, k, v, o), key)
         grads = _backward_gpu(*ready, m, l, slopes, sinks, prob.batch_shape, prob, schedule, precision, deterministic,
-                              key, out, *_packed(seqs))
+                              key, out, *_packed(seqs), pairs=(biases, masks), bias_grad=bias_grad, dropout=dropout)
         return _with_sink_grad(grads, do, o, m, l, sinks)
 
 
@@ -487,21 +582,30 @@ def _with_sink_grad(grads, do, o, m, l, sinks):
 
 
 def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedule, precision, deterministic,
-                  key=None, out=None, packed=None, offsets=()):
+                  key=None, out=None, packed=None, offsets=(None, None), pairs=(None, None), bias_grad=False, dropout=(0.0, 0),
+                  batch0=0):
     """Plan and run; a single plan is kept under ``key`` (``_call_key``) for like calls; ``packed``,
-    ``offsets`` as in ``_forward_gpu``."""
+    ``offsets``, ``pairs``, ``dropout``, ``batch0`` as in ``_forward_gpu``; ``bias_grad``: dbias too
+    (after dv)."""
     nb = len(batch_shape)
     own = [_launch.contiguous_strides(x.shape)[:-2] for x in (q, k, v)]
     strides = _batch_strides((q, k, v, o, do), batch_shape)
     strides += [_launch.batch_strides(x.shape, s, batch_shape) for x, s in zip((q, k, v), own)]
-    strides += _batch_strides(_as_matrices(slopes, sinks), batch_shape)
+    strides += _batch_strides((*_as_matrices(slopes, sinks), *_present(*pairs)), batch_shape)
+    dbias = None
+    if bias_grad:
+        dbias = _launch.dbias_buffer(pairs[0].shape, batch_shape, q.shape[-2], k.shape[-2], deterministic)
+        if dbias.to is not None:
+            _refuse_while_capturing("a deterministic dbias of a broadcast bias is summed")
+        strides.append(_launch.batch_strides(dbias.shape, _launch.contiguous_strides(dbias.shape)[:-2], batch_shape))
     layout = _launch.collapse_batch(batch_shape, strides)
     if layout is not None:
         plan = _launch.backward_plan(do, q, k, v, o, schedule=schedule, precision=precision, geometry=prob.geometry,
                                      scale=prob.scale, deterministic=deterministic, layout=layout,
-                                     mods=_mods(prob, slopes, sinks), packed=packed)
+                                     mods=_mods(prob, slopes, sinks, *pairs, dbias, dropout[0], batch0), packed=packed,
+                                     dbias=dbias)
         _launch.keep_plan(key, plan)
-        return plan(do, q, k, v, o, m, l, out, slopes, sinks, *offsets)
+        return plan(do, q, k, v, o, m, l, out, slopes, sinks, *offsets, *pairs, dropout[1])
     # peel the leading batch dim; a gradient is summed where its input broadcast along it
     import cupy
 
@@ -509,10 +613,12 @@ def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedu
 
     parts = [_backward_gpu(do[i], *(_take_leading(x, i, nb) for x in (q, k, v)), o[i], m[i], l[i],
                            *(_leading_entries(x, i, nb) for x in (slopes, sinks)), batch_shape[1:], prob, schedule,
-                           precision, deterministic, packed=packed, offsets=offsets)
+                           precision, deterministic, packed=packed, offsets=offsets,
+                           pairs=tuple(_take_leading(x, i, nb) for x in pairs), bias_grad=bias_grad,
+                           dropout=dropout, batch0=batch0 + i * math.prod(batch_shape[1:]))
              for i in range(batch_shape[0])]
     grads = []
-    for n, x in enumerate((q, k, v)):
+    for n, x in enumerate((q, k, v, pairs[0]) if bias_grad else (q, k, v)):
         g = [p[n] for p in parts]
         if x.ndim - 2 < nb:
             grads.append(sum(g[1:], g[0]))
@@ -520,17 +626,19 @@ def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedu
             grads.append(sum(g[1:], g[0])[None])
         else:
             grads.append(cupy.stack(g))
-    return _into(out, grads)
+    return (*_into(out, grads[:3]), *grads[3:])
 
 
 def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softmax_scale: Optional[float] = None,
                     window: Optional[Window] = None, softcap: Optional[float] = None, alibi_slopes=None,
-                    sink=None, schedule: str = "auto", precision: str = "highest") -> Array:
+                    bias=None, mask=None, sink=None, dropout_p: float = 0.0, seed: Optional[int] = None,
+                    schedule: str = "auto", precision: str = "highest") -> Array:
     """Exact attention ``softmax(softmax_scale · q kᵀ) v``; the ``o`` of :func:`flash_attention_forward`.
 
     Parameters
     ----------
-    q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision
+    q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed, schedule,
+    precision
         As in :func:`flash_attention_forward`.
 
     Returns
@@ -542,15 +650,16 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
     flash_attention_forward : also returns the statistics ``m`` and ``l``.
     """
     return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
-                                   softcap=softcap, alibi_slopes=alibi_slopes, sink=sink, schedule=schedule,
-                                   precision=precision)[0]
+                                   softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, sink=sink,
+                                   dropout_p=dropout_p, seed=seed, schedule=schedule, precision=precision)[0]
 
 
 def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,
                                    max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
                                    causal: bool = False, softmax_scale: Optional[float] = None,
                                    window: Optional[Window] = None, softcap: Optional[float] = None,
-                                   alibi_slopes=None, sink=None, schedule: str = "auto", precision: str = "highest",
+                                   alibi_slopes=None, bias=None, mask=None, sink=None, dropout_p: float = 0.0,
+                                   seed: Optional[int] = None, schedule: str = "auto", precision: str = "highest",
                                    out: Optional[Outputs] = None) -> Outputs:
     """Exact attention over packed variable-length sequences, with its softmax statistics.
 
@@ -582,6 +691,15 @@ def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: A
         As in :func:`flash_attention_forward` (ALiBi distances are per
         sequence; slopes and sinks are per batch entry, shared by its
         sequences).
+    bias, mask : ndarray, optional
+        As in :func:`flash_attention_forward` over the packed pairs:
+        broadcastable to ``(*batch, total_q, total_k)``; sequence ``s``
+        reads the block of its own rows and keys (pairs between two
+        sequences are never read).
+    dropout_p, seed
+        As in :func:`flash_attention_forward` over the packed pairs: pair
+        ``(i, j)`` of the packed rows and keys, so sequence ``s`` drops its
+        own block of ``dropout_mask(seed, p, batch, total_q, total_k)``.
 
     Returns
     -------
@@ -613,16 +731,17 @@ def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: A
     cupyflash.reference.attention_varlen_forward : the naive float64 reference.
     """
     return _forward(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), causal, softmax_scale,
-                    window, softcap, alibi_slopes, sink, schedule, precision, out)
+                    window, softcap, alibi_slopes, sink, schedule, precision, out, bias, mask, dropout_p, seed)
 
 
 def flash_attention_varlen_backward(do: Array, q: Array, k: Array, v: Array, o: Array, m: Array, l: Array,
                                     cu_seqlens_q: Array, cu_seqlens_k: Array, *, max_seqlen_q: Optional[int] = None,
                                     max_seqlen_k: Optional[int] = None, causal: bool = False,
                                     softmax_scale: Optional[float] = None, window: Optional[Window] = None,
-                                    softcap: Optional[float] = None, alibi_slopes=None, sink=None,
-                                    schedule: str = "auto", precision: str = "highest", deterministic: bool = False,
-                                    out: Optional[Outputs] = None) -> Outputs:
+                                    softcap: Optional[float] = None, alibi_slopes=None, bias=None, mask=None,
+                                    sink=None, bias_grad: bool = False, dropout_p: float = 0.0,
+                                    seed: Optional[int] = None, schedule: str = "auto", precision: str = "highest",
+                                    deterministic: bool = False, out: Optional[Outputs] = None) -> Outputs:
     """Gradients of attention over packed variable-length sequences.
 
     Parameters
@@ -632,14 +751,19 @@ def flash_attention_varlen_backward(do: Array, q: Array, k: Array, v: Array, o: 
         As in :func:`flash_attention_varlen_forward` (the same values).
     m, l : ndarray, shape (*batch, total_q)
         The forward's statistics.
-    causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, deterministic, out
-        As in :func:`flash_attention_backward`.
+    causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, bias_grad, dropout_p, seed, schedule,
+    precision, deterministic, out
+        As in :func:`flash_attention_backward` (``bias`` and ``mask`` as in
+        :func:`flash_attention_varlen_forward`).
 
     Returns
     -------
     dq, dk, dv : ndarray
         Of the shapes of ``q``, ``k``, ``v``: each sequence's rows as
         :func:`flash_attention_backward` gives them for that sequence alone.
+    dbias : ndarray
+        With ``bias_grad`` only: of ``bias``'s shape (pairs between two
+        sequences get 0).
     dsink : ndarray
         With ``sink`` only, summed over the sequences (and broadcast dims).
 
@@ -654,4 +778,72 @@ def flash_attention_varlen_backward(do: Array, q: Array, k: Array, v: Array, o: 
     cupyflash.reference.attention_varlen_backward : the naive float64 reference.
     """
     return _backward(do, q, k, v, o, m, l, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), causal,
-                     softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, deterministic, out)
+                     softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, deterministic, out, bias,
+                     mask, bias_grad, dropout_p, seed)
+
+
+def dropout_mask(seed: int, p: float, batch_shape, n_q: int, n_k: int, *, xp=numpy) -> Array:
+    """The pairs that dropout with probability ``p`` under ``seed`` keeps.
+
+    Parameters
+    ----------
+    seed : int
+        In ``[0, 2⁶⁴)`` (any value when ``p == 0``).
+    p : float
+        ``0 <= p < 1``.
+    batch_shape : tuple of int
+        The broadcast batch shape of the call; entries are counted in C order.
+    n_q, n_k : int
+        Query rows and keys.
+    xp : module, optional
+        ``numpy`` (default) or ``cupy``: where the mask is made (CuPy draws it on the current device
+        with the kernels' own generator, ``kernels_cu/philox.cuh``).
+
+    Returns
+    -------
+    keep : ndarray of bool, shape (*batch_shape, n_q, n_k)
+        Pair ``(i, j)`` of flat batch entry ``b`` is kept iff word ``j % 4`` of Philox4x32-10 at
+        counter ``(j // 4, i, b mod 2³², b >> 32)`` under key ``(seed mod 2³², seed >> 32)`` is at least
+        ``round(p · 2³²)`` (``cupyflash._philox``): the set :func:`flash_attention_forward` and
+        :func:`flash_attention_backward` keep with ``dropout_p=p, seed=seed``, on any kernel.
+    """
+    p, seed = check_dropout(p, seed)
+    shape = (*tuple(int(n) for n in batch_shape), int(n_q), int(n_k))
+    if xp is numpy:
+        from ._philox import dropout_keep
+
+        return dropout_keep(seed, p, shape[:-2], n_q, n_k)
+    from ._philox import keep_threshold
+
+    keep = xp.empty(shape, dtype=bool)
+    if keep.size:
+        _keep_kernel()(numpy.uint32(n_q), numpy.uint32(n_k), numpy.uint64(seed), numpy.uint32(keep_threshold(p)),
+                       keep)
+    return keep
+
+
+_KEEP_BODY = """
+const unsigned long long key = (unsigned long long)i % n_k, rest = (unsigned long long)i / n_k;
+const unsigned long long b = rest / n_q;
+const Words4 r = philox4x32((unsigned)(key >> 2), (unsigned)(rest % n_q), (unsigned)b, (unsigned)(b >> 32),
+                            (unsigned)seed, (unsigned)(seed >> 32));
+const unsigned w = (unsigned)(key & 3);
+keep = ((w & 2) ? ((w & 1) ? r.w[3] : r.w[2]) : ((w & 1) ? r.w[1] : r.w[0])) >= threshold;
+"""
+
+
+def _keep_kernel():
+    """The CuPy elementwise kernel of ``dropout_mask`` (one per process), on ``philox.cuh``."""
+    global _KEEP_KERNEL
+    if _KEEP_KERNEL is None:
+        import cupy
+
+        from ._compile import kernel_dir
+
+        _KEEP_KERNEL = cupy.ElementwiseKernel("uint32 n_q, uint32 n_k, uint64 seed, uint32 threshold", "bool keep",
+                                              _KEEP_BODY, "cupyflash_dropout_keep",
+                                              preamble=(kernel_dir() / "philox.cuh").read_text())
+    return _KEEP_KERNEL
+
+
+_KEEP_KERNEL = None

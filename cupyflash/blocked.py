@@ -19,7 +19,8 @@ import numpy as np
 from ._mask import EMPTY, PARTIAL, MaskGeometry
 from ._philox import dropout_keep
 from ._numpy_ops import (NEG_INF, accumulator_dtype, broadcast_shapes, check_variants, exp_shift, packed_spans,
-                         reciprocal_or_zero, resolve_scale, transpose, unbroadcast, visible_matmul)
+                         pair_span, pair_view, reciprocal_or_zero, resolve_scale, transpose, unbroadcast,
+                         visible_matmul)
 
 __all__ = ["forward", "backward", "varlen_forward", "varlen_backward", "FORWARD_TILE", "BACKWARD_TILE"]
 
@@ -86,9 +87,9 @@ class _Variants:
     full ``(*batch, Nq, Nk)`` (``(*batch,)`` for the per-head ones), never copied to full size."""
 
     def __init__(self, batch, n_q, n_k, acc, softcap=None, alibi_slopes=None, bias=None, mask=None, sink=None,
-                 dropout_p=0.0, seed=None):
+                 dropout_p=0.0, seed=None, dropout_origin=(0, 0)):
         self.batch, self.n_q, self.n_k, self.acc = batch, n_q, n_k, acc
-        self.dropout_p, self.seed = dropout_p, seed
+        self.dropout_p, self.seed, self.origin = dropout_p, seed, dropout_origin
         self.softcap = None if softcap is None else acc.type(softcap)
         self.slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, acc)[..., None, None]
         self.bias = None if bias is None else np.broadcast_to(np.asarray(bias), (*batch, n_q, n_k))
@@ -125,7 +126,9 @@ class _Variants:
         (*batch, B_r, B_c); None without dropout."""
         if not self.dropout_p:
             return None
-        keep = dropout_keep(self.seed, self.dropout_p, self.batch, self.n_q, self.n_k, rows, cols)
+        (r, c) = self.origin   # the problem's pair (0, 0) in the keep set
+        keep = dropout_keep(self.seed, self.dropout_p, self.batch, self.n_q, self.n_k,
+                            range(rows.start + r, rows.stop + r), range(cols.start + c, cols.stop + c))
         return keep.astype(self.acc) / self.acc.type(1 - self.dropout_p)
 
     def raw_grad(self, dS_ij, capped):
@@ -139,7 +142,8 @@ class _Variants:
 
 @np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
 def forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None, alibi_slopes=None, bias=None,
-            mask=None, sink=None, dropout_p=0.0, seed=None, block_r=FORWARD_TILE[0], block_c=FORWARD_TILE[1]):
+            mask=None, sink=None, dropout_p=0.0, seed=None, block_r=FORWARD_TILE[0], block_c=FORWARD_TILE[1],
+            dropout_origin=(0, 0)):
     """FlashAttention V1 forward (Algorithm 1), tile by tile in NumPy: the CPU path.
 
     Parameters
@@ -155,7 +159,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=N
         ``j <= i + (Nk - Nq)``.
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(D)``.
-    window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed : optional
+    window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed, dropout_origin : optional
         The variants of `cupyflash.reference.attention_forward`, with its meanings; tiles outside
         the causal mask and the window are never visited.
     block_r : int, optional
@@ -203,7 +207,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=N
     q, k, v = (np.asarray(x) for x in (q, k, v))
     batch, acc, scale, geometry, Q, K, V = _operands(q, k, v, causal, softmax_scale, window)   # Q: (*batch, Nq, D)
     n_q = geometry.n_q
-    mods = _Variants(batch, n_q, geometry.n_k, acc, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed)
+    mods = _Variants(batch, n_q, geometry.n_k, acc, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed,
+                     dropout_origin)
     O = np.zeros((*batch, n_q, v.shape[-1]), acc)          # "HBM", (*batch, Nq, D), normalised output
     m = np.full((*batch, n_q), NEG_INF, acc)               # (*batch, Nq)
     l = np.zeros((*batch, n_q), acc)                       # (*batch, Nq)
@@ -240,7 +245,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=N
 
 @np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
 def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=None, softcap=None, alibi_slopes=None,
-             bias=None, mask=None, sink=None, dropout_p=0.0, seed=None, bias_grad=False, block_r=BACKWARD_TILE[0],
+             bias=None, mask=None, sink=None, dropout_p=0.0, seed=None, bias_grad=False, dropout_origin=(0, 0),
+             block_r=BACKWARD_TILE[0],
              block_c=BACKWARD_TILE[1]):
     """FlashAttention V1 backward, tile by tile in NumPy: the CPU path.
 
@@ -264,7 +270,7 @@ def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=N
         Bottom-right aligned causal mask, as in `forward`.
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(D)``.
-    window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed : optional
+    window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed, dropout_origin : optional
         As in `forward` (the same seed drops the same pairs).
     bias_grad : bool, optional
         Also return ``dbias`` (needs ``bias``).
@@ -310,7 +316,8 @@ def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=N
     check_variants(window, softcap, dropout_p, seed, bias, bias_grad)
     do, q, k, v, o, m, l = (np.asarray(x) for x in (do, q, k, v, o, m, l))
     batch, acc, scale, geometry, Q, K, V = _operands(q, k, v, causal, softmax_scale, window)   # Q: (*batch, Nq, D)
-    mods = _Variants(batch, geometry.n_q, geometry.n_k, acc, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed)
+    mods = _Variants(batch, geometry.n_q, geometry.n_k, acc, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed,
+                     dropout_origin)
     dB = np.zeros(np.shape(bias), acc) if bias_grad else None   # dbias, bias's own shape
     dB_2d = None if dB is None else dB.reshape((1,) * max(0, 2 - dB.ndim) + dB.shape)   # its (Nq, Nk) dims, 1 if none
     dO = do.astype(acc, copy=False)                         # (*batch, Nq, D)
@@ -369,19 +376,28 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
     ``kw`` as in `forward`.
     """
     spans = packed_spans(cu_seqlens_q, cu_seqlens_k, q.shape[-2], k.shape[-2]) or [(slice(0, 0), slice(0, 0))]
-    parts = [forward(q[..., rq, :], k[..., rk, :], v[..., rk, :], **kw) for rq, rk in spans]
+    bias, mask = kw.pop("bias", None), kw.pop("mask", None)
+    parts = [forward(q[..., rq, :], k[..., rk, :], v[..., rk, :], bias=pair_view(bias, rq, rk),
+                     mask=pair_view(mask, rq, rk), dropout_origin=(rq.start, rk.start), **kw) for rq, rk in spans]
     return (np.concatenate([p[0] for p in parts], axis=-2), np.concatenate([p[1] for p in parts], axis=-1),
             np.concatenate([p[2] for p in parts], axis=-1))
 
 
 def varlen_backward(do, q, k, v, o, m, l, cu_seqlens_q, cu_seqlens_k, **kw):
     """`backward` of packed variable-length sequences: each sequence alone, into its rows of ``dq, dk,
-    dv`` (a ``dsink`` summed over the sequences). Arguments as in `varlen_forward` and `backward`."""
+    dv`` and its block of ``dbias`` (a ``dsink`` summed over the sequences). Arguments as in
+    `varlen_forward` and `backward`."""
     spans = packed_spans(cu_seqlens_q, cu_seqlens_k, q.shape[-2], k.shape[-2]) or [(slice(0, 0), slice(0, 0))]
+    bias, mask = kw.pop("bias", None), kw.pop("mask", None)
+    dbias = np.zeros(np.shape(bias), accumulator_dtype(q.dtype)) if kw.get("bias_grad") else None
     grads = None
     for rq, rk in spans:
-        part = backward(do[..., rq, :], q[..., rq, :], k[..., rk, :], v[..., rk, :], o[..., rq, :], m[..., rq],
-                        l[..., rq], **kw)
+        part = list(backward(do[..., rq, :], q[..., rq, :], k[..., rk, :], v[..., rk, :], o[..., rq, :], m[..., rq],
+                             l[..., rq], bias=pair_view(bias, rq, rk), mask=pair_view(mask, rq, rk),
+                             dropout_origin=(rq.start, rk.start), **kw))
+        if dbias is not None:   # its block of the packed pairs (a broadcast dim sums over the sequences)
+            block = part.pop(3)
+            dbias.reshape((1,) * max(0, 2 - dbias.ndim) + dbias.shape)[pair_span(dbias.shape, rq, rk)] += block
         if grads is None:
             grads = [np.empty(x.shape, g.dtype) for x, g in zip((q, k, v), part)] + [np.zeros_like(g) for g in part[3:]]
         grads[0][..., rq, :] = part[0]   # every row lies in exactly one sequence
@@ -389,4 +405,4 @@ def varlen_backward(do, q, k, v, o, m, l, cu_seqlens_q, cu_seqlens_k, **kw):
         grads[2][..., rk, :] = part[2]
         for total, g in zip(grads[3:], part[3:]):
             total += g
-    return tuple(grads)
+    return tuple(grads[:3]) + ((dbias,) if dbias is not None else ()) + tuple(grads[3:])

@@ -45,9 +45,9 @@ formed). A NaN score makes its row's ``m``, ``l`` and ``o`` NaN.
 import numpy as np
 
 from . import blocked
+from ._numpy_ops import (NEG_INF, broadcast_shapes, check_variants, exp_shift, packed_spans, pair_span, pair_view,
+                         reciprocal_or_zero, resolve_scale, transpose, unbroadcast, visible_matmul)
 from ._philox import dropout_keep
-from ._numpy_ops import (NEG_INF, broadcast_shapes, check_variants, exp_shift, packed_spans, reciprocal_or_zero,
-                         resolve_scale, transpose, unbroadcast, visible_matmul)
 
 __all__ = [
     "attention_forward",
@@ -118,7 +118,8 @@ class _Scores:
 
 @np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None,
-                      alibi_slopes=None, bias=None, mask=None, sink=None, dropout_p=0.0, seed=None):
+                      alibi_slopes=None, bias=None, mask=None, sink=None, dropout_p=0.0, seed=None,
+                      dropout_origin=(0, 0)):
     """Naive attention forward in float64: the ground truth.
 
     Parameters
@@ -160,6 +161,9 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window=None,
         the scores before dropout.
     seed : int, optional
         The dropout seed, in [0, 2^64); needed when ``dropout_p > 0``.
+    dropout_origin : (int, int), optional
+        The (query row, key) of this problem's pair (0, 0) in the keep set's coordinates: a packed
+        sequence's first row and key (`attention_varlen_forward`). Default (0, 0).
 
     Returns
     -------
@@ -200,14 +204,15 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window=None,
         l = l + np.exp(sink - exp_shift(m))
     P = P_unnormalised * reciprocal_or_zero(l)[..., None]
     if dropout_p:
-        P = P * (dropout_keep(seed, dropout_p, batch, n_q, k.shape[-2]) / (1 - dropout_p))
+        P = P * (_keep(seed, dropout_p, batch, n_q, k.shape[-2], dropout_origin) / (1 - dropout_p))
     o = visible_matmul(P, v, scores.visible)       # (*batch, Nq, D)
     return o, m, l
 
 
 @np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
 def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=None, softcap=None,
-                       alibi_slopes=None, bias=None, mask=None, sink=None, dropout_p=0.0, seed=None, bias_grad=False):
+                       alibi_slopes=None, bias=None, mask=None, sink=None, dropout_p=0.0, seed=None, bias_grad=False,
+                       dropout_origin=(0, 0)):
     """Naive attention backward in float64: the ground truth.
 
     Parameters
@@ -226,7 +231,7 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
         Forward row max (``-inf`` for a row that sees no key).
     l : array_like, shape (*batch, Nq)
         Forward row sum of ``exp(S - m)`` (0 for a row that sees no key).
-    causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed
+    causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed, dropout_origin
         As in `attention_forward` (the same seed drops the same pairs).
     bias_grad : bool, optional
         Also return ``dbias`` (needs ``bias``).
@@ -268,7 +273,7 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
     vis_t = None if vis is None else transpose(vis)
     inv_l = reciprocal_or_zero(l)
     P = np.exp(scores.S - exp_shift(m)[..., None]) * inv_l[..., None]        # (*batch, Nq, Nk)
-    Z = dropout_keep(seed, dropout_p, batch, n_q, k.shape[-2]) / (1 - dropout_p) if dropout_p else 1.0
+    Z = _keep(seed, dropout_p, batch, n_q, k.shape[-2], dropout_origin) / (1 - dropout_p) if dropout_p else 1.0
     dV = visible_matmul(transpose(P * Z), do, vis_t)                       # (*batch, Nk, D)
     dP = (do @ transpose(v)) * Z                                            # (*batch, Nq, Nk)
     D = np.sum(do * o, axis=-1)                                              # (*batch, Nq)
@@ -288,8 +293,14 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
     return tuple(grads)
 
 
+def _keep(seed, p, batch, n_q, n_k, origin):
+    """Dropout's keep set of an (n_q, n_k) problem whose pair (0, 0) lies at ``origin`` of the set."""
+    return dropout_keep(seed, p, batch, n_q, n_k, range(origin[0], origin[0] + n_q), range(origin[1], origin[1] + n_k))
+
+
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None, window=None,
-                             softcap=None, alibi_slopes=None, sink=None):
+                             softcap=None, alibi_slopes=None, bias=None, mask=None, sink=None, dropout_p=0.0,
+                             seed=None):
     """Naive forward of packed variable-length sequences, in float64.
 
     Parameters
@@ -304,6 +315,11 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=Fals
     causal, softmax_scale, window, softcap, alibi_slopes, sink
         As in `attention_forward`, applied per sequence (causal and the window bottom-right aligned
         in each).
+    bias, mask : array_like, optional
+        Broadcastable to ``(*batch, total_q, total_k)``: sequence ``s`` reads its own block.
+    dropout_p, seed : optional
+        As in `attention_forward`, the keep set over the packed pairs: sequence ``s`` drops its own
+        block of ``dropout_keep(seed, p, batch, total_q, total_k)``.
 
     Returns
     -------
@@ -313,7 +329,9 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=Fals
     """
     kw = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
               sink=sink)
-    parts = [attention_forward(np.asarray(q)[..., rq, :], np.asarray(k)[..., rk, :], np.asarray(v)[..., rk, :], **kw)
+    parts = [attention_forward(np.asarray(q)[..., rq, :], np.asarray(k)[..., rk, :], np.asarray(v)[..., rk, :],
+                               bias=pair_view(bias, rq, rk), mask=pair_view(mask, rq, rk), dropout_p=dropout_p,
+                               seed=seed, dropout_origin=(rq.start, rk.start), **kw)
              for rq, rk in packed_spans(cu_seqlens_q, cu_seqlens_k, np.shape(q)[-2], np.shape(k)[-2])]
     if not parts:
         batch = np.broadcast_shapes(np.shape(q)[:-2], np.shape(k)[:-2], np.shape(v)[:-2])
@@ -323,14 +341,18 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=Fals
 
 
 def attention_varlen_backward(do, q, k, v, o, m, l, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None,
-                              window=None, softcap=None, alibi_slopes=None, sink=None):
+                              window=None, softcap=None, alibi_slopes=None, bias=None, mask=None, sink=None,
+                              bias_grad=False, dropout_p=0.0, seed=None):
     """Naive backward of packed variable-length sequences, in float64.
 
     Parameters
     ----------
     do, o : array_like, shape (*batch, total_q, D)
-    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, softcap, alibi_slopes, sink
+    q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink,
+    dropout_p, seed
         As in `attention_varlen_forward`.
+    bias_grad : bool, optional
+        Also return ``dbias`` (needs ``bias``).
     m, l : array_like, shape (*batch, total_q)
         The forward's statistics.
 
@@ -338,21 +360,30 @@ def attention_varlen_backward(do, q, k, v, o, m, l, cu_seqlens_q, cu_seqlens_k, 
     -------
     dq, dk, dv : ndarray, float64
         Of the shapes of ``q``, ``k``, ``v``.
+    dbias : ndarray, float64
+        With ``bias_grad``: of ``bias``'s shape, each sequence's block its own (0 between sequences).
     dsink : ndarray, float64
         With ``sink``: its gradient, summed over the sequences.
     """
     kw = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
               sink=sink)
     q, k, v, do, o, m, l = (np.asarray(x) for x in (q, k, v, do, o, m, l))
-    grads = [np.zeros(x.shape) for x in (q, k, v)] + ([np.zeros(np.shape(sink))] if sink is not None else [])
+    grads = [np.zeros(x.shape) for x in (q, k, v)]
+    grads += [np.zeros(np.shape(bias))] if bias_grad else []
+    grads += [np.zeros(np.shape(sink))] if sink is not None else []
     for rq, rk in packed_spans(cu_seqlens_q, cu_seqlens_k, np.shape(q)[-2], np.shape(k)[-2]):
         part = attention_backward(do[..., rq, :], q[..., rq, :], k[..., rk, :], v[..., rk, :], o[..., rq, :],
-                                  m[..., rq], l[..., rq], **kw)
+                                  m[..., rq], l[..., rq], bias=pair_view(bias, rq, rk), mask=pair_view(mask, rq, rk),
+                                  bias_grad=bias_grad, dropout_p=dropout_p, seed=seed,
+                                  dropout_origin=(rq.start, rk.start), **kw)
         grads[0][..., rq, :] += part[0]
         grads[1][..., rk, :] += part[1]
         grads[2][..., rk, :] += part[2]
+        if bias_grad:
+            dbias = grads[3]
+            dbias.reshape((1,) * max(0, 2 - dbias.ndim) + dbias.shape)[pair_span(dbias.shape, rq, rk)] += part[3]
         if sink is not None:
-            grads[3] += part[3]
+            grads[-1] += part[-1]
     return tuple(grads)
 
 

@@ -84,7 +84,7 @@ __device__ __forceinline__ void produce_bwd(const BwdParams& p, const BwdRing& r
     // it to them (nonfinite.cuh): flag dQ_i and dK_j, dV_j for the repair. The producer scans
     // while it waits anyway: a step's tiles just before it waits to refill their buffers, K_j and
     // V_j before the first such wait, the rest as the CTA ends.
-    auto masked = [&](int n) { return mask.has_masked_pairs((i_first + n) * B_R, B_R, kv0, B_C); };
+    auto masked = [&](int n) { return may_hide(mask, (i_first + n) * B_R, B_R, kv0, B_C); };
     auto flag_pair = [&](int n) {
         p.dq_flags[w * T_r + i_first + n] = 1u;
         p.kv_flags[w * T_c + j] = 1u;
@@ -107,7 +107,7 @@ __device__ __forceinline__ void produce_bwd(const BwdParams& p, const BwdRing& r
     for (int n = 0; n < steps; ++n) {
         const int s = n % STAGES, use = n / STAGES, q0 = (i_first + n) * B_R, rows = min(B_R, Nq - q0);
         if (use > 0) {
-            if (mask.banded() && n == STAGES) scan_kv();
+            if (may_hide_any(mask) && n == STAGES) scan_kv();
             if (masked(n - STAGES)) {
                 scan_step(n - STAGES);
                 named_barrier_sync(BWD_PRODUCER_BARRIER, BWD_WG_THREADS);   // no thread refills what another still scans
@@ -120,7 +120,7 @@ __device__ __forceinline__ void produce_bwd(const BwdParams& p, const BwdRing& r
         produce_stats<B_R>(r.stat + s * 2 * B_R, lse2, Dsum, q0, Nq, vec, ptid);
         arrive_when_landed(&r.q_full[s], vec);
     }
-    if (mask.banded() && steps <= STAGES) scan_kv();
+    if (may_hide_any(mask) && steps <= STAGES) scan_kv();
     for (int n = max(0, steps - STAGES); n < steps; ++n)
         if (masked(n)) scan_step(n);
     cp_async_wait<0>();   // no copy outlives its thread

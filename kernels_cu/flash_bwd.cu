@@ -120,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
     const acc_t* m_b = p.m_b + sq.row0;
     const acc_t* inv_l = p.inv_l + sq.row0;
     const acc_t* Dsum = p.Dsum + sq.row0;
-    const EntryMods mods = p.mods.at(sq.bi, Nk - Nq);
+    const EntryMods mods = mods_of(p, sq);
 
     // load K_j, V_j from HBM into SRAM
     load_tile<B_C, DP>(s_K, k + kv0 * k_sn, k_sn, min(B_C, Nk - kv0), D, vec, tid, NTHREADS);
@@ -158,12 +158,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         }
         const bool plain = sync_all_plain(kv_plain && own_copies_plain<B_R, DP>(s_Q, vec, tid, NTHREADS)
                                           && own_copies_plain<B_R, DP>(s_dO, vec, tid, NTHREADS));
-        if (mask.banded() && i == i_first
+        if (may_hide_any(mask) && i == i_first
             && (rows_nonfinite(s_K, B_C, DP, QKV_PITCH, tid, NTHREADS)
                 || rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS)))
             for (int ii = i_first; ii < i_stop; ++ii)
-                if (mask.has_masked_pairs(ii * B_R, B_R, kv0, B_C)) flag_pair(ii);
-        if (mask.has_masked_pairs(q0, B_R, kv0, B_C)
+                if (may_hide(mask, ii * B_R, B_R, kv0, B_C)) flag_pair(ii);
+        if (may_hide(mask, q0, B_R, kv0, B_C)
             && (rows_nonfinite(s_Q, B_R, DP, QKV_PITCH, tid, NTHREADS)
                 || rows_nonfinite(s_dO, B_R, DP, QKV_PITCH, tid, NTHREADS) || values_nonfinite(s_D, B_R, tid, NTHREADS)))
             flag_pair(i);
@@ -179,10 +179,22 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         acc_t G[SOFTCAP ? B_R / 8 : 1][4];                // the softcap's ds'/ds
         if (mask.full(q0, B_R, key0, 16)) probabilities<false>(P, G, mods, mask, q0, key0, s_m, s_inv_l, scale);
         else                         probabilities<true>(P, G, mods, mask, q0, key0, s_m, s_inv_l, scale);
-        store_frag_smem(s_dSw, DS_PITCH, P);
+        unsigned keep[DROPOUT ? B_R / 8 : 1] = {};        // dropout's keep bits (keep_bits)
+        if constexpr (DROPOUT) {
+            acc_t Pz[B_R / 8][4];                         // Z o P_ij^T, what dV_j takes
+#pragma unroll
+            for (int n = 0; n < B_R / 8; ++n) {
+                keep[n] = keep_bits<true>(mods, key0, q0, n);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) Pz[n][e] = P[n][e] * keep_factor(mods, keep[n], e);
+            }
+            store_frag_smem(s_dSw, DS_PITCH, Pz);
+        } else {
+            store_frag_smem(s_dSw, DS_PITCH, P);
+        }
         __syncwarp();
 
-        // dV_j += P_ij^T dO_i                                              (16, DC)
+        // dV_j += (Z o P_ij)^T dO_i                                        (16, DC)
         if (plain) warp_mma<DC / 8, B_R, false, true, B_PLAIN>(dV, s_dSw, DS_PITCH, s_dO + c0, QKV_PITCH);
         else       warp_mma<DC / 8, B_R, false, true>(dV, s_dSw, DS_PITCH, s_dO + c0, QKV_PITCH);
 
@@ -192,14 +204,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         if (plain) warp_mma<B_R / 8, DP, false, false, PLAIN>(dP, s_V + 16 * warp * QKV_PITCH, QKV_PITCH, s_dO, QKV_PITCH);
         else       warp_mma<B_R / 8, DP, false, false>(dP, s_V + 16 * warp * QKV_PITCH, QKV_PITCH, s_dO, QKV_PITCH);
 
-        // dS_ij^T = P_ij^T o (dP_ij^T - D_i), by scale Q K^T: o ds'/ds where a softcap applies
+        // dS_ij^T = P_ij^T o (Z o dP_ij^T - D_i) (into dbias from the first head-dim chunk), by scale Q K^T:
+        // o ds'/ds where a softcap applies
 #pragma unroll
-        for (int n = 0; n < B_R / 8; ++n)
+        for (int n = 0; n < B_R / 8; ++n) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                P[n][e] *= dP[n][e] - s_D[n * 8 + 2 * t + e % 2];
-                if constexpr (SOFTCAP) P[n][e] *= G[n][e];
-            }
+            for (int e = 0; e < 4; ++e)
+                P[n][e] *= keep_factor(mods, keep[DROPOUT ? n : 0], e) * dP[n][e] - s_D[n * 8 + 2 * t + e % 2];
+            if (BIAS_GRAD && c0 == 0) add_dbias_quad<true>(P[n], mods, mask, key0, q0, n);
+            if constexpr (SOFTCAP)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) P[n][e] *= G[n][e];
+        }
         __syncwarp();
         store_frag_smem(s_dSw, DS_PITCH, P);
         __syncwarp();

@@ -32,7 +32,7 @@ __device__ __forceinline__ void zero_words(const ZeroRange z, i64 first, i64 str
 
 extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_prep(const BwdParams p) {
 #pragma unroll
-    for (int z = 0; z < 4; ++z)
+    for (int z = 0; z < ZERO_RANGES; ++z)
         zero_words(p.zero[z], (i64)blockIdx.x * NTHREADS + threadIdx.x, (i64)gridDim.x * NTHREADS);
     const int Nq = p.seqs.rows_q, D = p.D;   // every row of every sequence
     const i64 rows = p.batch.count * Nq;

@@ -82,7 +82,8 @@ static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the s
 // key0 .., query columns q0 ..), as A fragments 16 queries at a time; `st` holds the tile's lse_i log2 e
 // then D_i. MASKED: invisible pairs -> P = 0 (a row that saw no key has lse = inf: P = 0 too)
 // With modifiers (score_mod.cuh) the exponent takes the modified score in the modifiers' units
-// (RawMods), and dS_ij^T is by scale S_ij^T (o ds'/ds of the softcap).
+// (RawMods), and dS_ij^T is by scale S_ij^T (o ds'/ds of the softcap). Dropout: Pf holds Z o P^T and
+// dS^T = P^T o (Z o dP^T - D_i).
 template <bool MASKED>
 __device__ __forceinline__ void probabilities(unsigned (&Pf)[B_R / 16][4], unsigned (&dSf)[B_R / 16][4],
                                               const acc_t (&S)[B_R / 8][4], const acc_t (&dP)[B_R / 8][4],
@@ -91,11 +92,11 @@ __device__ __forceinline__ void probabilities(unsigned (&Pf)[B_R / 16][4], unsig
     const RawMods raw(mods, scale);
     const acc_t unit_log2 = (SCORE_MODS ? raw.unit : scale) * (acc_t)LOG2E;
     acc_t base[2];
-    raw_base<true>(base, raw.off, key0, q0);
+    raw_base<true>(base, raw.entry.off, key0, q0);
     const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int kk = 0; kk < B_R / 16; ++kk) {
-        acc_t pt[2][4], ds[2][4];
+        acc_t pt[2][4], pz[2][4], ds[2][4];   // P^T, Z o P^T (dropout), dS^T
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int nn = 2 * kk + half, qc = nn * 8 + 2 * t;   // query columns qc, qc + 1 of the tile
@@ -103,21 +104,27 @@ __device__ __forceinline__ void probabilities(unsigned (&Pf)[B_R / 16][4], unsig
             const float2 Dv = *reinterpret_cast<const float2*>(st + B_R + qc);
             const acc_t neg_lse[2] = {-lse.x, -lse.y}, Dq[2] = {Dv.x, Dv.y};
             acc_t x[4] = {S[nn][0], S[nn][1], S[nn][2], S[nn][3]}, grad[4];
-            if constexpr (SCORE_MODS) modify_raw_quad<true>(x, grad, raw, base, nn);
+            if constexpr (SCORE_MODS) modify_raw_quad<true, true>(x, grad, raw, base, key0, q0, nn);
+            const unsigned keep = DROPOUT ? keep_bits<true>(mods, key0, q0, nn) : 0u;
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 pt[half][e] = (MASKED && !mask.visible(q0 + qc + e % 2, key0 + g + (e / 2) * 8))
                                   ? (acc_t)0
                                   : exp2_acc(fmaf(x[e], unit_log2, neg_lse[e % 2]));
-                ds[half][e] = pt[half][e] * (dP[nn][e] - Dq[e % 2]);
-                if constexpr (SOFTCAP) ds[half][e] *= grad[e];
+                const acc_t z = keep_factor(mods, keep, e);
+                pz[half][e] = pt[half][e] * z;
+                ds[half][e] = pt[half][e] * (z * dP[nn][e] - Dq[e % 2]);
             }
+            add_dbias_quad<true>(ds[half], mods, mask, key0, q0, nn);
+            if constexpr (SOFTCAP)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) ds[half][e] *= grad[e];
         }
         // the A fragment of columns 16kk .. 16kk+15: rows g, g+8 of the left, then the right 8
-        Pf[kk][0] = pack2(pt[0][0], pt[0][1]);
-        Pf[kk][1] = pack2(pt[0][2], pt[0][3]);
-        Pf[kk][2] = pack2(pt[1][0], pt[1][1]);
-        Pf[kk][3] = pack2(pt[1][2], pt[1][3]);
+        Pf[kk][0] = pack2(pz[0][0], pz[0][1]);
+        Pf[kk][1] = pack2(pz[0][2], pz[0][3]);
+        Pf[kk][2] = pack2(pz[1][0], pz[1][1]);
+        Pf[kk][3] = pack2(pz[1][2], pz[1][3]);
         dSf[kk][0] = pack2(ds[0][0], ds[0][1]);
         dSf[kk][1] = pack2(ds[0][2], ds[0][3]);
         dSf[kk][2] = pack2(ds[1][0], ds[1][1]);
@@ -176,7 +183,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
         constexpr unsigned K_BLOCK = B_C * SW_COLS * sizeof(elem_t);
 
         const acc_t scale = (acc_t)p.scale;
-        const EntryMods mods = p.mods.at(sq.bi, Nk - Nq);
+        const EntryMods mods = mods_of(p, sq);
         acc_t dK[DP / 8][4], dV[DP / 8][4];               // (16, DP) per warp
         zero_frag(dK);
         zero_frag(dV);

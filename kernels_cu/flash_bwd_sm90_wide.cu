@@ -74,6 +74,8 @@ enum Barrier : int { P_WRITTEN = 1, DS_WRITTEN = 2, DQ_WRITTEN = 3, ADDS_LANDED 
 
 static_assert(CONSUMERS == 2 && B_C == 64 && B_R == 64, "one producer warpgroup, two consumers sharing 64 keys");
 static_assert(DP % SW_COLS == 0 && DP > 128 && DP <= 256 && (STAGES == 1 || STAGES == 2), "tile shapes");
+// consumer 1 has dS = P o (dP - D) only as Pg o (dP - D) under a softcap: no dbias then (the host runs flash_bwd)
+static_assert(!(SOFTCAP && BIAS_GRAD), "dbias under a softcap: flash_bwd");
 static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * (65536 / NTHREADS / 8 * 8), "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
@@ -91,14 +93,14 @@ __device__ __forceinline__ void probabilities(acc_t (&S)[B_R / 8][4], acc_t (&Pg
     const RawMods raw(mods, scale);
     const acc_t unit_log2 = (SCORE_MODS ? raw.unit : scale) * (acc_t)LOG2E;
     acc_t base[2];
-    raw_base<true>(base, raw.off, key0, q0);
+    raw_base<true>(base, raw.entry.off, key0, q0);
 #pragma unroll
     for (int nn = 0; nn < B_R / 8; ++nn) {
         const int qc = nn * 8 + 2 * t;   // query columns qc, qc + 1 of the tile
         const float2 lse = *reinterpret_cast<const float2*>(st + qc);
         const acc_t neg_lse[2] = {-lse.x, -lse.y};
         acc_t grad[4];
-        if constexpr (SCORE_MODS) modify_raw_quad<true>(S[nn], grad, raw, base, nn);
+        if constexpr (SCORE_MODS) modify_raw_quad<true, true>(S[nn], grad, raw, base, key0, q0, nn);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             S[nn][e] = (MASKED && !mask.visible(q0 + qc + e % 2, key0 + g + (e / 2) * 8))
@@ -179,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
     acc_t* dq_acc = sq.q_rows(p.dq_acc);
     constexpr unsigned K_BLOCK = B_C * SW_COLS * sizeof(elem_t);
     const acc_t scale = (acc_t)p.scale;
-    const EntryMods mods = p.mods.at(sq.bi, Nk - Nq);
+    const EntryMods mods = mods_of(p, sq);
     acc_t G[DP / 8][4];                                // dV_j (c = 0) or dK_j (c = 1), (16, DP) per warp
     zero_frag(G);
 
@@ -201,25 +203,37 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
             acc_t Pg[SOFTCAP ? B_R / 8 : 1][4];         // P^T o ds'/ds of the softcap
             if (mask.full(q0, B_R, key0, 16)) probabilities<false>(X, Pg, st, mask, mods, q0, key0, scale);
             else                         probabilities<true>(X, Pg, st, mask, mods, q0, key0, scale);
+            // dropout: a dropped pair's W goes to consumer 1 negated (W >= 0; its sign bit is the keep
+            // bit), and dV_j takes Z o P^T
 #pragma unroll
             for (int nn = 0; nn < B_R / 8; ++nn) {
                 const acc_t (&W)[4] = SOFTCAP ? Pg[SOFTCAP ? nn : 0] : X[nn];   // what dS_ij^T multiplies
-                s_P[nn * WG_THREADS + wtid] = make_float4(W[0], W[1], W[2], W[3]);
+                const unsigned keep = DROPOUT ? keep_bits<true>(mods, key0, q0, nn) : 15u;
+                auto sent = [&](int e) { return (keep >> e & 1) ? W[e] : -W[e]; };
+                s_P[nn * WG_THREADS + wtid] = make_float4(sent(0), sent(1), sent(2), sent(3));
+#pragma unroll
+                for (int e = 0; e < 4; ++e) X[nn][e] *= keep_factor(mods, keep, e);
             }
             named_barrier_arrive(P_WRITTEN, CONSUMER_THREADS);
             frag_to_a(A, X);
-            issue_grad(G, A, s_dOs);                   // dV_j += P_ij^T dO_i
+            issue_grad(G, A, s_dOs);                   // dV_j += (Z o P_ij)^T dO_i
         } else {
             scores(X, s_V, s_dOs);
             named_barrier_sync(P_WRITTEN, CONSUMER_THREADS);
+            // dS^T = W o (Z o dP^T - D_i), Z = 1 / (1 - p) or 0 from W's sign under dropout, else 1
+            auto ds = [&](acc_t W, acc_t dp, acc_t D_i) {
+                if constexpr (DROPOUT) return fabsf(W) * ((signbit(W) ? (acc_t)0 : mods.keep_scale) * dp - D_i);
+                return W * (dp - D_i);
+            };
 #pragma unroll
             for (int nn = 0; nn < B_R / 8; ++nn) {
                 const float4 P = s_P[nn * WG_THREADS + wtid];
                 const float2 Dv = *reinterpret_cast<const float2*>(st + B_R + nn * 8 + 2 * t);
-                X[nn][0] = P.x * (X[nn][0] - Dv.x);
-                X[nn][1] = P.y * (X[nn][1] - Dv.y);
-                X[nn][2] = P.z * (X[nn][2] - Dv.x);
-                X[nn][3] = P.w * (X[nn][3] - Dv.y);
+                X[nn][0] = ds(P.x, X[nn][0], Dv.x);
+                X[nn][1] = ds(P.y, X[nn][1], Dv.y);
+                X[nn][2] = ds(P.z, X[nn][2], Dv.x);
+                X[nn][3] = ds(P.w, X[nn][3], Dv.y);
+                add_dbias_quad<true>(X[nn], mods, mask, key0, q0, nn);   // dS^T is d loss / d final score here
             }
             frag_to_a(A, X);
             issue_grad(G, A, s_Qs);                    // dK_j += dS_ij^T Q_i (scaled at the end)

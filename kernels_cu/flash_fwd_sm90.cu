@@ -230,7 +230,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
                     mbar_wait(&v_empty[s], (use - 1) & 1);
                 }
                 produce_tile<B_C>(s_V + s * TILE_KV, v_h + (i64)j * B_C * v_sn, v_sn, rows, D, vec, &v_full[s], ptid);
-                const unsigned flag = mask.has_masked_pairs(w.i * B_R, B_R, j * B_C, B_C) ? (unsigned)(w.w * T_r + w.i) : NONE;
+                const unsigned flag = may_hide(mask, w.i * B_R, B_R, j * B_C, B_C) ? (unsigned)(w.w * T_r + w.i) : NONE;
                 if (s == 0) pending0 = flag;
                 else        pending1 = flag;
             }
@@ -276,7 +276,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             zero_frag(O);
             // m_i in units of raw scores Q K^T (the softmax scales differences: scale > 0, checked on the
             // host), or of the modifiers' S (RawMods: unit > 0)
-            const EntryMods entry = p.mods.at(seq_of(p, w.w).bi, Nk - Nq);
+            const EntryMods entry = mods_of(p, seq_of(p, w.w));
             const RawMods mods(entry, scale);
             const acc_t unit = SCORE_MODS ? mods.unit : scale, log2_unit = unit * (acc_t)LOG2E;
             acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
@@ -291,6 +291,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
                 if constexpr (SCORE_MODS) modify_raw_scores(S, mods, r0, kv0);
                 mask_scores(S, mask, r0, kv0);
                 online_softmax(S, m_i, m_new, alpha, rowsum, log2_unit);
+                if constexpr (DROPOUT) drop_probs(S, entry, r0, kv0);   // out of P~_ij V_j, not of l_i
             };
             // m_i <- m_new;  l_i <- alpha l_i + rowsum(P~_ij);  O_i <- alpha O_i (skipped while no row
             // max of the warp moved: alpha = 1 exactly);  P~_ij to A fragments
@@ -385,7 +386,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
 
             // O_i = diag(l_i)^-1 O_i; write O_i, m_i (in natural units), l_i to HBM
             const i64 row0 = seq_of(p, w.w).row0;
-            store_output_rows(p.o + row0 * D, p.m + row0, p.l + row0, O, m_i, l_i, unit, r0, Nq, D, entry.sink);
+            store_output_rows(p.o + row0 * D, p.m + row0, p.l + row0, O, m_i, l_i, unit, r0, Nq, D, entry.sink,
+                              DROPOUT ? entry.keep_scale : (acc_t)1);
             kv += j_stop;
         }
         if (c == 0) my_turn();   // the hand-off of the last issue

@@ -84,7 +84,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
     acc_t* o_run = p.o_run + sq.row0 * DP;
     acc_t* m_run = p.m + sq.row0;
     acc_t* l_run = p.l + sq.row0;
-    const EntryMods mods = p.mods.at(sq.bi, Nk - Nq);
+    const EntryMods mods = mods_of(p, sq);
 
     const int T_r = (Nq + B_R - 1) / B_R;
     if (split >= T_r) return;
@@ -105,10 +105,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
         __syncthreads();
         // this thread's share of V_j holds an inf or NaN: P~_ij V_j may spread it to the masked pairs of
         // the Q tiles below that have some (nonfinite.cuh), flagged for the repair
-        const bool v_nonfinite = mask.banded() && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS);
+        const bool v_nonfinite = may_hide_any(mask) && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS);
 
         for (int i = split; i < T_r; i += n_splits) {
-            if (v_nonfinite && mask.has_masked_pairs(i * B_R, B_R, kv0, B_C) && j >= mask.kv_tile_first<B_C>(i * B_R)
+            if (v_nonfinite && may_hide(mask, i * B_R, B_R, kv0, B_C) && j >= mask.kv_tile_first<B_C>(i * B_R)
                 && j < mask.kv_tile_stop<B_C>(i * B_R, B_R))
                 p.repair_flags[w * T_grid + i] = 1u;
             const int r0 = i * B_R + 16 * warp;   // first query row of this warp
@@ -146,6 +146,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
             online_softmax(S, m_i, m_new, alpha, rowsum, (acc_t)LOG2E);
 #pragma unroll
             for (int h = 0; h < 2; ++h) l_new[h] = alpha[h] * l_i[h] + rowsum[h];
+            if constexpr (DROPOUT) drop_probs(S, mods, r0, kv0);   // out of P~_ij V_j, not of l_i
 
             __syncwarp();
             store_frag_smem(s_Pw, P_PITCH, S);
@@ -154,7 +155,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
             // O_i^new = diag(l_i^new)^-1 (diag(e^(m_i - m_i^new) l_i) O_i + P~_ij V_j), DC columns at a time
             // At the warp's last step the sink, where compiled in, is folded into m_i^new, l_i^new (fold_sink)
             const bool last = j == j_last;
-            acc_t inv_l[2], keep[2];
+            acc_t inv_l[2], keep[2], pv_scale[2];   // pv_scale: of P~_ij V_j (dropout's 1 / (1 - p) too)
             bool none[2];                                 // no key so far
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -166,6 +167,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
                     inv_l[h] *= folded;
                     keep[h] *= folded;
                 }
+                pv_scale[h] = DROPOUT ? inv_l[h] * mods.keep_scale : inv_l[h];
             }
 #pragma unroll
             for (int c0 = 0; c0 < DP; c0 += DC) {
@@ -179,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
                     for (int h = 0; h < 2; ++h) {
                         const int row = r0 + g + 8 * h, col = c0 + n * 8 + 2 * t;
                         if (row >= Nq) continue;
-                        acc_t o0 = PV[n][2 * h] * inv_l[h], o1 = PV[n][2 * h + 1] * inv_l[h];
+                        acc_t o0 = PV[n][2 * h] * pv_scale[h], o1 = PV[n][2 * h + 1] * pv_scale[h];
                         if (none[h]) o0 = o1 = (acc_t)0;   // P~ V may hold 0 · NaN of a masked key
                         else if (carry) {
                             o0 += keep[h] * O_prev[n][2 * h];

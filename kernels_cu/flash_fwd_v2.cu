@@ -87,7 +87,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
     elem_t* o = p.o + sq.row0 * D;
     acc_t* m_out = p.m + sq.row0;
     acc_t* l_out = p.l + sq.row0;
-    const EntryMods mods = p.mods.at(sq.bi, Nk - Nq);
+    const EntryMods mods = mods_of(p, sq);
 
     const int r0 = i * B_R + 16 * warp;                 // first query row of this warp
     // the K/V tiles this CTA needs: j_first .. j_stop - 1; tile j lies in stage j % STAGES
@@ -129,7 +129,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
                                           && own_copies_plain<B_C, DP>(s_V, vec, tid, NTHREADS));
         // where Q tile i may have masked pairs in tile j and V_j holds an inf or NaN, P~_ij V_j may spread
         // it to them (nonfinite.cuh): flag the tile for the repair (flags exist where some pair is masked)
-        if (edge && mask.banded() && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS))
+        if ((BOOL_MASK || edge && mask.banded()) && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS))
             p.repair_flags[w * T_r + i] = 1u;
 
         // S_ij = scale Q_i K_j^T, then its modifiers (score_mod.cuh)        (16, B_C)
@@ -160,6 +160,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
                 O[n][2 * h + 1] *= alpha[h];
             }
         }
+        if constexpr (DROPOUT) drop_probs(S, mods, r0, kv0);   // out of P~_ij V_j, not of l_i
 
         // O_i += P~_ij V_j                                                 (16, DP)
 #if FLASH_TENSOR_CORES
@@ -185,5 +186,5 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
     }
 
     // O_i = diag(l_i)^-1 O_i (the sink folded in, SINK); write O_i, m_i, l_i to HBM
-    store_output_rows(o, m_out, l_out, O, m_i, l_i, (acc_t)1, r0, Nq, D, mods.sink);
+    store_output_rows(o, m_out, l_out, O, m_i, l_i, (acc_t)1, r0, Nq, D, mods.sink, DROPOUT ? mods.keep_scale : (acc_t)1);
 }

@@ -161,23 +161,26 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_repair(const Fw
         const elem_t* q_h = sq.q_rows(p.q);
         const elem_t* k_h = sq.k_rows(p.k);
         const elem_t* v_h = sq.k_rows(p.v);
-        const EntryMods mods = p.mods.at(sq.bi, mask.Nk - Nq);
+        const EntryMods mods = mods_of(p, sq);
         for (int r = r0 + warp; r < min(r0 + tile_rows, Nq); r += NWARPS) {
             const acc_t m_i = p.m[sq.row0 + r], l_i = p.l[sq.row0 + r];
             acc_t q_i[RPL], o_i[RPL] = {};
             if (l_i != (acc_t)0) {
                 load_row(q_i, q_h + r * p.q.sn, D);
                 for (int j = mask.key_start(r); j < mask.key_stop(r); ++j) {
+                    if (mods.hidden(r, j)) continue;   // no term (a dropped pair keeps its 0 · v_j)
                     acc_t k_j[RPL], v_j[RPL];
                     load_row(k_j, k_h + j * p.k.sn, D);
                     load_row(v_j, v_h + j * p.v.sn, D);
                     acc_t unused;
-                    const acc_t pr = exp2_acc((mods.apply(dot(q_i, k_j) * scale, r, j, unused) - m_i) * (acc_t)LOG2E);
+                    acc_t pr = exp2_acc((mods.apply(dot(q_i, k_j) * scale, r, j, unused) - m_i) * (acc_t)LOG2E);
+                    if (DROPOUT) pr *= mods.kept(r, j) ? (acc_t)1 : (acc_t)0;   // Z P (its 1 / (1 - p) below)
 #pragma unroll
                     for (int e = 0; e < RPL; ++e) o_i[e] += pr * v_j[e];
                 }
             }
-            store_row(p.o + (sq.row0 + r) * D, o_i, l_i == (acc_t)0 ? (acc_t)0 : (acc_t)1 / l_i, D);
+            store_row(p.o + (sq.row0 + r) * D, o_i, l_i == (acc_t)0 ? (acc_t)0 : (DROPOUT ? mods.keep_scale : (acc_t)1) / l_i,
+                      D);
         }
     });
 }
@@ -198,17 +201,21 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_repair(const Bw
     const int warp = threadIdx.x / WARP_SIZE;
     const int T_r = (p.mask.Nq + tile_r - 1) / tile_r, T_c = (p.mask.Nk + tile_c - 1) / tile_c;   // the grid's
 
-    // P_ij and dS_ij of sequence sq's rows i, j (q_i, dO_i, k_j, v_j this lane's elements); false where
-    // row i saw no key
+    // Z P_ij (dropout's Z = keep / (1 - p), else 1) and dS_ij = P_ij (Z dP_ij - D_i) of sequence sq's rows
+    // i, j (q_i, dO_i, k_j, v_j this lane's elements); false where row i saw no key or the boolean mask
+    // hides the pair (neither adds a term)
     auto pair_terms = [&](const Seq& sq, int i, int j, const acc_t (&q_i)[RPL], const acc_t (&do_i)[RPL],
                           const acc_t (&k_j)[RPL], const acc_t (&v_j)[RPL], acc_t& P_ij, acc_t& dS_ij) {
         acc_t s, dp, grad = (acc_t)1;
         dot2(q_i, k_j, do_i, v_j, s, dp);
         const acc_t l_i = p.l[sq.row0 + i];
-        s = p.mods.at(sq.bi, sq.mask.Nk - sq.mask.Nq).apply<true>(s * scale, i, j, grad);
+        const EntryMods mods = mods_of(p, sq);
+        s = mods.apply<true>(s * scale, i, j, grad);
         P_ij = l_i == (acc_t)0 ? (acc_t)0 : exp2_acc((s - p.m[sq.row0 + i]) * (acc_t)LOG2E) / l_i;
-        dS_ij = P_ij * (dp - p.Dsum[sq.row0 + i]) * grad;
-        return l_i != (acc_t)0;
+        const acc_t z = DROPOUT ? (mods.kept(i, j) ? mods.keep_scale : (acc_t)0) : (acc_t)1;
+        dS_ij = P_ij * (z * dp - p.Dsum[sq.row0 + i]) * grad;
+        P_ij *= z;
+        return l_i != (acc_t)0 && !mods.hidden(i, j);
     };
 
     // dq_i of work head w's q head, rows tile_r * tile .., summed over the work heads that share it
@@ -232,7 +239,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_repair(const Bw
                     acc_t k_j[RPL], v_j[RPL], P_ij, dS_ij;
                     load_row(k_j, rows.k + j * p.k.sn, D);
                     load_row(v_j, rows.v + j * p.v.sn, D);
-                    pair_terms(e, i, j, q_i, do_i, k_j, v_j, P_ij, dS_ij);
+                    if (!pair_terms(e, i, j, q_i, do_i, k_j, v_j, P_ij, dS_ij)) continue;
 #pragma unroll
                     for (int e = 0; e < RPL; ++e) dq_i[e] += dS_ij * k_j[e];
                 }

@@ -61,6 +61,7 @@ struct Seqs {
 // What a CTA of work head w reads: its batch entry and its sequence
 struct Seq {
     BatchIndex bi;         // the batch entry
+    i64 e;                 // its flat index
     i64 row0;              // the sequence's first query row in the (BH, rows_q) outputs and statistics
     int s;                 // the sequence (0 without VARLEN)
     int q0, k0;            // its first rows in the entry's q (o, dO) and k (v) matrices
@@ -75,18 +76,28 @@ struct Seq {
 template <class Params>
 __device__ __forceinline__ Seq seq_of(const Params& p, i64 w) {
     if constexpr (!VARLEN) {
-        return {p.batch.split(w), w * p.mask.Nq, 0, 0, 0, p.mask};
+        return {p.batch.split(w), w, w * p.mask.Nq, 0, 0, 0, p.mask};
     } else {
         const Seqs& sq = p.seqs;
         const i64 e = w / sq.n;
         const int s = (int)(w - e * sq.n), q0 = sq.cu_q[s], k0 = sq.cu_k[s];
-        return {p.batch.split(e), e * sq.rows_q + q0, s, q0, k0, sq.band.of(sq.cu_q[s + 1] - q0, sq.cu_k[s + 1] - k0)};
+        return {p.batch.split(e), e, e * sq.rows_q + q0, s, q0, k0, sq.band.of(sq.cu_q[s + 1] - q0, sq.cu_k[s + 1] - k0)};
     }
 }
 
 // sequence sq's Mask: without VARLEN the params' own, which the kernels then read from the constant bank
 template <class Params>
 __device__ __forceinline__ const Mask& mask_of(const Params& p, const Seq& sq) { return VARLEN ? sq.mask : p.mask; }
+
+// sequence sq's modifiers (score_mod.cuh)
+template <class Params>
+__device__ __forceinline__ EntryMods mods_of(const Params& p, const Seq& sq) {
+    const Mask& mask = mask_of(p, sq);
+    return p.mods.at(sq.bi, sq.e, sq.q0, sq.k0, mask.Nq, mask.Nk);
+}
+
+// ranges of 4-byte words flash_bwd_prep zeroes (BwdParams::zero)
+constexpr int ZERO_RANGES = 5;
 
 // 4-byte words flash_bwd_prep zeroes before the main kernel adds into them
 struct ZeroRange {
@@ -139,8 +150,8 @@ struct BwdParams {
     unsigned* dv_turns;        // (K/V heads of v, n, T_c, n_chunks)
     unsigned* dq_flags;        // (heads, T_r) zeroed, causal: dQ tiles for flash_bwd_repair
     unsigned* kv_flags;        // (heads, T_c) zeroed, causal: dK, dV tiles
-    ZeroRange zero[4];         // what the comments call zeroed: the workspace's zeroed part, and the
-                               // gradients that are the sums themselves (float32, float64)
+    ZeroRange zero[ZERO_RANGES];   // what the comments call zeroed: the workspace's zeroed part, the
+                                   // gradients that are the sums themselves (float32, float64), dbias
     i64 convert_elems[3];      // elements of dq, dk, dv that flash_convert converts (0: none)
     Batch batch;
     Mask mask;

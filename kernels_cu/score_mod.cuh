@@ -4,7 +4,12 @@
 //     s = scale q_i . k_j                        natural units
 //     softcap c:   s <- c tanh(s / c)            FLASH_SOFTCAP
 //     ALiBi slope: s <- s - slope |i + off - j|  FLASH_ALIBI
-// then the mask (mask.cuh). m_i, l_i are the statistics of the modified scores. A modifier is
+//     bias:        s <- s + bias_ij              FLASH_BIAS (FLASH_BIAS_GRAD: the backward adds dS_ij to dbias_ij)
+//     mask:        s <- -inf where mask_ij false FLASH_MASK (the pair is hidden, as the band hides it)
+// then the band (mask.cuh). m_i, l_i are the statistics of the modified scores. Dropout (FLASH_DROPOUT)
+// then zeroes the pairs of P~ its keep set drops (philox.cuh) and scales the rest by 1 / (1 - p): the
+// forward drops them from P~ V (not from l_i) and scales O_i at the end; the backward takes
+// Z = keep / (1 - p) into dV = (Z o P)^T dO and dS = P o (Z o dP - D). A modifier is
 // compiled in only where a call uses it (TileConfig.mods), so a plain call runs the plain kernel and
 // pays nothing. The backward's dS is taken with respect to the modified score; the chain back to
 // scale q . k multiplies it by ds'/ds = 1 - tanh^2 (softcap; ALiBi adds a constant).
@@ -17,6 +22,8 @@
 #pragma once
 
 #include "layout.cuh"
+#include "mask.cuh"
+#include "philox.cuh"
 #include "types.cuh"
 
 #ifndef FLASH_SOFTCAP
@@ -28,10 +35,26 @@
 #ifndef FLASH_SINK
 #define FLASH_SINK 0
 #endif
+#ifndef FLASH_BIAS
+#define FLASH_BIAS 0
+#endif
+#ifndef FLASH_BIAS_GRAD
+#define FLASH_BIAS_GRAD 0
+#endif
+#ifndef FLASH_MASK
+#define FLASH_MASK 0
+#endif
+#ifndef FLASH_DROPOUT
+#define FLASH_DROPOUT 0
+#endif
 
 constexpr bool SOFTCAP = FLASH_SOFTCAP != 0;
 constexpr bool ALIBI = FLASH_ALIBI != 0;
-constexpr bool SCORE_MODS = SOFTCAP || ALIBI;
+constexpr bool BIAS = FLASH_BIAS != 0;
+constexpr bool BIAS_GRAD = BIAS && FLASH_BIAS_GRAD != 0;   // the backward's dbias
+constexpr bool BOOL_MASK = FLASH_MASK != 0;
+constexpr bool SCORE_MODS = SOFTCAP || ALIBI || BIAS || BOOL_MASK;
+constexpr bool DROPOUT = FLASH_DROPOUT != 0;
 // the attention sink: one more key per batch entry, of logit `sink` and value zero, folded into the
 // forward's final m_i, l_i (softmax.cuh: fold_sink); the backward's P = exp(S - lse) needs nothing more
 constexpr bool SINK = FLASH_SINK != 0;
@@ -63,12 +86,90 @@ __device__ __forceinline__ void tanh_and_grad(acc_t x, acc_t& t, acc_t& grad) {
 #endif
 }
 
+// A per-pair array of the call (bias, mask, dbias), broadcastable to (batch..., Nq, Nk): element strides
+// along the three collapsed batch dims, the queries and the keys, 0 along a broadcast dim. With VARLEN
+// its rows and keys are the packed ones (total_q, total_k).
+template <typename T>
+struct PairArray {
+    T* ptr;
+    i64 s0, s1, s2, si, sj;
+
+    // batch entry bi's pair (i0, j0)
+    __device__ __forceinline__ T* at(BatchIndex bi, int i0, int j0) const {
+        return ptr + batch_offset(bi, s0, s1, s2) + i0 * si + j0 * sj;
+    }
+};
+
+// One sequence's pairs of a PairArray: pair (i, j) of the sequence, i < Nq, j < Nk (the query and key
+// strides below 2^31 elements, checked on the host; their products 64-bit)
+template <typename T>
+struct Pairs {
+    T* ptr;   // the sequence's pair (0, 0)
+    int si, sj;
+
+    __device__ __forceinline__ T& operator()(int i, int j) const { return ptr[(i64)i * si + (i64)j * sj]; }
+};
+
 // One batch entry's modifiers (ScoreMods::at)
 struct EntryMods {
     acc_t cap, inv_cap;   // softcap c and 1 / c
     acc_t slope;          // ALiBi slope
     acc_t sink;           // the sink's logit (natural units)
     int off;              // Nk - Nq
+    int Nq, Nk;           // the sequence's lengths: pairs past them have no bias and are hidden
+    Pairs<const elem_t> bias;
+    Pairs<const unsigned char> keep;   // the boolean mask, 1 = visible
+    Pairs<acc_t> dbias;
+    bool dbias_add;       // several CTAs or lanes add into one dbias element (atomics), else one stores it
+    // dropout: the batch entry's flat index b (two words), the sequence's first packed row and key,
+    // the Philox key (the seed's two words), the threshold round(p 2^32) and 1 / (1 - p)
+    unsigned b_lo, b_hi, pq0, pk0, seed_lo, seed_hi, threshold;
+    acc_t keep_scale;
+
+    // word `w` (0-3) of a Philox result
+    __device__ __forceinline__ static unsigned word(const Words4& r, unsigned w) {
+        return (w & 2) ? ((w & 1) ? r.w[3] : r.w[2]) : ((w & 1) ? r.w[1] : r.w[0]);
+    }
+
+    // dropout keeps pair (i, j) of the sequence: word (k0 + j) % 4 of Philox at counter
+    // ((k0 + j) / 4, q0 + i, b) is at least the threshold (cupyflash/_philox.py: dropout_keep)
+    __device__ __forceinline__ bool kept(int i, int j) const {
+        const unsigned key = pk0 + (unsigned)j;
+        return word(philox4x32(key >> 2, pq0 + (unsigned)i, b_lo, b_hi, seed_lo, seed_hi), key & 3) >= threshold;
+    }
+
+    // ... of the pairs (i, j) and (i, j + 1), from one Philox result where both keys share it
+    __device__ __forceinline__ void kept2(int i, int j, bool& first, bool& second) const {
+        const unsigned key = pk0 + (unsigned)j;
+        const Words4 r = philox4x32(key >> 2, pq0 + (unsigned)i, b_lo, b_hi, seed_lo, seed_hi);
+        first = word(r, key & 3) >= threshold;
+        second = (key & 3) != 3 ? word(r, (key & 3) + 1) >= threshold : kept(i, j + 1);
+    }
+
+    // the boolean mask hides pair (i, j) (always false without one); pairs past the lengths are hidden
+    __device__ __forceinline__ bool hidden(int i, int j) const {
+        if constexpr (BOOL_MASK) return i >= Nq || j >= Nk || !keep(i, j);
+        return false;
+    }
+
+    // s of pair (i, j) with the bias added and -inf where the mask hides it
+    __device__ __forceinline__ acc_t pair_score(acc_t s, int i, int j) const {
+        if constexpr (BIAS)
+            if (i < Nq && j < Nk) s += to_acc(bias(i, j));
+        if constexpr (BOOL_MASK)
+            if (hidden(i, j)) s = NEG_INF;
+        return s;
+    }
+
+    // dbias_ij gets dS_ij (d loss / d final score) of a pair the band leaves visible: the mask's hidden
+    // pairs and pairs past the lengths add nothing (dbias is zeroed first)
+    __device__ __forceinline__ void add_dbias(int i, int j, acc_t ds) const {
+        if constexpr (BIAS_GRAD) {
+            if (i >= Nq || j >= Nk || hidden(i, j)) return;
+            if (dbias_add) atomicAdd(&dbias(i, j), ds);
+            else           dbias(i, j) = ds;
+        }
+    }
 
     // s <- c tanh(s / c); DERIV: grad = ds'/ds (untouched without a softcap)
     template <bool DERIV = false>
@@ -91,7 +192,7 @@ struct EntryMods {
     // the modified score of query i, key j from s = scale q_i . k_j; grad as in cap_score
     template <bool DERIV = false>
     __device__ __forceinline__ acc_t apply(acc_t s, int i, int j, acc_t& grad) const {
-        return alibi(cap_score<DERIV>(s, grad), (acc_t)(i + off - j));
+        return pair_score(alibi(cap_score<DERIV>(s, grad), (acc_t)(i + off - j)), i, j);
     }
 };
 
@@ -101,18 +202,142 @@ struct ScoreMods {
     i64 alibi_s0, alibi_s1, alibi_s2;
     const acc_t* sink;            // sink logits, one per batch entry, the same way
     i64 sink_s0, sink_s1, sink_s2;
-    double softcap;               // c > 0
+    PairArray<const elem_t> bias;           // FLASH_BIAS, in the inputs' dtype
+    PairArray<const unsigned char> keep;    // FLASH_MASK: bool, 1 = visible
+    PairArray<acc_t> dbias;                 // FLASH_BIAS_GRAD: bias's shape (or the full one), zeroed
+    int dbias_add;                          // EntryMods::dbias_add
+    unsigned threshold;                     // FLASH_DROPOUT: round(p 2^32), a word below it drops its pair
+    double softcap;                         // c > 0
+    double keep_scale;                      // FLASH_DROPOUT: 1 / (1 - p)
+    i64 batch0;                             // the flat batch index of the call's entry 0 (of a peeled piece)
+    unsigned long long seed;                // FLASH_DROPOUT: the Philox key (written per call)
 
-    __device__ __forceinline__ EntryMods at(BatchIndex bi, int off) const {
+    // the modifiers of batch entry bi (flat index `entry`) for its sequence of Nq queries and Nk keys, the
+    // first pair at (q0, k0) of the entry's (packed) rows and keys
+    __device__ __forceinline__ EntryMods at(BatchIndex bi, i64 entry, int q0, int k0, int Nq, int Nk) const {
         EntryMods e;
         e.cap = (acc_t)softcap;
         e.inv_cap = SOFTCAP ? (acc_t)1 / e.cap : (acc_t)0;
         e.slope = ALIBI ? alibi[batch_offset(bi, alibi_s0, alibi_s1, alibi_s2)] : (acc_t)0;
         e.sink = SINK ? sink[batch_offset(bi, sink_s0, sink_s1, sink_s2)] : (acc_t)0;
-        e.off = off;
+        e.off = Nk - Nq;
+        e.Nq = Nq;
+        e.Nk = Nk;
+        if constexpr (BIAS) e.bias = {bias.at(bi, q0, k0), (int)bias.si, (int)bias.sj};
+        if constexpr (BOOL_MASK) e.keep = {keep.at(bi, q0, k0), (int)keep.si, (int)keep.sj};
+        if constexpr (BIAS_GRAD) e.dbias = {dbias.at(bi, q0, k0), (int)dbias.si, (int)dbias.sj};
+        e.dbias_add = dbias_add != 0;
+        if constexpr (DROPOUT) {
+            const unsigned long long b = (unsigned long long)(batch0 + entry);
+            e.b_lo = (unsigned)b;
+            e.b_hi = (unsigned)(b >> 32);
+            e.pq0 = (unsigned)q0;
+            e.pk0 = (unsigned)k0;
+            e.seed_lo = (unsigned)seed;
+            e.seed_hi = (unsigned)(seed >> 32);
+            e.threshold = threshold;
+            e.keep_scale = (acc_t)keep_scale;
+        }
         return e;
     }
 };
+
+// The query i and key j of element (n, e) of a warp's accumulator tile: rows r0 + g + 8 (e / 2),
+// columns c0 + 8n + 2t + e % 2 are queries and keys, or (TRANSPOSED) keys and queries
+template <bool TRANSPOSED>
+__device__ __forceinline__ void pair_at(int r0, int c0, int n, int e, int& i, int& j) {
+    const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+    const int row = r0 + g + 8 * (e / 2), col = c0 + 8 * n + 2 * t + e % 2;
+    i = TRANSPOSED ? col : row;
+    j = TRANSPOSED ? row : col;
+}
+
+// Some pair inside the ragged ends may be hidden: the band's answer, and any under a boolean mask
+__device__ __forceinline__ bool may_hide_any(const Mask& mask) { return BOOL_MASK || mask.banded(); }
+
+// The tile of rows [q0, q0 + rows) x keys [k0, k0 + cols) may hold a hidden pair that is not past a
+// ragged end (nonfinite.cuh): the band's answer, and under a boolean mask any tile
+__device__ __forceinline__ bool may_hide(const Mask& mask, int q0, int rows, int k0, int cols) {
+    return BOOL_MASK || mask.has_masked_pairs(q0, rows, k0, cols);
+}
+
+// Dropout's keep bits of the four elements of n-tile n of a warp's tile (rows r0 .., columns c0 .. as
+// in pair_at): bit e set where element e's pair is kept.
+//
+// TRANSPOSED (rows keys, the backward's S^T): a lane's four elements are four Philox results, one word
+// of each (keys g and g + 8, queries c and c + 1). Where the warp's first key starts a group of four
+// in the keep set (always but for packed sequences that start off one), the four lanes g = 4m .. 4m+3
+// of one t need the same four results, word g % 4 of each: lane r = g % 4 draws result r (element r),
+// and four shuffles hand each lane its word of each: one draw per lane instead of four.
+template <bool TRANSPOSED>
+__device__ __forceinline__ unsigned keep_bits(const EntryMods& mods, int r0, int c0, int n) {
+    if constexpr (TRANSPOSED) {
+        if (((mods.pk0 + (unsigned)r0) & 3) == 0) {
+            const int lane = threadIdx.x % WARP_SIZE, r = lane / 4 & 3;
+            int i, j;
+            pair_at<true>(r0, c0, n, r, i, j);   // element r: key g + 8 (r / 2), query c + r % 2
+            const Words4 mine = philox4x32((mods.pk0 + (unsigned)j) >> 2, mods.pq0 + (unsigned)i, mods.b_lo, mods.b_hi,
+                                           mods.seed_lo, mods.seed_hi);
+            unsigned bits = 0;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {   // round k: receive word r of the result of lane r - k (its element)
+                const int from = (r - k) & 3;
+                const unsigned word = __shfl_sync(0xffffffffu, EntryMods::word(mine, (unsigned)(r + k) & 3),
+                                                  (lane & ~12) | from << 2);
+                bits |= (unsigned)(word >= mods.threshold) << from;
+            }
+            return bits;
+        }
+    }
+    unsigned bits = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int i, j;
+        pair_at<TRANSPOSED>(r0, c0, n, 2 * h, i, j);
+        bool first, second;
+        if constexpr (TRANSPOSED) {   // elements 2h, 2h + 1: one key, two queries
+            first = mods.kept(i, j);
+            second = mods.kept(i + 1, j);
+        } else {                      // one query, two keys
+            mods.kept2(i, j, first, second);
+        }
+        bits |= (unsigned)first << (2 * h) | (unsigned)second << (2 * h + 1);
+    }
+    return bits;
+}
+
+// Dropout on a warp's (16, 8 NT) tile of P~ (rows queries): the dropped elements -> 0; the kept keep
+// their value (the 1 / (1 - p) is applied to O_i at the end)
+template <int NT>
+__device__ __forceinline__ void drop_probs(acc_t (&P)[NT][4], const EntryMods& mods, int r0, int c0) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const unsigned bits = keep_bits<false>(mods, r0, c0, n);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (!(bits >> e & 1)) P[n][e] = (acc_t)0;
+    }
+}
+
+// Z = keep / (1 - p) of element e under keep bits `bits` (1 without dropout)
+__device__ __forceinline__ acc_t keep_factor(const EntryMods& mods, unsigned bits, int e) {
+    if constexpr (DROPOUT) return (bits >> e & 1) ? mods.keep_scale : (acc_t)0;
+    return (acc_t)1;
+}
+
+// dbias of the four elements ds of n-tile n of a warp's (16, 8 NT) tile of dS (rows r0 .., columns
+// c0 .. as in pair_at), d loss / d final score; pairs the band hides add nothing
+template <bool TRANSPOSED>
+__device__ __forceinline__ void add_dbias_quad(const acc_t (&ds)[4], const EntryMods& mods, const Mask& mask, int r0,
+                                               int c0, int n) {
+    if constexpr (BIAS_GRAD)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int i, j;
+            pair_at<TRANSPOSED>(r0, c0, n, e, i, j);
+            if (mask.visible(i, j)) mods.add_dbias(i, j, ds[e]);
+        }
+}
 
 // The modifiers on a warp's (16, 8*NT) accumulator tile of scores in natural units (mma_sm80.cuh and
 // wgmma fragments alike): rows r0 + g, r0 + g + 8, columns c0 + 8n + 2t + {0, 1}. Rows are queries
@@ -137,6 +362,11 @@ __device__ __forceinline__ void modify_scores(acc_t (&S)[NT][4], acc_t (&G)[DERI
             const acc_t s = mods.cap_score<DERIV>(S[n][e], grad);
             if constexpr (DERIV) G[n][e] = grad;
             S[n][e] = mods.alibi(s, base[e / 2] - (acc_t)(8 * n + e % 2));
+            if constexpr (BIAS || BOOL_MASK) {
+                int i, j;
+                pair_at<TRANSPOSED>(r0, c0, n, e, i, j);
+                S[n][e] = mods.pair_score(S[n][e], i, j);
+            }
         }
 }
 
@@ -144,16 +374,19 @@ __device__ __forceinline__ void modify_scores(acc_t (&S)[NT][4], acc_t (&G)[DERI
 // x = q . k into its exponent (the Hopper forward): the natural score is unit * S with
 //     softcap:  S = tanh(x scale / c),  unit = c        else  S = x,  unit = scale (> 0)
 //     ALiBi:    S -= (slope / unit) |i + off - j|
-// so no element pays a multiplication into natural units.
+//     bias:     S += bias_ij / unit;  mask: S = -inf where hidden
+// so no element pays a multiplication into natural units but the bias's.
 struct RawMods {
     acc_t in_scale;   // scale / c: x -> the tanh's argument
     acc_t unit;       // natural units per unit of S: m_i's scale, and the exponent's (times log2 e)
     acc_t slope;      // ALiBi slope / unit
-    int off;
+    acc_t inv_unit;   // 1 / unit: the bias's factor
+    const EntryMods& entry;   // the offset Nk - Nq, the bias and the mask
 
     __device__ __forceinline__ RawMods(const EntryMods& mods, acc_t scale)
         : in_scale(SOFTCAP ? scale * mods.inv_cap : (acc_t)0), unit(SOFTCAP ? mods.cap : scale),
-          slope(ALIBI ? mods.slope / unit : (acc_t)0), off(mods.off) {}
+          slope(ALIBI ? mods.slope / unit : (acc_t)0), inv_unit(BIAS ? (acc_t)1 / unit : (acc_t)0),
+          entry(mods) {}
 };
 
 // |i + off - j| of a warp's tile element (n, e) is |base[e / 2] - (8n + e % 2)| (raw_base): rows r0 + g,
@@ -169,10 +402,11 @@ __device__ __forceinline__ void raw_base(acc_t (&base)[2], int off, int r0, int 
 }
 
 // RawMods on the four accumulator values x of n-tile n of a warp's tile of raw scores (base from
-// raw_base); DERIV: grad gets each one's ds'/ds (the softcap's; untouched without one)
-template <bool DERIV = false>
+// raw_base, rows r0 .., columns c0 .. as there); DERIV: grad gets each one's ds'/ds (the softcap's;
+// untouched without one)
+template <bool TRANSPOSED, bool DERIV = false>
 __device__ __forceinline__ void modify_raw_quad(acc_t (&x)[4], acc_t (&grad)[4], const RawMods& mods,
-                                                const acc_t (&base)[2], int n) {
+                                                const acc_t (&base)[2], int r0, int c0, int n) {
     if constexpr (SOFTCAP)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -182,6 +416,16 @@ __device__ __forceinline__ void modify_raw_quad(acc_t (&x)[4], acc_t (&grad)[4],
     if constexpr (ALIBI)
 #pragma unroll
         for (int e = 0; e < 4; ++e) x[e] -= mods.slope * fabs(base[e / 2] - (acc_t)(8 * n + e % 2));
+    if constexpr (BIAS || BOOL_MASK)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int i, j;
+            pair_at<TRANSPOSED>(r0, c0, n, e, i, j);
+            if constexpr (BIAS)
+                if (i < mods.entry.Nq && j < mods.entry.Nk) x[e] += to_acc(mods.entry.bias(i, j)) * mods.inv_unit;
+            if constexpr (BOOL_MASK)
+                if (mods.entry.hidden(i, j)) x[e] = NEG_INF;
+        }
 }
 
 // RawMods on a warp's (16, 8*NT) tile of raw scores Q_i K_j^T (rows r0 + g, r0 + g + 8 queries,
@@ -189,9 +433,9 @@ __device__ __forceinline__ void modify_raw_quad(acc_t (&x)[4], acc_t (&grad)[4],
 template <int NT>
 __device__ __forceinline__ void modify_raw_scores(acc_t (&S)[NT][4], const RawMods& mods, int r0, int c0) {
     acc_t base[2], unused[4];
-    raw_base<false>(base, mods.off, r0, c0);
+    raw_base<false>(base, mods.entry.off, r0, c0);
 #pragma unroll
-    for (int n = 0; n < NT; ++n) modify_raw_quad(S[n], unused, mods, base, n);
+    for (int n = 0; n < NT; ++n) modify_raw_quad<false>(S[n], unused, mods, base, r0, c0, n);
 }
 
 // ... the forward's form: no derivative

@@ -177,6 +177,32 @@ def forward_contract_errors(q, k, v, causal, softmax_scale):
     return errors
 
 
+def call_with_keywords(call, q, k, v, **kw):
+    """Run public function ``call`` ('forward', 'backward' after a plain forward, 'flash_attention', or
+    'varlen': two packed sequences of q's and k's rows) on ``q, k, v`` with keywords ``kw``."""
+    import cupyflash
+
+    if call == "forward":
+        return cupyflash.flash_attention_forward(q, k, v, **kw)
+    if call == "flash_attention":
+        return cupyflash.flash_attention(q, k, v, **kw)
+    if call == "varlen":
+        n_q, n_k = q.shape[-2], k.shape[-2]
+        return cupyflash.flash_attention_varlen_forward(q, k, v, numpy.array([0, n_q // 2, n_q]),
+                                                        numpy.array([0, n_k // 2, n_k]), **kw)
+    o, m, l = cupyflash.flash_attention_forward(q, k, v)
+    return cupyflash.flash_attention_backward(o, q, k, v, o, m, l, **kw)
+
+
+def assert_refused(call, error, words, **kw):
+    """``call_with_keywords(call, ...)`` on small float32 inputs (a batch of (2, 3), 10 queries, 12 keys,
+    D 8) with keywords ``kw`` raises ``error`` whose message holds ``words``."""
+    q, k, v = random_inputs(numpy.random.default_rng(0), "float32", (2, 3, 10, 8), (2, 3, 12, 8))
+    with pytest.raises(error) as raised:
+        call_with_keywords(call, q, k, v, **kw)
+    assert words in str(raised.value)
+
+
 def reproducible_backward(q, k, v, do, runs=3, **kw):
     """The deterministic backward of the CuPy inputs, run ``runs`` times after one forward (both with
     ``kw``): asserts every run gives the same bits and returns the first's results."""

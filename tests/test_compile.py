@@ -66,7 +66,7 @@ def is_fast(cfg) -> bool:
     The Hopper backward is left out: its producer warpgroup runs on 24 registers so that the
     consumers get 240, and spills a little (the consumers do not; the serialisation check holds).
     """
-    if cfg.softcap or cfg.alibi:
+    if cfg.softcap or cfg.alibi or cfg.bias or cfg.mask:
         return False
     if cfg.kernel == "fwd_v2" and cfg.dtype == "float32":
         return cfg.d_pad <= 192
@@ -81,7 +81,7 @@ SPILL_ALLOWANCE = {("sm_90", "fwd_v2", "float32", 32): 16}
 
 @pytest.mark.parametrize("arch, cfg", SPECIALISATIONS,
                          ids=[f"{a}-{c.kernel}-{c.dtype}-d{c.d_pad}{'-ordered' if c.ordered else ''}"
-                              f"{'-mods' if c.softcap or c.alibi else ''}" for a, c in SPECIALISATIONS])
+                              f"{'-mods' if c.softcap or c.alibi or c.bias or c.mask else ''}" for a, c in SPECIALISATIONS])
 def test_specialisation_compiles(arch, cfg, compiled):
     magic, log = compiled[(arch, cfg)]
     assert magic == b"\x7fELF", log

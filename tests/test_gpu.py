@@ -17,7 +17,7 @@ from cupyflash import _tiles, reference
 from helpers import DTYPE_BY_NAME, poison_pool, random_inputs, requires_gpu, to_gpu
 from strategies import DTYPE_NAMES, attention_problem_shapes
 from tolerances import (FWD_CEILING, GPU_AGAINST_NUMPY_FLOAT32, L_CEILING, M_CEILING, assert_gradient,
-                        assert_twice_naive, assert_under, gradient_magnitudes, largest_logit)
+                        assert_twice_naive, assert_under, gradient_magnitudes, largest_logit, stored_output_error)
 import yardsticks
 
 pytestmark = requires_gpu
@@ -78,15 +78,17 @@ def check_backward(dtype, q, k, v, causal, scale, rng, schedule, window=None, de
     poison_pool()
     grads = cupyflash.flash_attention_backward(cupy.asarray(do), qg, kg, vg, o, m, l, **mask,
                                                schedule=api_schedule(schedule), deterministic=deterministic)
-    refs = reference.attention_backward(do, q, k, v, *reference.attention_forward(q, k, v, **mask), **mask)
+    forward = reference.attention_forward(q, k, v, **mask)
+    refs = reference.attention_backward(do, q, k, v, *forward, **mask)
+    inherited = stored_output_error(do, q, k, v, (*forward, *refs), DTYPE_BY_NAME[dtype], **mask)
     naive = yardsticks.naive_same_precision_backward(do, q, k, v, **mask)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     mags = gradient_magnitudes(do, q, k, v, causal, scale, window, **mods)
     logit = largest_logit(q, k, causal, scale, window, **mods)
-    for name, g, ref, nv, mag, x in zip(("dq", "dk", "dv"), grads, refs, naive, mags, (q, k, v)):
+    for name, g, ref, nv, mag, x, err in zip(("dq", "dk", "dv"), grads, refs, naive, mags, (q, k, v), inherited):
         g = g.get()
         assert g.shape == x.shape and g.dtype == x.dtype and g.flags.c_contiguous
-        assert_gradient(name, g, ref, nv, mag, dtype, logit)
+        assert_gradient(name, g, ref, nv, mag, dtype, logit, err)
 
 
 @SCHEDULES

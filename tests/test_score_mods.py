@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 import cupyflash
 from cupyflash import _tiles, reference
-from helpers import DTYPE_BY_NAME, assert_non_finite_rules, gpu_test, random_inputs, reproducible_backward, to_gpu
+from helpers import (DTYPE_BY_NAME, assert_non_finite_rules, assert_refused, gpu_test, random_inputs,
+                     reproducible_backward, to_gpu)
 from strategies import attention_problem_shapes
 from test_gpu import check_backward, check_forward
 from test_window import SCHEDULES, WINDOWS, assert_float64_close
@@ -136,17 +137,7 @@ def test_a_sink_is_one_more_key_of_value_zero():
 ])
 @pytest.mark.parametrize("call", ["forward", "backward", "flash_attention"])
 def test_bad_modifiers_are_refused_naming_the_argument(kw, error, words, call):
-    rng = numpy.random.default_rng(0)
-    q, k, v = random_inputs(rng, "float32", (2, 3, 10, 8), (2, 3, 12, 8))
-    with pytest.raises(error) as raised:
-        if call == "forward":
-            cupyflash.flash_attention_forward(q, k, v, **kw)
-        elif call == "flash_attention":
-            cupyflash.flash_attention(q, k, v, **kw)
-        else:
-            o, m, l = cupyflash.flash_attention_forward(q, k, v)
-            cupyflash.flash_attention_backward(q, q, k, v, o, m, l, **kw)
-    assert words in str(raised.value)
+    assert_refused(call, error, words, **kw)
 
 
 def test_inputs_and_slopes_are_not_modified():
@@ -177,7 +168,13 @@ def test_the_compile_test_covers_every_modified_family_dtype_and_bucket():
     modified = {(c.kernel, c.dtype, c.d_pad) for c in _tiles.modified_tile_configs(smem)}
     plain = {(c.kernel, c.dtype, c.d_pad) for c in _tiles.all_tile_configs(smem) if c.spec.score_mods}
     assert modified == plain
-    assert all(c.softcap and c.alibi and c.sink for c in _tiles.modified_tile_configs(smem))
+    configs = _tiles.modified_tile_configs(smem)
+    assert all(c.alibi and c.sink and c.bias and c.mask and c.varlen for c in configs)
+    # every modifier line of every family: the softcap everywhere, dbias in the backward kernels (the wide
+    # Hopper backward takes no dbias under a softcap, so it is built both ways)
+    assert {(c.kernel, c.dtype, c.d_pad) for c in configs if c.softcap} == modified
+    assert {(c.kernel, c.dtype, c.d_pad) for c in configs if c.bias_grad} == {
+        key for key in modified if key[0] in _tiles.DBIAS_KERNELS}
 
 
 # ---------------------------------------------------------------------------
@@ -354,15 +351,26 @@ def test_slopes_and_sinks_of_one_layout_do_not_share_a_kept_plan(first, then):
         numpy.testing.assert_allclose(l.get(), l_ref, rtol=2e-2)
 
 
-@pytest.mark.parametrize("alibi, sink", [(False, False), (True, False), (False, True), (True, True)])
-def test_the_kernels_modifier_fields_take_the_layouts_last_tensors(alibi, sink):
-    """ScoreMods (params.cuh) from a call's batch layout: the slopes' and the sinks' collapsed strides
-    are the layout's last tensors, in that order, the pointers written per call, and the softcap."""
+@pytest.mark.parametrize("alibi, sink, bias, mask, grad", [(False, False, False, False, False),
+                                                       (True, False, False, False, False),
+                                                       (False, True, False, True, False),
+                                                       (True, True, True, False, True),
+                                                       (True, True, True, True, True)])
+def test_the_kernels_modifier_fields_take_the_layouts_last_tensors(alibi, sink, bias, mask, grad):
+    """ScoreMods (params.cuh) from a call's batch layout: the collapsed strides of the slopes, the sinks,
+    the bias, the mask and dbias's buffer are the layout's last tensors, in that order, each per-pair
+    array with its query and key strides; then dbias_add and the softcap (pointers written per call)."""
     from cupyflash._launch import BatchLayout, Mods
 
-    tensors = [(100, 10, 1), (0, 10, 1), (0, 0, 1)] + [(0, 1, 0)] * alibi + [(3, 0, 0)] * sink
-    fields = Mods(2.5, alibi, sink).fields(BatchLayout((4, 5, 6), tuple(tensors)))
-    assert fields == (0, *((0, 1, 0) if alibi else (0, 0, 0)), 0, *((3, 0, 0) if sink else (0, 0, 0)), 2.5)
+    given = {"alibi": alibi, "sink": sink, "bias": bias, "mask": mask, "dbias": grad}
+    strides = {"alibi": (0, 1, 0), "sink": (3, 0, 0), "bias": (0, 7, 0), "mask": (11, 0, 0), "dbias": (13, 0, 0)}
+    tensors = [(100, 10, 1), (0, 10, 1), (0, 0, 1)] + [strides[name] for name, g in given.items() if g]
+    pairs = ((5, 1), (0, 1), (7, 0))
+    fields = Mods(2.5, alibi, sink, bias, mask, grad, pairs).fields(BatchLayout((4, 5, 6), tuple(tensors)), grad)
+    of = {name: strides[name] if g else (0, 0, 0) for name, g in given.items()}
+    assert fields == (0, *of["alibi"], 0, *of["sink"], *((0, *of[name], *ij) for name, ij in
+                                                         zip(("bias", "mask", "dbias"), pairs)), int(grad),
+                      0, 2.5, 1.0, 0, 0)   # no dropout: threshold 0, scale 1, batch offset 0, seed per call
     assert Mods().fields(BatchLayout((4, 5, 6), tuple(tensors[:3])))[-1] == 0.0
 
 

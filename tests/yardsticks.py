@@ -27,9 +27,9 @@ def _rounded(x, dtype):
     return x.astype(dtype)
 
 
-def _modified(S, softcap, alibi_slopes, n_k):
+def _modified(S, softcap, alibi_slopes, n_k, bias=None):
     """The score modifiers on S in its own precision (reference order): ``softcap tanh(S / softcap)``,
-    then ``- slope |i + off - j|``; also tanh(S / softcap) (None without a softcap)."""
+    then ``- slope |i + off - j|``, then ``+ bias``; also tanh(S / softcap) (None without a softcap)."""
     t = None
     if softcap is not None:
         c = S.dtype.type(softcap)
@@ -39,10 +39,13 @@ def _modified(S, softcap, alibi_slopes, n_k):
         n_q = S.shape[-2]
         distance = np.abs(np.arange(n_q)[:, None] + (n_k - n_q) - np.arange(n_k)[None, :]).astype(S.dtype)
         S = S - np.asarray(alibi_slopes, S.dtype)[..., None, None] * distance
+    if bias is not None:
+        S = S + np.asarray(bias).astype(S.dtype)
     return S, t
 
 
-def _same_precision_forward(q, k, v, causal, softmax_scale, window=None, softcap=None, alibi_slopes=None, sink=None):
+def _same_precision_forward(q, k, v, causal, softmax_scale, window=None, softcap=None, alibi_slopes=None, sink=None,
+                            bias=None, mask=None):
     """Forward of `naive_same_precision_forward`, also returning the rounded P and the softcap's tanh."""
     q, k, v = (np.asarray(x) for x in (q, k, v))
     dtype = q.dtype
@@ -51,8 +54,9 @@ def _same_precision_forward(q, k, v, causal, softmax_scale, window=None, softcap
     q = np.broadcast_to(q, (*batch, n_q, q.shape[-1]))
     scale = acc.type(resolve_scale(softmax_scale, q.shape[-1]))
 
-    vis = _visibility(n_q, k.shape[-2], causal, window, None)
-    S, t = _modified(_naive_scores(q.astype(acc), k.astype(acc), scale, None), softcap, alibi_slopes, k.shape[-2])
+    vis = _visibility(n_q, k.shape[-2], causal, window, mask)
+    S, t = _modified(_naive_scores(q.astype(acc), k.astype(acc), scale, None), softcap, alibi_slopes, k.shape[-2],
+                     bias)
     S = _rounded(S if vis is None else np.where(vis, S, NEG_INF), dtype)            # (*batch, Nq, Nk)
     S_acc = S.astype(acc)
     m = S_acc.max(axis=-1, initial=NEG_INF)                                          # (*batch, Nq)
@@ -69,7 +73,7 @@ def _same_precision_forward(q, k, v, causal, softmax_scale, window=None, softcap
 
 
 def naive_same_precision_forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None,
-                                 alibi_slopes=None, sink=None):
+                                 alibi_slopes=None, sink=None, bias=None, mask=None):
     """Naive attention forward in the input precision.
 
     Emulates a naive GPU attention run in the input dtype: each product is
@@ -90,7 +94,7 @@ def naive_same_precision_forward(q, k, v, *, causal=False, softmax_scale=None, w
         Bottom-right aligned causal mask, as in `cupyflash.reference.attention_forward`.
     window : (int or None, int or None), optional
         A sliding window, as in `cupyflash.reference.attention_forward`.
-    softcap, alibi_slopes, sink : optional
+    softcap, alibi_slopes, sink, bias, mask : optional
         The modifiers, as in `cupyflash.reference.attention_forward`, applied in the
         accumulator precision before the scores are rounded.
     softmax_scale : float, optional
@@ -115,12 +119,13 @@ def naive_same_precision_forward(q, k, v, *, causal=False, softmax_scale=None, w
     --------
     cupyflash.reference.attention_forward : the float64 truth this is compared against.
     """
-    o, m, l, _, _ = _same_precision_forward(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, sink)
+    o, m, l, _, _ = _same_precision_forward(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, sink, bias,
+                                            mask)
     return o, m, l
 
 
 def naive_same_precision_backward(do, q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None,
-                                  alibi_slopes=None, sink=None):
+                                  alibi_slopes=None, sink=None, bias=None, mask=None):
     """Naive attention backward in the input precision.
 
     Recomputes the forward of `naive_same_precision_forward` and
@@ -140,7 +145,7 @@ def naive_same_precision_backward(do, q, k, v, *, causal=False, softmax_scale=No
         Bottom-right aligned causal mask, as in `cupyflash.reference.attention_forward`.
     window : (int or None, int or None), optional
         A sliding window, as in `cupyflash.reference.attention_forward`.
-    softcap, alibi_slopes, sink : optional
+    softcap, alibi_slopes, sink, bias, mask : optional
         The modifiers, as in `cupyflash.reference.attention_forward`, applied in the
         accumulator precision before the scores are rounded.
     softmax_scale : float, optional
@@ -168,7 +173,8 @@ def naive_same_precision_backward(do, q, k, v, *, causal=False, softmax_scale=No
     cupyflash.reference.attention_backward : the float64 truth this is compared against.
     """
     shapes = [np.shape(x) for x in (q, k, v)]
-    o, _, _, P, t = _same_precision_forward(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, sink)
+    o, _, _, P, t = _same_precision_forward(q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, sink, bias,
+                                            mask)
     do, q, k, v = (np.asarray(x) for x in (do, q, k, v))
     dtype = q.dtype
     acc = accumulator_dtype(dtype)

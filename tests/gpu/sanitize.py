@@ -12,7 +12,8 @@ run), the four dtypes (float32 under both precisions: 450 cases), one head dim p
 not, causal with a NaN in each of q, k, v, do inside a diagonal tile (the scans, the flags and
 flash_repair.cu), a sliding window without and (causal) with the NaNs, K/V broadcast over a group of
 query heads, the backward unordered and deterministic; ``--mods all`` runs them with the softcap,
-ALiBi and a sink compiled in.
+ALiBi and a sink compiled in, ``--mods pairs`` with a bias (and dbias) and a boolean mask,
+``--mods dropout`` with dropout.
 ``--quick`` keeps two head dims, ``--head-dims`` picks some, ``--dtypes`` some dtypes, ``--schedules`` some
 schedules, ``--masks`` some masks (racecheck over all six head dims takes
 longer than one 10-minute device call: run it in parts). The script also checks each result
@@ -56,10 +57,16 @@ MASKS = {"plain": (False, None, False), "causal": (True, None, False), "causal-n
          "window": (False, (40, 10), False), "window-nan": (True, (90, None), True)}
 
 
-# the modifiers (score_mod.cuh): none, or all three (softcap, ALiBi slopes per K/V head, a sink per
-# query head), whose kernels are specialisations of their own
+# the modifiers (score_mod.cuh): none, all three score modifiers (softcap, ALiBi slopes per K/V head, a
+# sink per query head), or the per-pair arrays (a bias per query head, broadcast over the batch, with
+# its gradient, and a mask per batch entry hiding a quarter of the pairs; the bias's values, quarters
+# in [-2, 2), are exact in every dtype), whose kernels are specialisations of their own
+_PAIRS = numpy.random.default_rng(7)
 MODS = {"none": {}, "all": dict(softcap=4.0, alibi_slopes=numpy.array([[0.5], [0.125]], numpy.float32),
-                                sink=numpy.array([[0.5, -1.0], [1.5, 0.0]], numpy.float32))}
+                                sink=numpy.array([[0.5, -1.0], [1.5, 0.0]], numpy.float32)),
+        "pairs": dict(bias=_PAIRS.integers(-8, 8, (2, Q_SHAPE[-1], KV_SHAPE[-1])) / 4,
+                      mask=_PAIRS.random((Q_SHAPE[0], 1, 1, Q_SHAPE[-1], KV_SHAPE[-1])) < 0.75),
+        "dropout": dict(dropout_p=0.25, seed=2**40 + 3)}
 
 
 def run_case(dtype, precision, D, schedule, causal, window, poison, rng, mods=None) -> float:
@@ -76,12 +83,15 @@ def run_case(dtype, precision, D, schedule, causal, window, poison, rng, mods=No
     api = schedule.split("-")[0]
     qg, kg, vg, dog = (cupy.asarray(x) for x in (q, k, v, do))
     kw = dict(causal=causal, window=window, **(mods or {}))
+    if "bias" in kw:
+        kw["bias"] = kw["bias"].astype(dtype)
+    grad_kw = dict(kw, bias_grad=True) if "bias" in kw else kw
     o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, **kw, schedule=api, precision=precision)
-    grads = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, **kw, schedule=api, precision=precision)
-    ordered = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, **kw, schedule=api, precision=precision,
-                                                 deterministic=True)
+    grads = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, **grad_kw, schedule=api, precision=precision)
+    ordered = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, **grad_kw, schedule=api,
+                                                 precision=precision, deterministic=True)
     refs = reference.attention_forward(q, k, v, **kw)
-    ref_grads = reference.attention_backward(do, q, k, v, *refs, **kw)
+    ref_grads = reference.attention_backward(do, q, k, v, *refs, **grad_kw)
     worst = 0.0
     for got, ref in zip((o, m, l, *grads, *ordered), (*refs, *ref_grads, *ref_grads)):
         got, ref = got.get().astype(numpy.float64), numpy.asarray(ref, numpy.float64)
