@@ -281,8 +281,6 @@ def _checked_mods(prob, q, key, alibi_slopes, sink, bias, mask):
     return (*checked, key)
 
 
-
-
 def _kept_plan(inputs: dict, out, names, flags, keepable=True):
     """The plan an earlier like call kept (None if none) and this call's key (``_call_key``; None where
     not ``keepable``). With a plan, ``out`` is checked against the inputs here: aliasing is what the key
