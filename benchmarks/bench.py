@@ -23,6 +23,10 @@ Systems, timed in one process on the same inputs:
   torch-cudnn   torch SDPA, cuDNN backend   } torch.cuda are available;
                 inputs shared zero-copy through DLPack
 
+Decoding (``--decode``, issue #18): one query row per sequence, 32 query heads against 32, 8 or 1
+K/V heads (GQA by broadcasting), Nk from 1k to 128k, B 16 and 1, D 128: the bytes of K and V over the
+time, queued and per call, beside a device copy's bandwidth and torch SDPA's flash and cuDNN backends.
+
 Host cost (``--host``, also part of the default run): at small shapes (HOST_SHAPES, float16,
 causal) cupyflash's and torch flash's forward and backward, timed three ways: wall time per call
 of HOST_CALLS back-to-back calls (the host cost once it exceeds the GPU's), one call between two
@@ -109,6 +113,15 @@ US_PER_S = 1e6
 FLOOR_RATIO = 3.5                           # cupyflash / naive forward speed the issue asks for
 LONG_WARMUP = 1
 LONG_REPEATS = 5
+
+# decoding (--decode, issue #18): B, K/V heads and keys of each point; 32 query heads, D 128; the paged
+# cache's page size
+DECODE_BATCHES = (16, 1)
+DECODE_KV_HEADS = (32, 8, 1)
+DECODE_KEYS = (1024, 4096, 32768, 131072)
+DECODE_HQ = 32
+DECODE_D = 128
+DECODE_PAGE = 64
 
 SEED = 0
 GB = 1e9
@@ -576,6 +589,128 @@ def host_text(records) -> list:
 
 
 # ---------------------------------------------------------------------------
+# Decoding (--decode): one query row per sequence against a long K/V, GQA by broadcasting
+
+
+def decode_configs(dtype: str) -> list:
+    """(dtype, B, Hkv, Nk) of issue #18's decode points: Hq = DECODE_HQ query heads, D = DECODE_D."""
+    return [(dtype, B, Hkv, Nk) for B in DECODE_BATCHES for Hkv in DECODE_KV_HEADS for Nk in DECODE_KEYS]
+
+
+def copy_ceiling_gbs(nbytes: int = 2 << 30) -> float:
+    """GB/s of a device-to-device copy of ``nbytes`` (read and written): the bandwidth a read can reach."""
+    src = cupy.empty(nbytes // 2, numpy.uint8)
+    dst = cupy.empty_like(src)
+    ms = median_ms(lambda: dst.__setitem__(Ellipsis, src), cupy_clock(), WARMUP, REPEATS)
+    del src, dst
+    free_memory()
+    return nbytes / (ms / MS_PER_S) / GB
+
+
+def decode_runs(dtype: str, B: int, Hkv: int, Nk: int, use_torch: bool) -> dict:
+    """{system: (call, clock)}: cupyflash with q (B, Hkv, G, 1, D) against k, v (B, Hkv, 1, Nk, D); torch
+    SDPA's flash and cuDNN backends on the same memory as q (B, Hq, 1, D), k, v (B, Hkv, Nk, D)
+    (``enable_gqa``); one row that sees every key (causal bottom-right, as cupyflash and a decoding step
+    align it; torch's is_causal is top-left, so its calls are not causal)."""
+    G, D = DECODE_HQ // Hkv, DECODE_D
+    rng = cupy.random.default_rng(SEED)
+    q = rng.standard_normal((B, Hkv, G, 1, D), dtype=cupy.float32).astype(DTYPES[dtype])
+    # K, V of up to 17 GB each: one random (Nk, D) block repeated over the heads (no float32 copy of it all)
+    k, v = (cupy.empty((B, Hkv, 1, Nk, D), DTYPES[dtype]) for _ in range(2))
+    for x in (k, v):
+        x[...] = rng.standard_normal((Nk, D), dtype=cupy.float32).astype(DTYPES[dtype])
+    runs = {"cupyflash": (lambda: cupyflash.flash_attention_forward(q, k, v, causal=True), cupy_clock())}
+    # the same step through flash_attention_with_kvcache: the contiguous cache (every entry Nk long), and a
+    # paged copy of it in pages of DECODE_PAGE rows, shuffled
+    from cupyflash.kvcache import flash_attention_with_kvcache
+
+    q4, k4, v4 = q.reshape(B, DECODE_HQ, 1, D), k.reshape(B, Hkv, Nk, D), v.reshape(B, Hkv, Nk, D)
+    lens = cupy.full(B, Nk, numpy.int32)
+    runs["cupyflash-cache"] = (lambda: flash_attention_with_kvcache(q4, k4, v4, lens), cupy_clock())
+    per = -(-Nk // DECODE_PAGE)
+    table = cupy.asarray(numpy.random.default_rng(SEED).permutation(B * per).reshape(B, per).astype(numpy.int32))
+    kp, vp = (cupy.empty((B * per, Hkv, DECODE_PAGE, D), DTYPES[dtype]) for _ in range(2))
+    for paged, whole in ((kp, k4), (vp, v4)):
+        paged[...] = whole[0, 0, :DECODE_PAGE]
+    runs["cupyflash-paged"] = (lambda: flash_attention_with_kvcache(q4, kp, vp, lens, block_table=table), cupy_clock())
+    if use_torch:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        tq, tk, tv = (torch.from_dlpack(x) for x in (q.reshape(B, DECODE_HQ, 1, D), k.reshape(B, Hkv, Nk, D),
+                                                       v.reshape(B, Hkv, Nk, D)))
+        for name, backend in (("torch-flash", SDPBackend.FLASH_ATTENTION), ("torch-cudnn", SDPBackend.CUDNN_ATTENTION)):
+            def call(backend=backend):
+                with sdpa_kernel(backend):
+                    # not is_causal: torch aligns its causal mask top-left, where one row would see key 0 only
+                    return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
+            try:
+                call()
+            except RuntimeError as error:
+                runs[name] = Unavailable(short(error))
+                continue
+            runs[name] = (call, torch_clock())
+    return runs
+
+
+def decode_check(dtypes, use_torch: bool, warmup: int, repeats: int) -> dict:
+    """Effective K/V read bandwidth of one decoding step (bytes of K and V once / time), queued and per
+    call, of cupyflash and torch SDPA's flash and cuDNN backends, beside the copy ceiling."""
+    ceiling = copy_ceiling_gbs()
+    records = []
+    for dtype in dtypes:
+        for _, B, Hkv, Nk in decode_configs(dtype):
+            kv_bytes = 2 * B * Hkv * Nk * DECODE_D * numpy.dtype(DTYPES[dtype]).itemsize
+            for system, run in decode_runs(dtype, B, Hkv, Nk, use_torch).items():
+                record = dict(system=system, dtype=dtype, B=B, Hkv=Hkv, Nk=Nk, kv_bytes=kv_bytes)
+                if isinstance(run, Unavailable):
+                    record["note"] = str(run)
+                else:
+                    call, clock = run
+                    queued = median_ms(call, clock, warmup, repeats)
+                    single = single_ms(call, clock, repeats)
+                    record.update(queued_us=queued * 1e3, single_us=single * 1e3,
+                                  queued_gbs=kv_bytes / (queued / MS_PER_S) / GB,
+                                  single_gbs=kv_bytes / (single / MS_PER_S) / GB)
+                    print(f"decode {system:<12} {dtype} B={B:<2} Hkv={Hkv:<2} Nk={Nk:<6}: "
+                          f"{record['queued_gbs']:7.0f} GB/s queued, {record['single_gbs']:7.0f} single "
+                          f"({record['single_us']:.1f} us)", flush=True)
+                records.append(record)
+            free_memory()
+    return dict(ceiling_gbs=ceiling, records=records)
+
+
+def decode_text(decode: dict) -> list:
+    lines = [f"Copy ceiling {decode['ceiling_gbs']:.0f} GB/s. Effective K/V read GB/s (queued / single call); "
+             f"Hq = {DECODE_HQ}, D = {DECODE_D}, one query row, causal.", "",
+             f"cache: flash_attention_with_kvcache, contiguous; paged: pages of {DECODE_PAGE} rows, shuffled.", "",
+             "| dtype | B | Hkv | Nk | K+V MB | cupyflash | cache | paged | torch-flash | torch-cudnn "
+             "| cupyflash / cuDNN (queued, single) | paged / cache |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    points = {}
+    for r in decode["records"]:
+        points.setdefault((r["dtype"], r["B"], r["Hkv"], r["Nk"], r["kv_bytes"]), {})[r["system"]] = r
+
+    def cell(r):
+        if r is None:
+            return "—"
+        return r["note"][:40] if "note" in r else f"{r['queued_gbs']:.0f} / {r['single_gbs']:.0f}"
+
+    for (dtype, B, Hkv, Nk, nbytes), by in points.items():
+        ours, cudnn = by.get("cupyflash"), by.get("torch-cudnn")
+        ratio = "—"
+        if ours and cudnn and "note" not in ours and "note" not in cudnn:
+            ratio = f"{ours['queued_gbs'] / cudnn['queued_gbs']:.2f}, {ours['single_gbs'] / cudnn['single_gbs']:.2f}"
+        cache, paged = by.get("cupyflash-cache"), by.get("cupyflash-paged")
+        pc = "—"
+        if cache and paged and "note" not in cache and "note" not in paged:
+            pc = f"{paged['queued_gbs'] / cache['queued_gbs']:.2f}"
+        lines.append(f"| {dtype} | {B} | {Hkv} | {Nk} | {nbytes / 1e6:.0f} | {cell(ours)} | {cell(cache)} | "
+                     f"{cell(paged)} | {cell(by.get('torch-flash'))} | {cell(cudnn)} | {ratio} | {pc} |")
+    return lines
+
+
+# ---------------------------------------------------------------------------
 # Outputs
 
 
@@ -706,12 +841,15 @@ def write_plot(records: list, path: Path):
     plt.close(fig)
 
 
-def write_outputs(out_dir: Path, meta: dict, records: list, floor, long, host=None):
+def write_outputs(out_dir: Path, meta: dict, records: list, floor, long, host=None, decode=None):
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = dict(metadata=meta, records=records, floor=floor, long_sequence=long, host_cost=host)
+    results = dict(metadata=meta, records=records, floor=floor, long_sequence=long, host_cost=host, decode=decode)
     json_path, md_path, plot_path = (out_dir / name for name in OUTPUT_NAMES)
     json_path.write_text(json.dumps(results, indent=1) + "\n")
-    md_path.write_text(markdown(meta, records, floor, long, host))
+    text = markdown(meta, records, floor, long, host)
+    if decode:
+        text += "\n## Decoding\n\n" + "\n".join(decode_text(decode)) + "\n"
+    md_path.write_text(text)
     write_plot(records, plot_path)
     print(f"wrote {json_path}, {md_path}", flush=True)
 
@@ -744,6 +882,9 @@ def parse_args(argv=None):
     parser.add_argument("--no-long", action="store_true", help="leave the long-sequence check out of a sweep")
     parser.add_argument("--host", action="store_true", help=f"run only the host-cost check at {HOST_SHAPES}")
     parser.add_argument("--no-host", action="store_true", help="leave the host-cost check out of a sweep")
+    parser.add_argument("--decode", action="store_true",
+                        help=f"run only the decoding section: one query row, B in {DECODE_BATCHES}, Hq {DECODE_HQ}, "
+                             f"Hkv in {DECODE_KV_HEADS}, Nk in {DECODE_KEYS}, D {DECODE_D} (--dtypes picks; default fp16)")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" if CHECKOUT else Path("benchmarks"),
                         help=f"where {', '.join(OUTPUT_NAMES)} go (default benchmarks/ of the checkout, or of the "
                              "working directory when installed); any run overwrites them")
@@ -790,6 +931,13 @@ def main(argv=None):
         print(f"{torch_note}: running {', '.join(s.name for s in systems if not s.needs_torch)} only", flush=True)
         systems = [s for s in systems if not s.needs_torch]
 
+    if args.decode:
+        use_torch = any(s.needs_torch for s in systems)
+        decode = decode_check(args.dtypes or ("fp16",), use_torch, args.warmup, args.repeats)
+        print("\n".join(decode_text(decode)), flush=True)
+        write_outputs(args.out_dir, metadata(args.warmup, args.repeats, torch_note), [], None, None, None, decode)
+        print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
+        return
     sweep = not (args.floor or args.long or args.host)
     records = []
     if args.floor:

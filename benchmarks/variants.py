@@ -38,6 +38,9 @@ bias as a float ``attn_mask`` that requires grad, on its cuDNN backend and on it
 key-padding boolean mask ``(B, 1, 1, N)`` (the last eighth of each row's keys hidden), against our own
 plain call. The target: the bias backward at >= 1.0x cuDNN's.
 
+Expressions (default N 1024 4096 16384, causal): causal by ``mask_mod="kv_idx <= q_idx"`` against
+``causal=True`` (the target: >= 0.9x), and the softcap by ``score_mod`` against ``softcap=30``.
+
 Every call is timed two ways: queued (the median of calls issued back to back, one between two
 events: the GPU's time) and single (a synchronised call between two events: the host's cost
 included). Writes ``variants_results.json`` and ``variants_results.md`` under ``--out``.
@@ -291,6 +294,57 @@ def mods_table(records) -> str:
     return "\n".join(lines) + "\n"
 
 
+def expression_runs(x: bench.Inputs, grad=None, **kw) -> dict:
+    """The forward and backward of ``kw``; ``grad`` the backward's score_mod_grad."""
+    saved = cupyflash.flash_attention_forward(x.q, x.k, x.v, **kw)
+    back = dict(kw, score_mod_grad=grad) if grad else kw
+    return {"fwd": lambda: cupyflash.flash_attention_forward(x.q, x.k, x.v, **kw),
+            "bwd": lambda: cupyflash.flash_attention_backward(x.do, x.q, x.k, x.v, *saved, **back)}
+
+
+def run_expressions(args) -> list:
+    """Causal by expression (``mask_mod="kv_idx <= q_idx"``, its tile map kept from call to call) against
+    ``causal=True``, and the softcap by expression (``score_mod``) against ``softcap=30``, both causal."""
+    records = []
+    for dtype in args.dtypes:
+        for D in args.head_dims:
+            for N in args.seqlens or [1024, 4096, 16384]:
+                cfg = bench.protocol_config(dtype, D, N, True)
+                x = bench.make_inputs(cfg, bench.SEED)
+                cap = dict(score_mod="c * tanhf(s / c)", grad="1 - tanhf(s / c) * tanhf(s / c)", mod_args={"c": SOFTCAP})
+                systems = {"cupyflash": dict(causal=True), "cupyflash-mask-mod": dict(mask_mod="kv_idx <= q_idx"),
+                           "cupyflash-softcap": dict(causal=True, softcap=SOFTCAP),
+                           "cupyflash-score-mod": dict(causal=True, **cap)}
+                pairs = visible_pairs(N, True, (None, None))
+                for name, kw in systems.items():
+                    runs = expression_runs(x, **kw)
+                    for mode, call in runs.items():
+                        records.append(timed(name, mode, cfg, call, bench.cupy_clock(), pairs, causal=True,
+                                             sweep="expressions"))
+                del x
+                bench.free_memory()
+    return records
+
+
+def expressions_table(records) -> str:
+    """A row per case and mode: causal=True against causal by mask_mod, the softcap against it by
+    score_mod (queued TFLOP/s; the ratios queued, single in parentheses)."""
+    index = {(r["system"], r["mode"], r["dtype"], r["D"], r["N"]): r for r in records if r.get("sweep") == "expressions"}
+    lines = ["| dtype | D | N | mode | causal=True | mask_mod | mask_mod / causal | softcap | score_mod "
+             "| score_mod / softcap |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for (system, mode, *case), plain in index.items():
+        if system != "cupyflash":
+            continue
+        by_mask, cap, by_score = (index.get((name, mode, *case)) for name in
+                                  ("cupyflash-mask-mod", "cupyflash-softcap", "cupyflash-score-mod"))
+        ratio = lambda a, b: (f"{a['tflops_queued'] / b['tflops_queued']:.2f} "   # noqa: E731
+                              f"({a['tflops_single'] / b['tflops_single']:.2f})")
+        lines.append(f"| {case[0]} | {case[1]} | {case[2]} | {mode} | {plain['tflops_queued']:.1f} | "
+                     f"{by_mask['tflops_queued']:.1f} | {ratio(by_mask, plain)} | {cap['tflops_queued']:.1f} | "
+                     f"{by_score['tflops_queued']:.1f} | {ratio(by_score, cap)} |")
+    return "\n".join(lines) + "\n"
+
+
 def window_cases(dtypes, head_dims, seqlens, windows):
     for dtype in dtypes:
         for D in head_dims:
@@ -424,20 +478,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=["fp16", "bf16"])
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
-    parser.add_argument("--sweep", nargs="+", default=["windows", "mods", "varlen", "bias"],
-                        choices=["windows", "mods", "varlen", "bias"])
+    parser.add_argument("--sweep", nargs="+", default=["windows", "mods", "varlen", "bias", "expressions"],
+                        choices=["windows", "mods", "varlen", "bias", "expressions"])
     parser.add_argument("--seqlens", nargs="+", type=int, default=None, help="default: per sweep (module doc)")
     parser.add_argument("--windows", nargs="+", type=int, default=[256, 1024])
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args(argv)
     records = ((run_windows(args) if "windows" in args.sweep else []) + (run_mods(args) if "mods" in args.sweep else [])
                + (run_varlen(args) if "varlen" in args.sweep else [])
-               + (run_bias(args) if "bias" in args.sweep else []))
+               + (run_bias(args) if "bias" in args.sweep else [])
+               + (run_expressions(args) if "expressions" in args.sweep else []))
     args.out.mkdir(parents=True, exist_ok=True)
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     (args.out / "variants_results.json").write_text(json.dumps(dict(device=device, commit=bench.git_commit(),
                                                                     records=records), indent=1))
-    tables = table(records) + "\n" + mods_table(records) + "\n" + varlen_table(records) + "\n" + bias_table(records)
+    tables = (table(records) + "\n" + mods_table(records) + "\n" + varlen_table(records) + "\n" + bias_table(records)
+              + "\n" + expressions_table(records))
     (args.out / "variants_results.md").write_text(f"{device}, commit {bench.git_commit()}\n\n" + tables)
     print(tables)
     return 0

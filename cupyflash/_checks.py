@@ -214,6 +214,20 @@ def check_pairwise(name: str, values, prob: "Problem", device=None):
     return x
 
 
+def check_splits(num_splits, schedule: str):
+    """``num_splits``: None or an int >= 1; more than 1 runs the V2 schedule, so not with ``schedule='v1'``."""
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, (bool, numpy.bool_)) or not isinstance(num_splits, (int, numpy.integer)):
+        raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if num_splits > 1 and schedule == "v1":
+        raise ValueError(f"num_splits={num_splits} splits the K/V tiles of the V2 schedule: pass schedule='v2' or "
+                         "'auto', not 'v1'")
+    return int(num_splits)
+
+
 def check_dropout(dropout_p, seed) -> tuple:
     """``(p, seed)`` of dropout, validated: ``dropout_p`` a real number in [0, 1) (not so close to 1 that
     round(p 2^32), the kernels' threshold, leaves 32 bits), and for p > 0 an int ``seed`` in [0, 2^64);
@@ -325,12 +339,12 @@ def check_disjoint(out, names, inputs: dict):
                 raise ValueError(f"{label} overlaps {other} in memory")
 
 
-def check_out(out, names, shapes, dtypes, prob: Problem, device, inputs: dict) -> tuple:
+def check_out(out, names, shapes, dtypes, xp, device, inputs: dict) -> tuple:
     """Validate ``out=``: one C-contiguous array per output, of exactly its shape and dtype, of the
     inputs' kind (and device, 16-byte aligned, on the GPU), writeable, sharing memory with nothing."""
     if not isinstance(out, (tuple, list)) or len(out) != len(names):
         raise TypeError(f"out must be a tuple of {len(names)} arrays ({', '.join(names)}), got {type(out).__name__}")
-    kind = numpy.ndarray if prob.xp is numpy else prob.xp.ndarray
+    kind = numpy.ndarray if xp is numpy else xp.ndarray
     for i, (x, name, shape, dtype) in enumerate(zip(out, names, shapes, dtypes)):
         label = f"out[{i}] ({name})"
         if not isinstance(x, kind):
@@ -341,7 +355,7 @@ def check_out(out, names, shapes, dtypes, prob: Problem, device, inputs: dict) -
             raise ValueError(f"{label} must have shape {tuple(shape)}, got {x.shape}")
         if not x.flags.c_contiguous:
             raise ValueError(f"{label} must be C-contiguous (strides {x.strides} for shape {x.shape})")
-        if prob.xp is numpy:
+        if xp is numpy:
             if not x.flags.writeable:
                 raise ValueError(f"{label} is read-only")
         else:

@@ -92,7 +92,7 @@ def get_kernels(cfg: TileConfig):
             kernels = _modules.get(key)
             if kernels is None:
                 module = cupy.RawModule(code=kernel_source(cfg.kernel), options=nvrtc_options(cfg))
-                kernels = {name: module.get_function(name) for name in cfg.spec.entries}
+                kernels = {name: module.get_function(name) for name in cfg.entries}
                 for kern in kernels.values():
                     if cfg.smem_bytes > 48 * 1024:
                         kern.max_dynamic_shared_size_bytes = cfg.smem_bytes

@@ -25,11 +25,12 @@ from functools import lru_cache
 import numpy
 
 from ._compile import get_kernels
+from ._expr import UserCode
 from ._mask import MaskGeometry
 from ._params import BWD, FWD, ZERO_RANGES, Params
 from ._philox import keep_threshold
 from ._tiles import (KERNELS, TileConfig, accumulator_dtype, auto_forward, choose_tiles, with_mods, with_precision,
-                     with_varlen)
+                     with_paged, with_user, with_varlen)
 
 MAX_BATCH_DIMS = 3  # collapsed batch dims a kernel indexes (layout.cuh: split_batch)
 VECTOR_BYTES = 16   # width of the vectorised tile loads
@@ -189,15 +190,17 @@ def backward_kernel(schedule: str, dtype, head_dim: int, scale: float = 1.0, mod
 
     The Hopper kernels take modified scores in units of ``scale`` (score_mod.cuh: RawMods): with
     modifiers, a zero scale (as the kernel reads it, in float32) runs the portable kernel; so does
-    dbias under a softcap for ``head_dim`` > 128 (the wide kernel has no plain dS there).
+    dbias under a softcap or a score_mod for ``head_dim`` > 128 (the wide kernel has no plain dS there).
     """
     if schedule != "v1" and _hopper(dtype):
-        scored = mods is not None and (mods.alibi or mods.bias or mods.mask or mods.softcap is not None)
+        scored = mods is not None and (mods.alibi or mods.bias or mods.mask or mods.softcap is not None
+                                       or mods.user is not None)
         if scored and numpy.float32(scale) == 0:
             return "bwd"
         if head_dim <= KERNELS["bwd_sm90"].max_head_dim:
             return "bwd_sm90"
-        if mods is None or not (mods.bias_grad and mods.softcap is not None):
+        chained = mods is not None and (mods.softcap is not None or (mods.user is not None and mods.user.score))
+        if not (chained and mods.bias_grad):
             return "bwd_sm90_wide"
     return "bwd"
 
@@ -278,7 +281,7 @@ def launch(kernel, grid, threads: int, smem_bytes: int = 0) -> Launch:
     """The ``Launch`` of RawKernel ``kernel`` on the current device; ``grid`` an int or ``(x, y)``."""
     from cupy.cuda import driver
 
-    grid = (_launch_grid(grid), 1) if isinstance(grid, int) else grid
+    grid = (_launch_grid(grid), 1) if isinstance(grid, int) else (_launch_grid(grid[0]), grid[1])
     return Launch(kernel, kernel.kernel.ptr, grid, threads, smem_bytes, driver.launchKernel)
 
 
@@ -378,35 +381,61 @@ class Mods:
     pairs: tuple = ((0, 0), (0, 0), (0, 0))
     dropout: float = 0.0      # p; the seed comes with each call
     batch0: int = 0           # the flat batch index of entry 0 (a peeled piece's), dropout's counter
+    user: UserCode | None = None   # the user expressions compiled in
+    user_slots: tuple = (0,) * 8   # ... and the call's mod_args (UserArgs: addresses, numbers' bits)
 
     def config(self, cfg: TileConfig) -> TileConfig:
         """``cfg`` with these modifiers compiled in."""
-        return with_mods(cfg, self.softcap is not None, self.alibi, self.sink, self.bias, self.mask, self.bias_grad,
-                         self.dropout > 0)
+        return with_user(with_mods(cfg, self.softcap is not None, self.alibi, self.sink, self.bias, self.mask,
+                                   self.bias_grad, self.dropout > 0), self.user)
 
     def fields(self, layout: "BatchLayout", dbias_add: bool = False) -> tuple:
         """``ScoreMods`` but its pointers and seed: the collapsed batch strides of the per-entry and
         per-pair arrays (the layout's last tensors), the pairs' strides, ``dbias_add``, dropout's
-        threshold, the softcap, dropout's 1 / (1 - p) and the batch offset."""
+        threshold, the softcap, dropout's 1 / (1 - p), the batch offset and the mod_args slots."""
         given = (self.alibi, self.sink, self.bias, self.mask, self.bias_grad)
         extra = list(layout.strides[len(layout.strides) - sum(given):])
         alibi, sink, bias, mask, dbias = (extra.pop(0) if g else (0, 0, 0) for g in given)
         pairs = tuple((0, *b, *ij) for b, ij in zip((bias, mask, dbias), self.pairs))
         return (0, *alibi, 0, *sink, *pairs, int(dbias_add), int(keep_threshold(self.dropout)),
-                0.0 if self.softcap is None else float(self.softcap), 1.0 / (1.0 - self.dropout), self.batch0, 0)
+                0.0 if self.softcap is None else float(self.softcap), 1.0 / (1.0 - self.dropout), self.batch0, 0,
+                (self.user_slots,))
 
 
 PLAIN = Mods()
 
 
 @dataclass(frozen=True)
+class Cache:
+    """A K/V cache's keys (``flash_attention_with_kvcache``): each batch entry's first ``lens + add``
+    (``params.cuh``: Seqs::len_k, its lengths coming with the call), in place or, with ``page_size``, in
+    a paged cache of ``pages`` pages (``Pages``: the table comes with the call); ``page_strides`` the
+    elements between pages of k and v."""
+
+    add: int
+    page_size: int = 0
+    pages: int = 0
+    page_strides: tuple = (0, 0)
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
+
+
+@dataclass(frozen=True)
 class Packed:
     """Packed variable-length sequences of a call (``params.cuh``: Seqs): ``n`` per batch entry, the
-    longest one's query rows and keys (the grid's tiles). Their offsets come with the call."""
+    longest one's query rows and keys (the grid's tiles). Their offsets come with the call. With a
+    ``cache``, one sequence per batch entry (no offsets) whose keys the cache's lengths cut."""
 
     n: int
     max_q: int
     max_k: int
+    cache: Cache | None = None
+
+    @property
+    def paged(self) -> bool:
+        return self.cache is not None and self.cache.paged
 
 
 def _grid_lengths(packed, rows_q: int, rows_k: int, entries: int) -> tuple[int, int, int]:
@@ -419,17 +448,29 @@ def _grid_lengths(packed, rows_q: int, rows_k: int, entries: int) -> tuple[int, 
 
 
 def _variant(cfg: TileConfig, mods: Mods, packed) -> TileConfig:
-    """``cfg`` with a call's modifiers and, with ``packed`` sequences, varlen compiled in."""
-    return with_varlen(mods.config(cfg), packed is not None)
+    """``cfg`` with a call's modifiers and, with ``packed`` sequences, varlen (and a paged cache) compiled in."""
+    return with_paged(with_varlen(mods.config(cfg), packed is not None), packed is not None and packed.paged)
 
 
-def _sequence_fields(geometry: MaskGeometry, packed, heads: int, rows_q: int, rows_k: int) -> dict:
+def _sequence_fields(geometry: MaskGeometry, packed, heads: int, rows_q: int, rows_k: int,
+                     len_strides=(0, 0, 0)) -> dict:
     """``mask`` and ``seqs`` of a parameter struct: the call's Mask and one sequence, or with ``packed``
-    sequences the longest one's lengths (the grid's) and the Band every sequence applies."""
+    sequences the longest one's lengths (the grid's) and the Band every sequence applies; with a
+    cache, its lengths' collapsed batch strides ``len_strides``."""
     if packed is None:
-        return dict(mask=geometry.kernel_fields(), seqs=(0, 0, heads, 1, rows_q, rows_k, geometry.band_fields()))
+        return dict(mask=geometry.kernel_fields(),
+                    seqs=(0, 0, 0, 0, 0, 0, heads, 1, rows_q, rows_k, 0, geometry.band_fields()))
+    add = 0 if packed.cache is None else packed.cache.add
     return dict(mask=(packed.max_q, packed.max_k, -packed.max_q, packed.max_k),
-                seqs=(0, 0, heads * packed.n, packed.n, rows_q, rows_k, geometry.band_fields()))
+                seqs=(0, 0, 0, *len_strides, heads * packed.n, packed.n, rows_q, rows_k, add, geometry.band_fields()))
+
+
+def _page_fields(packed, table_strides=(0, 0, 0)) -> tuple:
+    """``pages`` of a FwdParams: a paged cache's table strides, page strides, page size and pages."""
+    if packed is None or not packed.paged:
+        return (0, 0, 0, 0, 0, 0, 0, 0)
+    c = packed.cache
+    return (0, *table_strides, *c.page_strides, c.page_size, c.pages)
 
 
 def _address(x) -> int:
@@ -448,12 +489,86 @@ def pair_strides(x) -> tuple[int, int]:
 def _masked_pairs(geometry: MaskGeometry, packed=None, mods: Mods = None) -> bool:
     """Some pair of the whole problem is masked inside the ragged ends: the tile of every row and key
     has masked pairs (a causal mask or a window that bounds some row); of packed sequences, which may
-    be of any lengths, wherever a causal mask or a window applies; under a boolean mask always."""
-    if mods is not None and mods.mask:
+    be of any lengths, wherever a causal mask or a window applies; under a boolean mask or a mask_mod
+    always."""
+    if mods is not None and (mods.mask or (mods.user is not None and mods.user.mask is not None)):
         return True
     if packed is not None:
         return geometry.causal or geometry.left is not None or geometry.right is not None
     return geometry.has_masked_pairs(0, 0, geometry.n_k)
+
+
+# ---------------------------------------------------------------------------
+# mask_mod's tile map (mask.cuh: TileMap; tile_map.cuh writes it)
+
+TILE_MAP_THREADS = 128          # tile_map.cuh: TILE_MAP_THREADS
+TILE_MAP_CTAS_PER_SM = 16       # the map kernels' grids (grid-stride loops) past this many CTAs an SM
+KEPT_MAPS: dict = {}            # maps that depend on nothing a call brings, by their plan's key and stream
+MAX_KEPT_MAPS = 16              # past this many the cache starts over
+
+
+def tile_map_bytes(T_r: int, T_c: int) -> int:
+    """Bytes of one map head (mask.cuh: TileMap): the tiles' states padded to 16 bytes, then the int32
+    counts and lists of both directions, padded to 16 bytes."""
+    states = -(-T_r * T_c // 16) * 16
+    return -(-(states + 4 * (T_r + T_c + 2 * T_r * T_c)) // 16) * 16
+
+
+@dataclass(frozen=True)
+class TileMapPlan:
+    """mask_mod's tile map of a plan: its bytes, the launches of the module's two map kernels and the key
+    it is kept under from call to call, or None where a call must write it (mask_mod reads a mod_args
+    array, whose values may change, or packed sequences' offsets come with the call)."""
+
+    nbytes: int
+    launches: tuple
+    key: tuple | None
+
+    def locate(self, alloc, stream: int):
+        """``(address, memory, fresh)``: where this call's map lies, what holds it and whether the call
+        writes it (launches ``launches`` before the main kernel). A kept map is per stream, so the call
+        that wrote it is ordered before every call that reads it; none is kept during graph capture."""
+        import cupy
+
+        if self.key is None or capturing():
+            memory = alloc(self.nbytes)
+            return memory.ptr, memory, True
+        kept = KEPT_MAPS.get((self.key, stream))
+        if kept is not None:
+            return kept.data.ptr, kept, False
+        if len(KEPT_MAPS) >= MAX_KEPT_MAPS:
+            KEPT_MAPS.clear()
+        kept = KEPT_MAPS[(self.key, stream)] = cupy.empty(self.nbytes, numpy.uint8)
+        return kept.data.ptr, kept, True
+
+
+def tile_map_plan(cfg: TileConfig, kernels: dict, mods: "Mods", geometry: MaskGeometry, packed, heads: int,
+                  Nq: int, Nk: int) -> tuple:
+    """``(TileMapPlan, fields)`` of a main kernel ``cfg`` (its ``kernels``) under a mask_mod, ``(None,
+    (0,) * 5)`` without one: the map at the kernel's tiles over the grid's lengths ``Nq``, ``Nk``, a map
+    head per work head (of ``heads``) where mask_mod reads b, else per sequence; ``fields`` the params'
+    ``tiles`` but its base."""
+    if mods.user is None or mods.user.mask is None:
+        return None, (0, 0, 0, 0, 0)
+    T_r, T_c = -(-Nq // cfg.block_r), -(-Nk // cfg.block_c)
+    by_entry = mods.user.mask_by_entry
+    map_heads = heads if by_entry else (1 if packed is None else packed.n)
+    head_bytes = tile_map_bytes(T_r, T_c)
+    cap = TILE_MAP_CTAS_PER_SM * current_limits().sms
+    warps = TILE_MAP_THREADS // 32
+    launches = (launch(kernels["flash_tile_map"], min(map_heads * T_r * T_c, cap), TILE_MAP_THREADS),
+                launch(kernels["flash_tile_lists"], min(-(-map_heads * (T_r + T_c) // warps), cap), TILE_MAP_THREADS))
+    key = None
+    if packed is None and not mods.user.mask_reads_arrays:
+        key = (cfg, geometry.kernel_fields(), mods.user_slots, heads if by_entry else 0,
+               mods.batch0 if by_entry else 0, _current_device())
+    return TileMapPlan(map_heads * head_bytes, launches, key), (0, head_bytes, T_r, T_c, int(by_entry))
+
+
+def _current_device() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
 
 
 @dataclass(frozen=True)
@@ -467,17 +582,20 @@ class ForwardPlan:
     launches: tuple           # Launch of the main kernel, then of flash_fwd_repair when masked
     device: int
     outputs: tuple            # ((shape, dtype) of o, m, l)
-    fresh: Block              # o, m, l, the tile counter and the repair flags
+    fresh: Block              # o, m, l, the splits' parts, the tile counter and the repair flags
     given: Block              # the same but o, m, l: a call with ``out``
     o_run: int                # bytes of V1's running O_i (0: not used), a workspace of its own
     params: Params            # FwdParams
+    tile_map: TileMapPlan | None = None   # mask_mod's, written before the main kernel where the call must
+    merge: tuple | None = None   # split-KV: (Launch of flash_merge, its MergeParams), after the main kernel
 
     def __call__(self, q, k, v, out=None, alibi=None, sink=None, cu_q=None, cu_k=None, bias=None, mask=None,
-                 seed=0):
+                 seed=0, lens=None, table=None):
         """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given; ``alibi``, ``sink``
         the slopes and sink logits (with ``Mods.alibi``, ``Mods.sink``) as laid out for the plan;
         ``cu_q``, ``cu_k`` the int32 offsets of packed sequences (with ``Packed``); ``bias``, ``mask``
-        the per-pair arrays (with ``Mods.bias``, ``Mods.mask``); ``seed`` dropout's (with ``Mods.dropout``)."""
+        the per-pair arrays (with ``Mods.bias``, ``Mods.mask``); ``seed`` dropout's (with ``Mods.dropout``);
+        ``lens``, ``table`` a cache's int32 lengths and page table (with ``Packed.cache``)."""
         with _on_device(self.device):
             stream, alloc = call_stream()
             if out is None:   # the outputs and the workspace in one allocation from CuPy's pool
@@ -491,17 +609,26 @@ class ForwardPlan:
                 memory, base = self.given.allocate(alloc, stream)
                 parts = self.given.pointers(base)[3:]
             o_run = alloc(self.o_run) if self.o_run else None
+            tiles, tile_memory, fresh_map = self.tile_map.locate(alloc, stream) if self.tile_map else (0, None, False)
             struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, m.data.ptr,
                                                 l.data.ptr, o_run.ptr if o_run else 0, *parts, _address(alibi),
                                                 _address(sink), _address(cu_q), _address(cu_k), _address(bias),
-                                                _address(mask), seed))
-            for step in self.launches:
+                                                _address(mask), seed, tiles, _address(lens), _address(table)))
+            for step in (self.tile_map.launches if fresh_map else ()) + self.launches[:1]:
+                step(stream, address)
+            if self.merge is not None:   # the splits' parts into o, m, l, before the repair reads them
+                merge_launch, merge_params = self.merge
+                merge_struct, merge_address = merge_params.pack((*parts[:3], o.data.ptr, m.data.ptr, l.data.ptr))
+                merge_launch(stream, merge_address)
+            for step in self.launches[1:]:
                 step(stream, address)
         return o, m, l
 
 
-FWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o", "m", "l", "o_run", "tile_counter", "repair_flags", "mods.alibi",
-                "mods.sink", "seqs.cu_q", "seqs.cu_k", "mods.bias.ptr", "mods.keep.ptr", "mods.seed")
+FWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o", "m", "l", "o_run", "o_parts", "m_parts", "l_parts", "tile_counter",
+                "repair_flags", "mods.alibi",
+                "mods.sink", "seqs.cu_q", "seqs.cu_k", "mods.bias.ptr", "mods.keep.ptr", "mods.seed", "tiles.base",
+                "seqs.len_k", "pages.table")
 
 
 def _repair(head_dim: int, dtype, flags: int, mods: Mods, packed=None):
@@ -511,30 +638,57 @@ def _repair(head_dim: int, dtype, flags: int, mods: Mods, packed=None):
     return get_kernels(cfg), min(flags, 4 * current_limits().sms)
 
 
+def choose_kv_splits(ctas: int, kv_tiles: int, slots: int) -> int:
+    """Split-KV for a grid of ``ctas`` CTAs (work heads x Q tiles) whose Q tiles visit up to ``kv_tiles``
+    K/V tiles, on a GPU that holds ``slots`` CTAs at once: 1 where the grid fills most of it; else, among
+    the counts that leave every split two K/V tiles, the fewest whose last wave is at least 85% as full
+    as the fullest count's (FlashAttention-2's rule)."""
+    if ctas >= 0.8 * slots or kv_tiles < 4:
+        return 1
+    fill = {n: ctas * n / slots / math.ceil(ctas * n / slots) for n in range(1, min(MAX_KV_SPLITS, kv_tiles // 2) + 1)}
+    best = max(fill.values())
+    return min(n for n, f in fill.items() if f >= 0.85 * best)
+
+
+MAX_KV_SPLITS = 64      # the most choose_kv_splits picks
+LIMIT_KV_SPLITS = 256   # the most a call gets (Visits::split multiplies a count of K/V tiles by it in 32 bits)
+
+
 def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeometry, scale: float, batch_shape,
-                 layout: BatchLayout, mods: Mods = PLAIN, packed: Packed | None = None):
+                 layout: BatchLayout, mods: Mods = PLAIN, packed: Packed | None = None, stats_shape=None,
+                 kv_splits: int | None = 1):
     """The ``schedule`` ('v1' or 'v2') forward of validated inputs ``q, k, v`` as a ``ForwardPlan``;
-    ``layout.strides`` holds q, k, v and, with ALiBi, the slopes, with a sink, the sink logits. With
-    ``packed`` sequences the rows of q and k are theirs, and a CTA's tiles those of one sequence."""
+    ``layout.strides`` holds q, k, v, with a cache its lengths (and a paged one's table), then, with
+    ALiBi, the slopes, with a sink, the sink logits. With ``packed`` sequences the rows of q and k are
+    theirs, and a CTA's tiles those of one sequence; a paged cache runs V2's portable kernel, the one
+    that reads pages.
+    ``stats_shape``: the shape of m and l the plan returns (default ``(*batch_shape, rows)``; a folded
+    call's, ``_fold``, is the caller's). ``kv_splits``: split-KV (V2 and the Hopper forward: each Q tile's
+    K/V tiles in that many runs, one CTA each, merged by flash_merge.cu; None: ``choose_kv_splits``; at
+    most the K/V tiles there are and LIMIT_KV_SPLITS)."""
     rows_q, D = q.shape[-2:]
-    rows_k = k.shape[-2]
+    rows_k = packed.max_k if packed is not None and packed.paged else k.shape[-2]   # a paged cache's capacity
     BH = layout.count
     Nq, Nk, heads = _grid_lengths(packed, rows_q, rows_k, BH)
     acc = accumulator_dtype(q.dtype)
-    cfg = _variant(with_precision(device_tiles(forward_kernel(schedule, q.dtype, scale), D, q.dtype), precision),
-                   mods, packed)
+    family = "fwd_v2" if packed is not None and packed.paged else forward_kernel(schedule, q.dtype, scale)
+    cfg = _variant(with_precision(device_tiles(family, D, q.dtype), precision), mods, packed)
     kernel = get_kernels(cfg)[cfg.spec.entries[0]]
-    T_r = -(-Nq // cfg.block_r)
+    T_r, T_c = -(-Nq // cfg.block_r), -(-Nk // cfg.block_c)
     limits = current_limits()
+    slots = limits.sms * max(1, min(4, limits.smem_sm // max(cfg.smem_bytes, 1)))   # CTAs resident at once
     if cfg.kernel == "fwd_v1":
-        slots = limits.sms * max(1, min(4, limits.smem_sm // cfg.smem_bytes))   # CTAs resident at once
-        n_splits = choose_splits(heads, T_r, slots)
+        n_splits, kv_splits = choose_splits(heads, T_r, slots), 1
         grid = heads * n_splits
     else:
         n_splits = 1
-        grid = heads * T_r
         if cfg.kernel == "fwd_sm90":   # persistent CTAs that claim tiles, one per SM
-            grid = min(grid, limits.sms)
+            slots = limits.sms
+        kv_splits = (choose_kv_splits(heads * T_r, T_c, slots) if kv_splits is None
+                     else max(1, min(kv_splits, T_c, LIMIT_KV_SPLITS)))
+        grid = (heads * T_r, kv_splits)
+        if cfg.kernel == "fwd_sm90":
+            grid = min(heads * T_r * kv_splits, limits.sms)
     # V1's running O_i between outer steps: with a single K/V tile every step is the last
     o_run = BH * rows_q * cfg.d_pad * acc.itemsize if cfg.kernel == "fwd_v1" and Nk > cfg.block_c else 0
     counter = 4 if cfg.kernel == "fwd_sm90" else 0
@@ -544,17 +698,75 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
     if flags:
         kernels, repair_grid = _repair(D, q.dtype, flags, mods, packed)
         launches.append(launch(kernels["flash_fwd_repair"], repair_grid, KERNELS_THREADS["repair"]))
+    tile_map, tile_fields = tile_map_plan(cfg, get_kernels(cfg), mods, geometry, packed, heads, Nq, Nk)
+    # a cache's lengths and page table follow q, k, v in the layout
+    cached = layout.strides[3:3 + 1 + packed.paged] if packed is not None and packed.cache is not None else ()
     params = Params(FWD, FWD_POINTERS,
                     q=_strides4(q, layout.strides[0]), k=_strides4(k, layout.strides[1]),
                     v=_strides4(v, layout.strides[2]), batch=(layout.sizes[1], layout.sizes[2], BH),
-                    **_sequence_fields(geometry, packed, BH, rows_q, rows_k), mods=mods.fields(layout), D=D,
+                    **_sequence_fields(geometry, packed, BH, rows_q, rows_k, *cached[:1]), tiles=tile_fields,
+                    mods=mods.fields(layout), pages=_page_fields(packed, *cached[1:]), D=D,
                     vec=int(_vector_ok((q, k, v), D)), head_group=head_group(heads, 2 * Nk * D * q.itemsize),
-                    n_splits=n_splits, tile_rows=cfg.block_r, scale=float(acc.type(scale)))
-    outputs = (((*batch_shape, rows_q, D), q.dtype), ((*batch_shape, rows_q), acc), ((*batch_shape, rows_q), acc))
+                    n_splits=n_splits, kv_splits=kv_splits, tile_rows=cfg.block_r, scale=float(acc.type(scale)))
+    stats_shape = tuple(stats_shape or (*batch_shape, rows_q))
+    outputs = (((*stats_shape, D), q.dtype), (stats_shape, acc), (stats_shape, acc))
+    rows = BH * rows_q
+    split_parts = [(kv_splits * rows * D * q.itemsize, False), (kv_splits * rows * acc.itemsize, False),
+                   (kv_splits * rows * acc.itemsize, False)] if kv_splits > 1 else [(0, False)] * 3
     zeroed = [(counter, True), (4 * flags, True)]
+    merge = merge_plan(q.dtype, rows, D, kv_splits) if kv_splits > 1 else None
     return ForwardPlan(launches=tuple(launches), device=q.data.device_id, outputs=outputs,
-                       fresh=block_layout(array_parts(outputs) + zeroed), given=block_layout([(0, False)] * 3 + zeroed),
-                       o_run=o_run, params=params)
+                       fresh=block_layout(array_parts(outputs) + split_parts + zeroed),
+                       given=block_layout([(0, False)] * 3 + split_parts + zeroed),
+                       o_run=o_run, params=params, tile_map=tile_map, merge=merge)
+
+
+def merge_plan(dtype, rows: int, D: int, parts: int, strides=None, vec: bool | None = None,
+               listed: bool = False) -> tuple:
+    """``(Launch, Params)`` of flash_merge.cu over ``parts`` parts of ``rows`` rows of ``D``: stacked
+    (``strides``: elements between the parts of o, m, l; default back to back), a call packing the
+    parts' bases and then o, m, l; or ``listed``, a call packing every part's o, then every m, every l,
+    then o, m, l. ``vec``: 16-byte accesses of o (default where the rows are 16-byte multiples; the
+    parts must then start 16-byte aligned)."""
+    from ._params import MERGE, MERGE_POINTERS as SLOTS
+    from ._tiles import MERGE_WARPS
+
+    cfg = device_tiles("merge", D, dtype)
+    item = numpy.dtype(dtype).itemsize
+    vec = D * item % VECTOR_BYTES == 0 if vec is None else vec
+    strides = (0, 0, 0) if listed else strides or (rows * D, rows, rows)
+    per_lane = VECTOR_BYTES // item if vec else 1
+    lanes = 1
+    while lanes < 32 and lanes * per_lane < D:
+        lanes *= 2
+    empty = (0,) * SLOTS
+    pointers = [f"{a}.ptr[{i}]" for a in "oml" for i in range(parts if listed else 1)] + ["o_out", "m_out", "l_out"]
+    params = Params(MERGE, pointers, o=(empty, strides[0]), m=(empty, strides[1]), l=(empty, strides[2]),
+                    rows=rows, D=D, parts=parts, lanes=lanes, vec=int(vec))
+    threads = MERGE_WARPS * 32
+    return launch(get_kernels(cfg)["flash_merge"], -(-rows * lanes // threads), threads), params
+
+
+def append_plan(k, v, k_new, v_new, layout: BatchLayout, cache: Cache, capacity: int) -> tuple:
+    """``(Launch, Params)`` of flash_append.cu: ``k_new``, ``v_new`` into the cache ``k``, ``v`` (a paged
+    one's page 0) at the lengths, rows ``capacity`` and on; ``layout.strides`` holds k, v, k_new, v_new,
+    the lengths and (paged) the table. A call packs k, v, k_new, v_new, the lengths and the table."""
+    from ._params import APPEND
+
+    cfg = with_paged(device_tiles("append", 1, k.dtype), cache.paged)
+    D, n_new = k.shape[-1], k_new.shape[-2]
+    vec = _vector_ok((k, v, k_new, v_new), D)
+    packed = Packed(1, 0, capacity, cache)
+    params = Params(APPEND, ("k.ptr", "v.ptr", "k_new.ptr", "v_new.ptr", "seqs.len_k", "pages.table"),
+                    k=_strides4(k, layout.strides[0]), v=_strides4(v, layout.strides[1]),
+                    k_new=_strides4(k_new, layout.strides[2]), v_new=_strides4(v_new, layout.strides[3]),
+                    batch=(layout.sizes[1], layout.sizes[2], layout.count),
+                    seqs=_sequence_fields(MaskGeometry(0, 0, False), packed, layout.count, 0, capacity,
+                                          layout.strides[4])["seqs"],
+                    pages=_page_fields(packed, *layout.strides[5:6]), n_new=n_new, D=D, vec=int(vec))
+    chunks = -(-D // (VECTOR_BYTES // k.itemsize)) if vec else D
+    grid = max(1, min(-(-layout.count * n_new * chunks // cfg.threads), 8 * current_limits().sms))
+    return launch(get_kernels(cfg)["flash_append"], grid, cfg.threads), params
 
 
 # the workspace parts of a backward, in BackwardPlan.parts order; from BWD_SUMS on the three sums
@@ -565,7 +777,7 @@ BWD_SUMS = 4
 # flash_bwd_prep zeroes (last: a call passes only the ranges it has)
 BWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o.ptr", "dO.ptr", "m", "l", "dq", "dk.ptr", "dv.ptr", *BWD_PARTS,
                 "mods.alibi", "mods.sink", "seqs.cu_q", "seqs.cu_k", "mods.bias.ptr", "mods.keep.ptr",
-                "mods.dbias.ptr", "mods.seed", *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)))
+                "mods.dbias.ptr", "mods.seed", "tiles.base", *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)))
 # flash_bwd_prep's zero ranges (BwdParams.zero): the workspace's zeroed part, dbias, then the gradients
 # that are the sums themselves
 ZERO_DBIAS = 1
@@ -623,6 +835,7 @@ class BackwardPlan:
     workspace: Block          # BWD_PARTS; flash_bwd_prep zeroes its zeroed parts (BwdParams.zero[0])
     grad_block: Block         # dq, dk, dv in one allocation
     dbias: DbiasBuffer | None = None   # with bias_grad; flash_bwd_prep zeroes it (BwdParams.zero[ZERO_DBIAS])
+    tile_map: TileMapPlan | None = None   # mask_mod's, written before the main kernel where the call must
 
     def __call__(self, do, q, k, v, o, m, l, out=None, alibi=None, sink=None, cu_q=None, cu_k=None, bias=None,
                  mask=None, seed=0):
@@ -649,12 +862,13 @@ class BackwardPlan:
             parts = self.workspace.pointers(base)
             sums = (dq, dk, dv)[:self.sums]
             parts[BWD_SUMS:BWD_SUMS + self.sums] = sums   # the gradients of the accumulator dtype are the sums
+            tiles, tile_memory, fresh_map = self.tile_map.locate(alloc, stream) if self.tile_map else (0, None, False)
             struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, do.data.ptr,
                                                 m.data.ptr, l.data.ptr, dq, dk, dv, *parts, _address(alibi),
                                                 _address(sink), _address(cu_q), _address(cu_k), _address(bias),
-                                                _address(mask), _address(dbias), seed, base + self.workspace.zero_from,
-                                                _address(dbias), *sums))
-            for step in self.launches:
+                                                _address(mask), _address(dbias), seed, tiles,
+                                                base + self.workspace.zero_from, _address(dbias), *sums))
+            for step in (self.tile_map.launches if fresh_map else ()) + self.launches:
                 step(stream, address)
         if dbias is None:
             return tuple(grads)
@@ -667,15 +881,16 @@ class BackwardPlan:
 
 def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: MaskGeometry, scale: float,
                   deterministic: bool, layout: BatchLayout, mods: Mods = PLAIN, packed: Packed | None = None,
-                  dbias: DbiasBuffer | None = None):
-    """The backward of ``schedule`` for validated inputs as a ``BackwardPlan``.
+                  dbias: DbiasBuffer | None = None, grad_shapes=None):
+    """The backward of ``schedule`` for validated inputs as a ``BackwardPlan``; ``grad_shapes`` the
+    shapes of the dq, dk, dv it returns (default q's, k's, v's; a folded call's, ``_fold``, the caller's).
 
     ``layout.strides`` holds, in order, q, k, v, o, do, the contiguous own-shape layouts of
     dq, dk, dv and, with ALiBi, the slopes, with a sink, the sink logits, then the bias, the mask
     and dbias's buffer (``dbias``, with ``mods.bias_grad``). ``packed`` as in ``forward_plan``.
     """
     rows_q, D = q.shape[-2:]
-    rows_k = k.shape[-2]
+    rows_k = packed.max_k if packed is not None and packed.paged else k.shape[-2]   # a paged cache's capacity
     BH = layout.count
     Nq, Nk, heads = _grid_lengths(packed, rows_q, rows_k, BH)
     n_seqs = heads // BH
@@ -692,7 +907,7 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
     T_r, T_c = -(-Nq // main_cfg.block_r), -(-Nk // main_cfg.block_c)
     n_chunks = -(-D // main_cfg.d_chunk)
     converted = q.dtype != acc   # the sums are workspaces, converted at the end
-    grads = tuple((x.shape, q.dtype) for x in (q, k, v))
+    grads = tuple((shape, q.dtype) for shape in (grad_shapes or (q.shape, k.shape, v.shape)))
     # deterministic: a counter per sum that several CTAs add into (layout.cuh, "Ordered sums")
     turns = (heads * T_r * n_chunks,) if deterministic else (0,)
     turns += tuple(math.prod(x.shape[:-2]) * n_seqs * T_c * n_chunks if deterministic and kv_atomic else 0
@@ -720,11 +935,12 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
     zero_words = [(space.nbytes - space.zero_from) // 4, math.prod(dbias.shape) * acc.itemsize // 4 if dbias else 0]
     zero_words += [math.prod(x.shape) * acc.itemsize // 4 for x in (q, k, v)[:sums]]
     zero_words += [0] * (ZERO_RANGES - len(zero_words))
+    tile_map, tile_fields = tile_map_plan(main_cfg, get_kernels(main_cfg), mods, geometry, packed, heads, Nq, Nk)
     params = Params(BWD, BWD_POINTERS,
                     q=_strides4(q, s_q), k=_strides4(k, s_k), v=_strides4(v, s_v), o=_strides4(o, s_o),
                     dO=_strides4(do, s_do), dq_acc=(*s_dq, D), dk=(*s_dk, D), dv=(*s_dv, D),
                     convert_elems=convert_elems, batch=(layout.sizes[1], layout.sizes[2], BH),
-                    **_sequence_fields(geometry, packed, BH, rows_q, rows_k),
+                    **_sequence_fields(geometry, packed, BH, rows_q, rows_k), tiles=tile_fields,
                     mods=mods.fields(layout, dbias is not None and dbias.add), D=D,
                     vec=int(_vector_ok((q, k, v, do), D)),
                     prep_vec=int(_vector_ok((o, do), D)), head_group=group, kv_atomic=int(kv_atomic),
@@ -742,7 +958,7 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
     if converted:
         launches.append(launch(prep["flash_convert"], convert_grid, convert_threads))
     return BackwardPlan(launches=tuple(launches), device=q.data.device_id, grads=grads, sums=sums, params=params,
-                        workspace=space, grad_block=block_layout(array_parts(grads)), dbias=dbias)
+                        workspace=space, grad_block=block_layout(array_parts(grads)), dbias=dbias, tile_map=tile_map)
 
 
 # threads per CTA of the kernels whose CTA shape does not depend on the call (their TileConfigs)

@@ -1,7 +1,9 @@
 """The kernels' parameter structs (``kernels_cu/params.cuh``) as NumPy structured dtypes.
 
 Each kernel family takes one struct by value: ``FwdParams`` (the forward kernels and their
-repair) and ``BwdParams`` (the backward's preparation, main, repair and conversion kernels).
+repair), ``BwdParams`` (the backward's preparation, main, repair and conversion kernels) and
+``MergeParams`` (merging attentions over disjoint key sets) and ``AppendParams`` (new keys into a K/V
+cache).
 This module is their one mirror on the host, checked against the device side twice:
 ``layout_checks`` turns it into ``static_assert``s of ``sizeof`` and of every field's offset, which
 ``_compile.compile_for_arch`` appends to every source it compiles (CI compiles every
@@ -32,19 +34,29 @@ BATCH = _struct([("n1", _i64), ("n2", _i64), ("count", _i64)])
 MASK = _struct([("Nq", _i32), ("Nk", _i32), ("lo", _i32), ("hi", _i32)])
 # Band (mask.cuh): a window's sides for sequences of any length (_mask.MaskGeometry.band_fields)
 BAND = _struct([("left", _i32), ("right", _i32)])
-# Seqs (params.cuh): packed variable-length sequences and the work heads of the grid
-SEQS = _struct([("cu_q", _ptr), ("cu_k", _ptr), ("heads", _i64), ("n", _i32), ("rows_q", _i32), ("rows_k", _i32),
+# Seqs (params.cuh): packed variable-length sequences (or a K/V cache's lengths) and the work heads of the grid
+SEQS = _struct([("cu_q", _ptr), ("cu_k", _ptr), ("len_k", _ptr), ("len_s0", _i64), ("len_s1", _i64),
+                ("len_s2", _i64), ("heads", _i64), ("n", _i32), ("rows_q", _i32), ("rows_k", _i32), ("len_add", _i32),
                 ("band", BAND)])
+# Pages (params.cuh): a paged K/V cache's table (pointer, collapsed batch strides of its rows), the
+# elements between pages of k and v, rows per page, pages
+PAGES = _struct([("table", _ptr), ("s0", _i64), ("s1", _i64), ("s2", _i64), ("page_k", _i64), ("page_v", _i64),
+                 ("size", _i32), ("count", _i32)])
+# TileMap (mask.cuh): mask_mod's tile map, its bytes per map head, the kernel's tiles, a map head per work head
+TILE_MAP = _struct([("base", _ptr), ("head_bytes", _i64), ("T_r", _i32), ("T_c", _i32), ("by_entry", _i32)])
 # PairArray<T> (score_mod.cuh): a per-pair array (bias, mask, dbias): pointer, collapsed batch strides,
 # the query and key strides (elements, 0 along a broadcast dim)
 PAIR_ARRAY = _struct([("ptr", _ptr), ("s0", _i64), ("s1", _i64), ("s2", _i64), ("si", _i64), ("sj", _i64)])
+# UserArgs (score_mod.cuh): mod_args, each slot an array's address or a number's bits
+USER_ARGS = _struct([("slot", numpy.uint64, (8,))])
 # ScoreMods (score_mod.cuh): ALiBi slopes and sink logits (pointer, collapsed batch strides), the per-pair
-# arrays, the softcap, dropout's threshold, scale, batch offset and seed (the seed written per call)
+# arrays, the softcap, dropout's threshold, scale, batch offset and seed (the seed written per call), and
+# the user expressions' mod_args (UserArgs: eight 64-bit slots)
 SCORE_MODS = _struct([("alibi", _ptr), ("alibi_s0", _i64), ("alibi_s1", _i64), ("alibi_s2", _i64),
                       ("sink", _ptr), ("sink_s0", _i64), ("sink_s1", _i64), ("sink_s2", _i64),
                       ("bias", PAIR_ARRAY), ("keep", PAIR_ARRAY), ("dbias", PAIR_ARRAY), ("dbias_add", _i32),
                       ("threshold", numpy.uint32), ("softcap", _f64), ("keep_scale", _f64), ("batch0", _i64),
-                      ("seed", numpy.uint64)])
+                      ("seed", numpy.uint64), ("user", USER_ARGS)])
 # ZeroRange: 4-byte words flash_bwd_prep zeroes (the workspace, up to three sums, dbias)
 ZERO_RANGE = _struct([("ptr", _ptr), ("words", _i64)])
 ZERO_RANGES = 5
@@ -52,8 +64,9 @@ ZERO_RANGES = 5
 FWD = _struct([
     ("q", TENSOR), ("k", TENSOR), ("v", TENSOR),
     ("o", _ptr), ("m", _ptr), ("l", _ptr), ("o_run", _ptr), ("tile_counter", _ptr), ("repair_flags", _ptr),
-    ("batch", BATCH), ("mask", MASK), ("seqs", SEQS), ("mods", SCORE_MODS),
-    ("D", _i32), ("vec", _i32), ("head_group", _i32), ("n_splits", _i32), ("tile_rows", _i32),
+    ("o_parts", _ptr), ("m_parts", _ptr), ("l_parts", _ptr),
+    ("batch", BATCH), ("mask", MASK), ("seqs", SEQS), ("tiles", TILE_MAP), ("mods", SCORE_MODS), ("pages", PAGES),
+    ("D", _i32), ("vec", _i32), ("head_group", _i32), ("n_splits", _i32), ("kv_splits", _i32), ("tile_rows", _i32),
     ("scale", _f64),
 ])
 
@@ -65,13 +78,22 @@ BWD = _struct([
     ("dq_turns", _ptr), ("dk_turns", _ptr), ("dv_turns", _ptr), ("dq_flags", _ptr), ("kv_flags", _ptr),
     ("zero", ZERO_RANGE, (ZERO_RANGES,)),
     ("convert_elems", _i64, (3,)),
-    ("batch", BATCH), ("mask", MASK), ("seqs", SEQS), ("mods", SCORE_MODS),
+    ("batch", BATCH), ("mask", MASK), ("seqs", SEQS), ("tiles", TILE_MAP), ("mods", SCORE_MODS),
     ("D", _i32), ("vec", _i32), ("prep_vec", _i32), ("head_group", _i32), ("kv_atomic", _i32), ("lse_stats", _i32),
     ("tile_r", _i32), ("tile_c", _i32),
     ("scale", _f64),
 ])
 
-STRUCTS = {"FwdParams": FWD, "BwdParams": BWD}
+# PartSet<T> (params.cuh): the parts of a merge, one pointer each or stacked at a stride (elements)
+MERGE_POINTERS = 16
+PART_SET = _struct([("ptr", _ptr, (MERGE_POINTERS,)), ("stride", _i64)])
+MERGE = _struct([("o", PART_SET), ("m", PART_SET), ("l", PART_SET), ("o_out", _ptr), ("m_out", _ptr), ("l_out", _ptr),
+                 ("rows", _i64), ("D", _i32), ("parts", _i32), ("lanes", _i32), ("vec", _i32)])
+
+APPEND = _struct([("k", TENSOR), ("v", TENSOR), ("k_new", TENSOR), ("v_new", TENSOR), ("batch", BATCH),
+                  ("seqs", SEQS), ("pages", PAGES), ("n_new", _i32), ("D", _i32), ("vec", _i32)])
+
+STRUCTS = {"FwdParams": FWD, "BwdParams": BWD, "MergeParams": MERGE, "AppendParams": APPEND}
 
 
 def _members(dtype: numpy.dtype, prefix: str = "", base: int = 0):

@@ -38,11 +38,15 @@ How tiles are chosen (``choose_tiles``):
   ``PREP_ROWS`` rows per CTA of ``PREP_WARPS`` warps, any head dim (one module per dtype).
 * ``repair`` (flash_repair.cu: the rows where a masked pair met an inf or NaN): one row per warp,
   ``REPAIR_WARPS`` warps, no shared tiles; the head dim bucket sets the elements per lane.
+* ``merge`` (flash_merge.cu: ``merge_attention``): ``MERGE_WARPS`` warps, ``MergeParams.lanes``
+  threads per row, any head dim (one module per dtype).
+* ``append`` (flash_append.cu: new keys into a K/V cache): ``APPEND_WARPS`` warps, a thread per 16
+  bytes of a row, any head dim (one module per dtype, and one per dtype for a paged cache).
 * The warp-specialised kernels split the register file between producer and consumers in one
   place, :attr:`TileConfig.registers`.
-* The modifiers (``score_mod.cuh``: softcap, ALiBi, sink) and packed variable-length sequences
-  (``params.cuh``: Seqs) are compile-time flags of a specialisation (``with_mods``, ``with_varlen``)
-  and change no tile size.
+* The modifiers (``score_mod.cuh``: softcap, ALiBi, sink), packed variable-length sequences
+  (``params.cuh``: Seqs) and a paged K/V cache (``params.cuh``: Pages) are compile-time flags of a
+  specialisation (``with_mods``, ``with_varlen``, ``with_paged``) and change no tile size.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import numpy
+
+from ._expr import UserCode
 
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = HEAD_DIM_BUCKETS[-1]
@@ -65,6 +71,8 @@ WARP_SIZE = 32
 BWD_SM90_MAX_HEAD_DIM = 128    # dK_j, dV_j of 64 keys per warpgroup in registers; the wide kernel above
 REPAIR_WARPS = 8               # flash_repair.cu: rows in flight per CTA
 PREP_WARPS, PREP_ROWS = 8, 32  # flash_bwd_prep.cu: 256 threads, 8 per row; flash_convert: 256 threads
+MERGE_WARPS = 8                # flash_merge.cu: 256 threads, MergeParams.lanes per row
+APPEND_WARPS = 8               # flash_append.cu: 256 threads
 
 # (B_r, B_c, warps) in order of preference
 _FWD_V1_CANDIDATES = {
@@ -173,6 +181,10 @@ class TileConfig:
         Dropout on P (``score_mod.cuh``, ``philox.cuh``).
     varlen : bool
         Packed variable-length sequences (``params.cuh``: Seqs, ``with_varlen``).
+    paged : bool
+        Keys in a paged K/V cache (``params.cuh``: Pages, ``with_paged``).
+    user : _expr.UserCode or None
+        User expressions (score_mod, score_mod_grad, mask_mod) compiled in (``with_user``).
     """
 
     kernel: str
@@ -192,10 +204,20 @@ class TileConfig:
     mask: bool = False
     dropout: bool = False
     varlen: bool = False
+    paged: bool = False
+    user: Optional[UserCode] = None
 
     @property
     def spec(self) -> "KernelSpec":
         return KERNELS[self.kernel]
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        """Its kernels: the family's and, with a mask_mod compiled into a main kernel, the two that write
+        its tile map (tile_map.cuh)."""
+        if self.user is not None and self.user.mask is not None and self.kernel in TILE_MAP_KERNELS:
+            return (*self.spec.entries, *TILE_MAP_ENTRIES)
+        return self.spec.entries
 
     @property
     def itemsize(self) -> int:
@@ -255,7 +277,9 @@ class TileConfig:
         ]
         if self.dtype == "float32":
             out.append(f"-DFLASH_FP32_MMA={self.fp32_mma}")
-        out += [f"-DFLASH_{name.upper()}=1" for name in (*SCORE_MODS, "varlen") if getattr(self, name)]
+        out += [f"-DFLASH_{name.upper()}=1" for name in (*SCORE_MODS, "varlen", "paged") if getattr(self, name)]
+        if self.user is not None:
+            out += self.user.defines()
         if self.kernel in _STAGED:
             out.append(f"-DFLASH_Q_STAGES={self.q_stages}")
         if self.registers:
@@ -386,6 +410,14 @@ def _bwd_prep_tiles(kernel, head_dim, name, smem_limit):
     return TileConfig(kernel, name, 0, PREP_ROWS, 1, PREP_WARPS, 0)
 
 
+def _merge_tiles(kernel, head_dim, name, smem_limit):
+    return TileConfig(kernel, name, 0, 1, 1, MERGE_WARPS, 0)
+
+
+def _append_tiles(kernel, head_dim, name, smem_limit):
+    return TileConfig(kernel, name, 0, 1, 1, APPEND_WARPS, 0)
+
+
 def _repair_tiles(kernel, head_dim, name, smem_limit):
     d_pad = head_dim_bucket(head_dim)
     return TileConfig(kernel, name, d_pad, 1, 1, REPAIR_WARPS, d_pad)
@@ -429,7 +461,15 @@ KERNELS = {
                                 min_head_dim=BWD_SM90_MAX_HEAD_DIM + 1, ordered=True),
     "repair": KernelSpec("flash_repair.cu", ("flash_fwd_repair", "flash_bwd_repair"), ("FwdParams", "BwdParams"),
                          None, ALL_DTYPES, MAX_HEAD_DIM, _repair_tiles, _no_smem),
+    "merge": KernelSpec("flash_merge.cu", ("flash_merge",), ("MergeParams",), None, ALL_DTYPES, MAX_HEAD_DIM,
+                        _merge_tiles, _no_smem, any_head_dim=True, score_mods=False),
+    "append": KernelSpec("flash_append.cu", ("flash_append",), ("AppendParams",), None, ALL_DTYPES, MAX_HEAD_DIM,
+                         _append_tiles, _no_smem, any_head_dim=True, score_mods=False),
 }
+
+# the kernels that read (or write) a paged K/V cache (TileConfig.paged): the portable V2 forward, its
+# repair and the append
+PAGED_KERNELS = ("fwd_v2", "repair", "append")
 
 
 # float32 products of each ``precision`` (TileConfig.fp32_mma, mma_sm80.cuh): "highest" 3xTF32 on
@@ -438,6 +478,10 @@ FP32_PRODUCTS = {"highest": 1, "tf32": 2}
 PRECISIONS = tuple(FP32_PRODUCTS)
 PRECISION_OF = {code: name for name, code in FP32_PRODUCTS.items()}
 
+
+# the main kernels, which visit the tiles of mask_mod's tile map, and the kernels that write it (tile_map.cuh)
+TILE_MAP_KERNELS = ("fwd_v1", "fwd_v2", "fwd_sm90", "bwd", "bwd_sm90", "bwd_sm90_wide")
+TILE_MAP_ENTRIES = ("flash_tile_map", "flash_tile_lists")
 
 # the modifiers (score_mod.cuh) a kernel can compile in, TileConfig fields of the same names: the score
 # modifiers, the attention sink, the bias (and the backward's dbias) and the boolean mask; every family
@@ -463,9 +507,30 @@ def with_mods(cfg: TileConfig, softcap: bool, alibi: bool, sink: bool = False, b
                    bias_grad=bias and bias_grad and cfg.kernel in DBIAS_KERNELS, dropout=dropout, block_c=block_c)
 
 
+def with_user(cfg: TileConfig, user: Optional[UserCode]) -> TileConfig:
+    """``cfg`` with a call's user expressions (``_expr.UserCode``, or None); with a score_mod the Hopper
+    forward takes the smaller K/V tiles a bias takes (``PAIR_BLOCK_C``: at D = 64 and B_c = 128 the
+    expression spills; a mask_mod alone does not)."""
+    if not cfg.spec.score_mods or user is None:
+        return cfg
+    block_c = cfg.block_c
+    if user.score is not None:
+        block_c = min(block_c, PAIR_BLOCK_C.get(cfg.kernel, block_c))
+    return replace(cfg, user=user, block_c=block_c)
+
+
 def with_varlen(cfg: TileConfig, varlen: bool) -> TileConfig:
     """``cfg`` for packed variable-length sequences (or not)."""
     return replace(cfg, varlen=varlen) if cfg.spec.score_mods else cfg
+
+
+def with_paged(cfg: TileConfig, paged: bool) -> TileConfig:
+    """``cfg`` reading a paged K/V cache (or not); a family that cannot (``PAGED_KERNELS``) raises."""
+    if not paged:
+        return cfg
+    if cfg.kernel not in PAGED_KERNELS:
+        raise ValueError(f"{cfg.kernel} does not read a paged cache; {', '.join(PAGED_KERNELS)} do")
+    return replace(cfg, paged=True)
 
 
 def with_precision(cfg: TileConfig, precision: str) -> TileConfig:
@@ -550,14 +615,19 @@ def modified_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConf
     """The modifier specialisations the compile test builds besides ``all_tile_configs``: every family
     that takes modifiers, at every dtype and head-dim bucket, with all of them and varlen compiled in
     (each is an ``if constexpr`` block of its own, so this compiles every modifier and varlen line of
-    every kernel). The ordered and per-precision variants change nothing they touch and are not
-    repeated. The wide Hopper backward takes no dbias under a softcap: it is built both ways."""
+    every kernel), and the families that read a paged cache with it too. The ordered and
+    per-precision variants change nothing they touch and are not repeated. The wide Hopper backward
+    takes no dbias under a softcap: it is built both ways."""
     out = []
     for cfg in all_tile_configs(smem_limit, arch):
+        if cfg.kernel == "append":
+            out.append(with_paged(cfg, True))
         if cfg.spec.score_mods and not cfg.ordered and cfg.fp32_mma in (0, FP32_PRODUCTS["highest"]):
             if cfg.kernel == "bwd_sm90_wide":
                 out.append(with_varlen(with_mods(cfg, True, True, True, True, True, False, True), True))
                 out.append(with_varlen(with_mods(cfg, False, True, True, True, True, True, True), True))
             else:
                 out.append(with_varlen(with_mods(cfg, True, True, True, True, True, True, True), True))
+            if cfg.kernel in PAGED_KERNELS:
+                out.append(with_paged(out[-1], True))
     return out

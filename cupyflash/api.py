@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import TYPE_CHECKING, Optional, Union
 
 import numpy
 
 from . import _launch, blocked
+from ._expr import GPU_ARRAY_TYPES, MAX_ARGS, user_code, user_mods
+from ._fold import fold_of, foldable, keeps_the_gpu_busy
 from ._numpy_ops import unbroadcast
 from ._checks import (SCHEDULES, check_backward, check_bool, check_choice, check_disjoint, check_dropout,
-                      check_forward, check_out, check_pairwise, check_per_entry, check_seqlens, kernel_ready,
-                      readable_in_place, with_softcap)
+                      check_forward, check_out, check_pairwise, check_per_entry, check_seqlens, check_splits,
+                      kernel_ready, readable_in_place, with_softcap)
 from ._tiles import PRECISIONS, accumulator_dtype
 
 
@@ -31,8 +34,10 @@ BACKWARD_OUTPUTS = ("dq", "dk", "dv")
 def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False,
                             softmax_scale: Optional[float] = None, window: Optional[Window] = None,
                             softcap: Optional[float] = None, alibi_slopes=None, bias=None, mask=None,
-                            sink=None, dropout_p: float = 0.0, seed: Optional[int] = None, schedule: str = "auto",
-                            precision: str = "highest", out: Optional[Outputs] = None) -> Outputs:
+                            sink=None, dropout_p: float = 0.0, seed: Optional[int] = None, score_mod: Optional[str] = None,
+                            mask_mod: Optional[str] = None, mod_args: Optional[dict] = None, schedule: str = "auto",
+                            precision: str = "highest", num_splits: Optional[int] = None,
+                            out: Optional[Outputs] = None) -> Outputs:
     """Exact attention with its softmax statistics (FlashAttention's fused forward).
 
     Parameters
@@ -98,6 +103,20 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         are those of the scores before dropout.
     seed : int, optional
         Dropout's seed in ``[0, 2⁶⁴)``; needed when ``dropout_p > 0``.
+    score_mod : str, optional
+        A C expression (the language of ``cupyflash._expr``: numbers,
+        ``+ - * / %``, comparisons, ``&& || !``, ``?:``, casts and float
+        functions such as ``tanhf``, ``expf``, ``fabsf``, ``max``) over ``s``
+        (the score after ``softcap``), ``b`` (the flat batch index),
+        ``q_idx``, ``kv_idx`` (the pair's positions in q and k) and the names
+        of ``mod_args``: the new score, before ALiBi and ``bias``. Ints are
+        64-bit; float arithmetic is float32 (float64 for float64 inputs).
+    mask_mod : str, optional
+        An expression over ``b``, ``q_idx``, ``kv_idx`` and ``mod_args``:
+        the pair stays visible where it is nonzero (hidden as by ``mask``).
+    mod_args : dict, optional
+        At most eight names the expressions read: numbers, or arrays (NumPy
+        or CuPy) read as 1-D in C order by ``name[index]``.
     schedule : {'auto', 'v1', 'v2'}, optional
         Which GPU kernel runs; all return the same ``(o, m, l)``. 'v1' is
         FlashAttention's Algorithm 1 (K/V-outer, O/m/l through HBM between
@@ -114,6 +133,15 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         precision): relative errors of about 1e-3 instead of 1e-6. float16,
         bfloat16 and float64 inputs, and the NumPy path, accept it and are
         unchanged by it.
+    num_splits : int, optional
+        Split-KV: each Q tile's K/V tiles in ``num_splits`` runs, one CTA
+        each, whose ``(o, m, l)`` are merged (``merge_attention``'s kernel)
+        in a fixed order, so the result stays deterministic and equals the
+        unsplit one to rounding. None picks the count from the grid and the
+        GPU: 1 where the work heads' Q tiles fill it, more for decoding (a
+        few query rows against many keys). At most 256 and the K/V tiles there are;
+        more than 1 runs the V2 schedule ('auto' takes it; 'v1' refuses), and
+        1 where V2 does not fit. The NumPy path computes the unsplit attention.
     out : tuple of three ndarrays, optional
         ``(o, m, l)`` to write into: of exactly the shapes and dtypes below,
         C-contiguous, writeable, of the inputs' kind and device (on the GPU
@@ -164,7 +192,11 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     warpgroup MMA with FlashAttention-3's warp specialisation. All accumulate in float32 (float64
     for float64) and use tensor cores for 16-bit inputs. Extra memory is O(N).
     NumPy inputs run the blocked Algorithm 1 on the CPU. Inputs are never
-    modified.
+    modified. Where k and v are broadcast along q's last batch dims (GQA, MQA)
+    and nothing tells the query rows apart (no causal mask over more than one
+    row, no window, ALiBi, sink, bias, mask, dropout, expressions or packed
+    sequences), the query heads of a group are folded into the rows of one
+    work head (``cupyflash._fold``), so K and V are read once per group.
 
     See Also
     --------
@@ -172,36 +204,46 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     cupyflash.blocked.forward : the NumPy Algorithm 1 (CPU path).
     """
     return _forward(q, k, v, None, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, out,
-                    bias, mask, dropout_p, seed)
+                    bias, mask, dropout_p, seed, (score_mod, None, mask_mod, mod_args), num_splits)
 
 
 def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, out,
-             bias=None, mask=None, dropout_p=0.0, seed=None):
+             bias=None, mask=None, dropout_p=0.0, seed=None, user=(None,) * 4, num_splits=None):
     """``flash_attention_forward``, or with ``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-    max_seqlen_k) ``flash_attention_varlen_forward``."""
+    max_seqlen_k) ``flash_attention_varlen_forward``; ``user``: (score_mod, score_mod_grad, mask_mod,
+    mod_args)."""
     dropout = check_dropout(dropout_p, seed)
+    expressions = user_mods(*user)
     inputs = _with_entries({"q": q, "k": k, "v": v}, alibi_slopes, sink, bias, mask)
     flags = (causal, softmax_scale, window, softcap, schedule, precision, dropout[0],
-             *_entries_given(alibi_slopes, sink, bias, mask))
+             *_entries_given(alibi_slopes, sink, bias, mask), *user[:3], num_splits, _mod_args_key(user[3]))
     offsets, flags = _with_offsets(inputs, flags, varlen)
-    plan, key = _kept_plan(inputs, out, FORWARD_OUTPUTS, flags, _plan_keepable(varlen))
+    plan, key = _kept_plan(inputs, out, FORWARD_OUTPUTS, flags, _plan_keepable(varlen) and flags[-1] is not None)
     if plan is not None:
         return plan(q, k, v, out, alibi_slopes, sink, *offsets, bias, mask, dropout[1])
     prob = with_softcap(check_forward(q, k, v, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
+    num_splits = check_splits(num_splits, schedule)
+    gpu_user, _kept_alive = _gpu_user(expressions, prob, q)
     slopes, sinks, biases, masks, key = _checked_mods(prob, q, key, alibi_slopes, sink, bias, mask)
     seqs, key = _seqlens(varlen, prob, q, key)
     acc = accumulator_dtype(prob.dtype)
     stats = (*prob.batch_shape, prob.Nq)
     if out is not None:
-        out = check_out(out, FORWARD_OUTPUTS, ((*stats, prob.D), stats, stats), (prob.dtype, acc, acc), prob,
+        out = check_out(out, FORWARD_OUTPUTS, ((*stats, prob.D), stats, stats), (prob.dtype, acc, acc), prob.xp,
                         _device_id(q, prob), {"q": q, "k": k, "v": v})
+    fold_ok = foldable(prob, (slopes, sinks, biases, masks, expressions, seqs), dropout[0])
     if prob.xp is numpy:
         kw = dict(causal=prob.causal, softmax_scale=prob.scale, window=prob.window, softcap=prob.softcap,
-                  alibi_slopes=slopes, sink=sinks, bias=biases, mask=masks, dropout_p=dropout[0], seed=dropout[1])
+                  alibi_slopes=slopes, sink=sinks, bias=biases, mask=masks, dropout_p=dropout[0], seed=dropout[1],
+                  score_mod=user[0], mask_mod=user[2], mod_args=user[3])
         if seqs is not None:
             return _into(out, blocked.varlen_forward(q, k, v, seqs.cu_q, seqs.cu_k, **kw))
+        fold = fold_of(prob.batch_shape, q, k, v) if fold_ok else None
+        if fold is not None:   # the same rows, in fewer and longer matrices
+            o, m, l = blocked.forward(fold.rows(q), fold.keys(k), fold.keys(v), **dict(kw, causal=fold.problem(prob).causal))
+            return _into(out, (o.reshape(*stats, prob.D), m.reshape(stats), l.reshape(stats)))
         return _into(out, blocked.forward(q, k, v, **kw))
     import cupy
 
@@ -216,9 +258,80 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
                 out[2][...] = cupy.where(out[1] == -numpy.inf, 0, cupy.exp(out[1] - out[1]))
             return out
         ready, key = _kernel_ready((q, k, v), key)
-        return _forward_gpu(*ready, slopes, sinks, prob.batch_shape, prob,
-                            _launch.forward_schedule(schedule, prob.D, prob.dtype), precision, key, out, *_packed(seqs),
-                            pairs=(biases, masks), dropout=dropout)
+        # split-KV runs the V2 schedule's kernels (auto picks V2 for it)
+        schedule = _launch.forward_schedule("v2" if schedule == "auto" and (num_splits or 1) > 1 else schedule,
+                                            prob.D, prob.dtype)
+        kernel = _launch.forward_kernel(schedule, prob.dtype, prob.scale)
+        # packed GQA: K/V read once per group of query heads (_fold.py); split-KV keeps the GPU busy unless
+        # num_splits = 1 holds the grid to the work heads' Q tiles
+        fold = _gpu_fold(prob, ready, (), kernel, busy_rule=num_splits == 1) if fold_ok else None
+        if fold is not None:
+            fprob = fold.problem(prob)
+            return _forward_gpu(fold.rows(ready[0]), *(fold.keys(x) for x in ready[1:]), None, None,
+                                fprob.batch_shape, fprob, schedule, precision, key, out, stats_shape=stats,
+                                kv_splits=num_splits)
+        return _forward_gpu(*ready, slopes, sinks, prob.batch_shape, prob, schedule, precision, key, out,
+                            *_packed(seqs), pairs=(biases, masks), dropout=dropout, user=gpu_user, kv_splits=num_splits)
+
+
+def _gpu_fold(prob, inputs, rows_like, kernel: str, backward: bool = False, busy_rule: bool = True):
+    """The ``_fold.Fold`` of a foldable GPU call's ``inputs`` (q, k, v; ``rows_like`` o, do), where it
+    keeps the GPU busy (``busy_rule``; else wherever it folds), else None."""
+    fold = fold_of(prob.batch_shape, *inputs, *rows_like)
+    if fold is None or not busy_rule:
+        return fold
+    cfg = _launch.device_tiles(kernel, prob.D, prob.dtype)
+    block = cfg.block_c if backward else cfg.block_r
+    return fold if keeps_the_gpu_busy(prob, fold, block, _launch.current_limits().sms, backward) else None
+
+
+def _mod_args_key(mod_args):
+    """What a kept plan's mod_args slots hold: each number's type and value, each CuPy array's dtype,
+    shape, device and address; None (no plan kept) where a call would copy an array (a NumPy one, a
+    strided one, one of a dtype the kernels do not read: ``_gpu_user``)."""
+    if not isinstance(mod_args, dict):
+        return () if mod_args is None else None
+    cupy, out = sys.modules.get("cupy"), []
+    for name, value in mod_args.items():
+        if cupy is not None and type(value) is cupy.ndarray:
+            if value.dtype.name not in GPU_ARRAY_TYPES or not value.flags.c_contiguous:
+                return None
+            out.append((name, value.dtype.name, value.shape, value.data.device_id, value.data.ptr))
+        elif numpy.ndim(value) == 0 and not hasattr(value, "__cuda_array_interface__") \
+                and not isinstance(value, numpy.ndarray):
+            out.append((name, type(value).__name__, repr(value)))
+        else:
+            return None
+    return tuple(out)
+
+
+def _gpu_user(expressions, prob, q) -> tuple:
+    """``((UserCode, slots), arrays)`` of a call's expressions for the kernels, ``(None, ())`` without
+    them: their text in the kernels' real type (double for float64), each mod_args array as a contiguous
+    CuPy array on the inputs' device of a type the kernels read (``_expr.GPU_ARRAY_TYPES``; others as
+    float32 or int64; a NumPy array is copied over), its address in its slot, a number's bits in its.
+    ``arrays`` must live until the kernels are queued."""
+    if expressions is None or prob.xp is numpy:
+        return None, ()
+    import cupy
+
+    slots, types, arrays = [], {}, []
+    for name, value in expressions.args.items():
+        if numpy.ndim(value) == 0 and not hasattr(value, "__cuda_array_interface__"):
+            slots.append(int(numpy.asarray(value).view(numpy.uint64)))   # int64 or float64 bits
+            continue
+        with q.device:
+            array = cupy.asarray(value)
+            if array.dtype.name not in GPU_ARRAY_TYPES:
+                array = array.astype(numpy.float32 if array.dtype.kind == "f" or array.dtype.name == "bfloat16"
+                                     else numpy.int64)
+            array = cupy.ascontiguousarray(array).reshape(-1)
+        types[name] = GPU_ARRAY_TYPES[array.dtype.name]
+        arrays.append(array)
+        slots.append(array.data.ptr)
+    real = "double" if numpy.dtype(prob.dtype) == numpy.float64 else "float"
+    code = user_code(expressions, real, types, fast=numpy.dtype(prob.dtype).itemsize == 2)
+    return (code, tuple(slots) + (0,) * (MAX_ARGS - len(slots))), arrays
 
 
 def _with_offsets(inputs: dict, flags: tuple, varlen):
@@ -335,13 +448,13 @@ def _empty(prob) -> bool:
     return prob.Nq == 0 or prob.Nk == 0 or 0 in prob.batch_shape
 
 
-def _mods(prob, slopes, sinks, bias=None, mask=None, dbias=None, dropout_p=0.0, batch0=0) -> "_launch.Mods":
+def _mods(prob, slopes, sinks, bias=None, mask=None, dbias=None, dropout_p=0.0, batch0=0, user=None) -> "_launch.Mods":
     """The ``_launch.Mods`` of a call's validated modifiers (``dbias``: its ``_launch.DbiasBuffer``;
-    ``batch0`` the flat batch index of a peeled piece's first entry)."""
+    ``batch0`` the flat batch index of a peeled piece's first entry; ``user`` as ``_gpu_user`` gives it)."""
     pairs = tuple(_launch.pair_strides(x) if x is not None else (0, 0) for x in (bias, mask))
     pairs += (dbias.pair_strides if dbias is not None else (0, 0),)
     return _launch.Mods(prob.softcap, slopes is not None, sinks is not None, bias is not None, mask is not None,
-                        dbias is not None, pairs, dropout_p, batch0)
+                        dbias is not None, pairs, dropout_p, batch0, *(user or (None, (0,) * MAX_ARGS)))
 
 
 def _present(*arrays) -> tuple:
@@ -359,21 +472,27 @@ def _batch_strides(arrays, batch_shape):
 
 
 def _forward_gpu(q, k, v, slopes, sinks, batch_shape, prob, schedule, precision, key=None, out=None, packed=None,
-                 offsets=(None, None), pairs=(None, None), dropout=(0.0, 0), batch0=0):
+                 offsets=(None, None), pairs=(None, None), dropout=(0.0, 0), batch0=0, user=None, stats_shape=None,
+                 kv_splits=1, cached=()):
     """Plan and run; a single launch's plan is kept under ``key`` (``_call_key``) for like calls. With
     ``packed`` sequences (``_launch.Packed``) ``offsets`` are their device offsets; ``pairs`` the bias
     and the mask (None where not given); ``dropout`` its ``(p, seed)``; ``batch0`` the flat batch index
-    of the first entry (of a peeled piece)."""
+    of the first entry (of a peeled piece); ``user`` the expressions (``_gpu_user``); ``stats_shape`` the
+    shape of the m, l returned (a folded call's: the caller's; o's is it and D); ``kv_splits`` split-KV's
+    count (None: chosen by the plan); ``cached`` a cache's lengths and page table (with ``packed.cache``;
+    laid out as the batch dims, as ``_as_matrices`` lays out slopes)."""
     nb = len(batch_shape)
-    layout = _launch.collapse_batch(batch_shape, _batch_strides((q, k, v, *_as_matrices(slopes, sinks),
+    layout = _launch.collapse_batch(batch_shape, _batch_strides((q, k, v, *cached, *_as_matrices(slopes, sinks),
                                                                  *_present(*pairs)), batch_shape))
     if layout is not None:
         plan = _launch.forward_plan(q, k, v, schedule=schedule, precision=precision, geometry=prob.geometry,
                                     scale=prob.scale, batch_shape=batch_shape, layout=layout,
-                                    mods=_mods(prob, slopes, sinks, *pairs, dropout_p=dropout[0], batch0=batch0),
-                                    packed=packed)
+                                    mods=_mods(prob, slopes, sinks, *pairs, dropout_p=dropout[0], batch0=batch0,
+                                               user=user),
+                                    packed=packed, stats_shape=stats_shape, kv_splits=kv_splits)
         _launch.keep_plan(key, plan)
-        return plan(q, k, v, out, slopes, sinks, *offsets, *pairs, dropout[1])
+        return plan(q, k, v, out, slopes, sinks, *offsets, *pairs, dropout[1], *cached)
+    assert not cached, "a cache's batch dims (B, K/V heads, group) always collapse"
     # more than three batch dims that cannot be merged: peel the leading one
     import cupy
 
@@ -383,9 +502,12 @@ def _forward_gpu(q, k, v, slopes, sinks, batch_shape, prob, schedule, precision,
                           *(_leading_entries(x, i, nb) for x in (slopes, sinks)), batch_shape[1:], prob, schedule,
                           precision, packed=packed, offsets=offsets,
                           pairs=tuple(_take_leading(x, i, nb) for x in pairs), dropout=dropout,
-                          batch0=batch0 + i * math.prod(batch_shape[1:]))
+                          batch0=batch0 + i * math.prod(batch_shape[1:]), user=user, kv_splits=kv_splits)
              for i in range(batch_shape[0])]
-    return _into(out, (cupy.stack([p[n] for p in parts]) for n in range(3)))
+    results = [cupy.stack([p[n] for p in parts]) for n in range(3)]
+    if stats_shape is not None:
+        results = [x.reshape(shape) for x, shape in zip(results, ((*stats_shape, prob.D), stats_shape, stats_shape))]
+    return _into(out, results)
 
 
 def _leading_entries(values, index, nb):
@@ -408,9 +530,10 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
                              causal: bool = False, softmax_scale: Optional[float] = None,
                              window: Optional[Window] = None, softcap: Optional[float] = None,
                              alibi_slopes=None, bias=None, mask=None, sink=None, bias_grad: bool = False,
-                             dropout_p: float = 0.0, seed: Optional[int] = None, schedule: str = "auto",
-                             precision: str = "highest", deterministic: bool = False,
-                             out: Optional[Outputs] = None) -> Outputs:
+                             dropout_p: float = 0.0, seed: Optional[int] = None, score_mod: Optional[str] = None,
+                             score_mod_grad: Optional[str] = None, mask_mod: Optional[str] = None,
+                             mod_args: Optional[dict] = None, schedule: str = "auto", precision: str = "highest",
+                             deterministic: bool = False, out: Optional[Outputs] = None) -> Outputs:
     """Gradients of exact attention from the forward's outputs (FlashAttention's recomputation backward).
 
     Parameters
@@ -434,6 +557,12 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
         The forward's dropout (the same values): the same pairs are dropped,
         ``dV = (Z ∘ P)ᵀ dO`` and ``dS = P ∘ (Z ∘ dP − D)`` with
         ``Z = keep / (1 − p)``.
+    score_mod, mask_mod, mod_args : optional
+        The forward's expressions (the same values).
+    score_mod_grad : str, optional
+        The derivative of ``score_mod`` by ``s``, an expression over the same
+        names; required with ``score_mod``. dS is multiplied by it before the
+        softcap's derivative.
     schedule : {'auto', 'v1', 'v2'}, optional
         'v1' runs the portable recomputation kernel (below); 'v2' and 'auto'
         run the Hopper warpgroup-MMA kernels for float16/bfloat16 on sm_90
@@ -499,29 +628,32 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     cupyflash.blocked.backward : the NumPy version (CPU path).
     """
     return _backward(do, q, k, v, o, m, l, None, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,
-                     precision, deterministic, out, bias, mask, bias_grad, dropout_p, seed)
+                     precision, deterministic, out, bias, mask, bias_grad, dropout_p, seed,
+                     (score_mod, score_mod_grad, mask_mod, mod_args))
 
 
 def _backward(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,
-              precision, deterministic, out, bias=None, mask=None, bias_grad=False, dropout_p=0.0, seed=None):
+              precision, deterministic, out, bias=None, mask=None, bias_grad=False, dropout_p=0.0, seed=None,
+              user=(None,) * 4):
     """``flash_attention_backward``, or with ``varlen`` (as in ``_forward``) ``flash_attention_varlen_backward``:
     ``_gradients``, with dbias in the shape of the bias given (read as (1, Nk) where 1-D)."""
     grads = _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink,
-                       schedule, precision, deterministic, out, bias, mask, bias_grad, dropout_p, seed)
+                       schedule, precision, deterministic, out, bias, mask, bias_grad, dropout_p, seed, user)
     if bias_grad:   # validated by _gradients
         grads = (*grads[:3], grads[3].reshape(numpy.shape(bias)), *grads[4:])
     return grads
 
 
 def _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,
-               precision, deterministic, out, bias, mask, bias_grad, dropout_p, seed):
+               precision, deterministic, out, bias, mask, bias_grad, dropout_p, seed, user):
     """dq, dk, dv (dbias, dsink where asked) of ``_backward``'s call."""
     dropout = check_dropout(dropout_p, seed)
+    expressions = user_mods(*user, backward=True)
     inputs = _with_entries({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}, alibi_slopes, sink, bias, mask)
     flags = (causal, softmax_scale, window, softcap, schedule, precision, deterministic, bias_grad, dropout[0],
-             *_entries_given(alibi_slopes, sink, bias, mask))
+             *_entries_given(alibi_slopes, sink, bias, mask), *user[:3], _mod_args_key(user[3]))
     offsets, flags = _with_offsets(inputs, flags, varlen)
-    plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS, flags, _plan_keepable(varlen))
+    plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS, flags, _plan_keepable(varlen) and flags[-1] is not None)
     if plan is not None:
         return _with_sink_grad(plan(do, q, k, v, o, m, l, out, alibi_slopes, sink, *offsets, bias, mask,
                                     dropout[1]), do, o, m, l, sink)
@@ -532,17 +664,25 @@ def _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, soft
     bias_grad = check_bool("bias_grad", bias_grad)
     if bias_grad and bias is None:
         raise ValueError("bias_grad=True needs a bias")
+    gpu_user, _kept_alive = _gpu_user(expressions, prob, q)
     slopes, sinks, biases, masks, key = _checked_mods(prob, q, key, alibi_slopes, sink, bias, mask)
     seqs, key = _seqlens(varlen, prob, q, key)
     if out is not None:
-        out = check_out(out, BACKWARD_OUTPUTS, (q.shape, k.shape, v.shape), (prob.dtype,) * 3, prob,
+        out = check_out(out, BACKWARD_OUTPUTS, (q.shape, k.shape, v.shape), (prob.dtype,) * 3, prob.xp,
                         _device_id(q, prob), inputs)
+    fold_ok = foldable(prob, (slopes, sinks, biases, masks, expressions, seqs), dropout[0])
     if prob.xp is numpy:
         kw = dict(causal=prob.causal, softmax_scale=prob.scale, window=prob.window, softcap=prob.softcap,
                   alibi_slopes=slopes, sink=sinks, bias=biases, mask=masks, bias_grad=bias_grad,
-                  dropout_p=dropout[0], seed=dropout[1])
+                  dropout_p=dropout[0], seed=dropout[1], score_mod=user[0], score_mod_grad=user[1], mask_mod=user[2],
+                  mod_args=user[3])
+        fold = fold_of(prob.batch_shape, q, k, v, do, o) if fold_ok else None
         if seqs is not None:
             grads = blocked.varlen_backward(do, q, k, v, o, m, l, seqs.cu_q, seqs.cu_k, **kw)
+        elif fold is not None:   # the same rows, in fewer and longer matrices
+            grads = blocked.backward(fold.rows(do), fold.rows(q), fold.keys(k), fold.keys(v), fold.rows(o),
+                                     fold.stats(m), fold.stats(l), **dict(kw, causal=fold.problem(prob).causal))
+            grads = tuple(g.reshape(x.shape) for g, x in zip(grads, (q, k, v)))
         else:
             grads = blocked.backward(do, q, k, v, o, m, l, **kw)
         return (*_into(out, grads[:3]), *grads[3:])
@@ -558,8 +698,18 @@ def _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, soft
                 out = (*out, cupy.zeros(biases.shape, m.dtype))
             return _with_sink_grad(out, do, o, m, l, sinks)
         ready, key = _kernel_ready((do, q, k, v, o), key)
+        kernel = _launch.backward_kernel(schedule, prob.dtype, prob.D, prob.scale)
+        fold = _gpu_fold(prob, ready[1:4], (ready[0], ready[4]), kernel, backward=True) if fold_ok else None
+        if fold is not None:   # packed GQA: dK, dV of a group in one CTA, no sums across heads (_fold.py)
+            fprob = fold.problem(prob)
+            do_f, q_f, k_f, v_f, o_f = fold.rows(ready[0]), fold.rows(ready[1]), *map(fold.keys, ready[2:4]), \
+                fold.rows(ready[4])
+            return _backward_gpu(do_f, q_f, k_f, v_f, o_f, fold.stats(m), fold.stats(l), None, None,
+                                 fprob.batch_shape, fprob, schedule, precision, deterministic, key, out,
+                                 grad_shapes=(q.shape, k.shape, v.shape))
         grads = _backward_gpu(*ready, m, l, slopes, sinks, prob.batch_shape, prob, schedule, precision, deterministic,
-                              key, out, *_packed(seqs), pairs=(biases, masks), bias_grad=bias_grad, dropout=dropout)
+                              key, out, *_packed(seqs), pairs=(biases, masks), bias_grad=bias_grad, dropout=dropout,
+                              user=gpu_user)
         return _with_sink_grad(grads, do, o, m, l, sinks)
 
 
@@ -581,10 +731,10 @@ def _with_sink_grad(grads, do, o, m, l, sinks):
 
 def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedule, precision, deterministic,
                   key=None, out=None, packed=None, offsets=(None, None), pairs=(None, None), bias_grad=False, dropout=(0.0, 0),
-                  batch0=0):
+                  batch0=0, user=None, grad_shapes=None):
     """Plan and run; a single plan is kept under ``key`` (``_call_key``) for like calls; ``packed``,
-    ``offsets``, ``pairs``, ``dropout``, ``batch0`` as in ``_forward_gpu``; ``bias_grad``: dbias too
-    (after dv)."""
+    ``offsets``, ``pairs``, ``dropout``, ``batch0``, ``user`` as in ``_forward_gpu``; ``bias_grad``: dbias
+    too (after dv); ``grad_shapes`` the shapes of the dq, dk, dv returned (a folded call's: the caller's)."""
     nb = len(batch_shape)
     own = [_launch.contiguous_strides(x.shape)[:-2] for x in (q, k, v)]
     strides = _batch_strides((q, k, v, o, do), batch_shape)
@@ -600,8 +750,8 @@ def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedu
     if layout is not None:
         plan = _launch.backward_plan(do, q, k, v, o, schedule=schedule, precision=precision, geometry=prob.geometry,
                                      scale=prob.scale, deterministic=deterministic, layout=layout,
-                                     mods=_mods(prob, slopes, sinks, *pairs, dbias, dropout[0], batch0), packed=packed,
-                                     dbias=dbias)
+                                     mods=_mods(prob, slopes, sinks, *pairs, dbias, dropout[0], batch0, user),
+                                     packed=packed, dbias=dbias, grad_shapes=grad_shapes)
         _launch.keep_plan(key, plan)
         return plan(do, q, k, v, o, m, l, out, slopes, sinks, *offsets, *pairs, dropout[1])
     # peel the leading batch dim; a gradient is summed where its input broadcast along it
@@ -613,7 +763,7 @@ def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedu
                            *(_leading_entries(x, i, nb) for x in (slopes, sinks)), batch_shape[1:], prob, schedule,
                            precision, deterministic, packed=packed, offsets=offsets,
                            pairs=tuple(_take_leading(x, i, nb) for x in pairs), bias_grad=bias_grad,
-                           dropout=dropout, batch0=batch0 + i * math.prod(batch_shape[1:]))
+                           dropout=dropout, batch0=batch0 + i * math.prod(batch_shape[1:]), user=user)
              for i in range(batch_shape[0])]
     grads = []
     for n, x in enumerate((q, k, v, pairs[0]) if bias_grad else (q, k, v)):
@@ -624,19 +774,22 @@ def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedu
             grads.append(sum(g[1:], g[0])[None])
         else:
             grads.append(cupy.stack(g))
+    if grad_shapes is not None:
+        grads[:3] = [g.reshape(shape) for g, shape in zip(grads[:3], grad_shapes)]
     return (*_into(out, grads[:3]), *grads[3:])
 
 
 def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softmax_scale: Optional[float] = None,
                     window: Optional[Window] = None, softcap: Optional[float] = None, alibi_slopes=None,
                     bias=None, mask=None, sink=None, dropout_p: float = 0.0, seed: Optional[int] = None,
+                    score_mod: Optional[str] = None, mask_mod: Optional[str] = None, mod_args: Optional[dict] = None,
                     schedule: str = "auto", precision: str = "highest") -> Array:
     """Exact attention ``softmax(softmax_scale · q kᵀ) v``; the ``o`` of :func:`flash_attention_forward`.
 
     Parameters
     ----------
-    q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed, schedule,
-    precision
+    q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed, score_mod,
+    mask_mod, mod_args, schedule, precision
         As in :func:`flash_attention_forward`.
 
     Returns
@@ -649,7 +802,8 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
     """
     return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                    softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, sink=sink,
-                                   dropout_p=dropout_p, seed=seed, schedule=schedule, precision=precision)[0]
+                                   dropout_p=dropout_p, seed=seed, score_mod=score_mod, mask_mod=mask_mod,
+                                   mod_args=mod_args, schedule=schedule, precision=precision)[0]
 
 
 def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,
@@ -657,8 +811,10 @@ def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: A
                                    causal: bool = False, softmax_scale: Optional[float] = None,
                                    window: Optional[Window] = None, softcap: Optional[float] = None,
                                    alibi_slopes=None, bias=None, mask=None, sink=None, dropout_p: float = 0.0,
-                                   seed: Optional[int] = None, schedule: str = "auto", precision: str = "highest",
-                                   out: Optional[Outputs] = None) -> Outputs:
+                                   seed: Optional[int] = None, score_mod: Optional[str] = None,
+                                   mask_mod: Optional[str] = None, mod_args: Optional[dict] = None,
+                                   schedule: str = "auto", precision: str = "highest",
+                                   num_splits: Optional[int] = None, out: Optional[Outputs] = None) -> Outputs:
     """Exact attention over packed variable-length sequences, with its softmax statistics.
 
     Parameters
@@ -685,7 +841,7 @@ def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: A
     causal, window
         Applied per sequence, bottom-right aligned in each (``off = Nk_s −
         Nq_s`` of sequence ``s``).
-    softmax_scale, softcap, alibi_slopes, sink, schedule, precision, out
+    softmax_scale, softcap, alibi_slopes, sink, schedule, precision, num_splits, out
         As in :func:`flash_attention_forward` (ALiBi distances are per
         sequence; slopes and sinks are per batch entry, shared by its
         sequences).
@@ -698,6 +854,9 @@ def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: A
         As in :func:`flash_attention_forward` over the packed pairs: pair
         ``(i, j)`` of the packed rows and keys, so sequence ``s`` drops its
         own block of ``dropout_mask(seed, p, batch, total_q, total_k)``.
+    score_mod, mask_mod, mod_args
+        As in :func:`flash_attention_forward`, per sequence: ``q_idx``,
+        ``kv_idx`` are the pair's positions in its sequence.
 
     Returns
     -------
@@ -729,7 +888,8 @@ def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: A
     cupyflash.reference.attention_varlen_forward : the naive float64 reference.
     """
     return _forward(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), causal, softmax_scale,
-                    window, softcap, alibi_slopes, sink, schedule, precision, out, bias, mask, dropout_p, seed)
+                    window, softcap, alibi_slopes, sink, schedule, precision, out, bias, mask, dropout_p, seed,
+                    (score_mod, None, mask_mod, mod_args), num_splits)
 
 
 def flash_attention_varlen_backward(do: Array, q: Array, k: Array, v: Array, o: Array, m: Array, l: Array,
@@ -738,7 +898,9 @@ def flash_attention_varlen_backward(do: Array, q: Array, k: Array, v: Array, o: 
                                     softmax_scale: Optional[float] = None, window: Optional[Window] = None,
                                     softcap: Optional[float] = None, alibi_slopes=None, bias=None, mask=None,
                                     sink=None, bias_grad: bool = False, dropout_p: float = 0.0,
-                                    seed: Optional[int] = None, schedule: str = "auto", precision: str = "highest",
+                                    seed: Optional[int] = None, score_mod: Optional[str] = None,
+                                    score_mod_grad: Optional[str] = None, mask_mod: Optional[str] = None,
+                                    mod_args: Optional[dict] = None, schedule: str = "auto", precision: str = "highest",
                                     deterministic: bool = False, out: Optional[Outputs] = None) -> Outputs:
     """Gradients of attention over packed variable-length sequences.
 
@@ -749,9 +911,10 @@ def flash_attention_varlen_backward(do: Array, q: Array, k: Array, v: Array, o: 
         As in :func:`flash_attention_varlen_forward` (the same values).
     m, l : ndarray, shape (*batch, total_q)
         The forward's statistics.
-    causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, bias_grad, dropout_p, seed, schedule,
-    precision, deterministic, out
-        As in :func:`flash_attention_backward` (``bias`` and ``mask`` as in
+    causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, bias_grad, dropout_p, seed, score_mod,
+    score_mod_grad, mask_mod, mod_args, schedule, precision, deterministic, out
+        As in :func:`flash_attention_backward` (``bias``, ``mask`` and the
+        expressions' ``q_idx``, ``kv_idx`` as in
         :func:`flash_attention_varlen_forward`).
 
     Returns
@@ -777,7 +940,7 @@ def flash_attention_varlen_backward(do: Array, q: Array, k: Array, v: Array, o: 
     """
     return _backward(do, q, k, v, o, m, l, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), causal,
                      softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, deterministic, out, bias,
-                     mask, bias_grad, dropout_p, seed)
+                     mask, bias_grad, dropout_p, seed, (score_mod, score_mod_grad, mask_mod, mod_args))
 
 
 def dropout_mask(seed: int, p: float, batch_shape, n_q: int, n_k: int, *, xp=numpy) -> Array:

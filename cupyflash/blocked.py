@@ -18,6 +18,7 @@ import numpy as np
 
 from ._mask import EMPTY, PARTIAL, MaskGeometry
 from ._philox import dropout_keep
+from ._expr import flat_batch_index, user_mods
 from ._numpy_ops import (NEG_INF, accumulator_dtype, broadcast_shapes, check_variants, exp_shift, packed_spans,
                          pair_span, pair_view, reciprocal_or_zero, resolve_scale, transpose, unbroadcast,
                          visible_matmul)
@@ -82,13 +83,15 @@ def _tiles(geometry, B_r, B_c):
 
 class _Variants:
     """The score modifiers of one call (the reference order, `cupyflash.reference.attention_forward`):
-    ``softcap``, then ``+ alibi + bias``, then visibility (the geometry's causal mask and window, and
-    ``mask``), tile by tile; their backward chain; and the sink. Arrays are broadcast views of the
-    full ``(*batch, Nq, Nk)`` (``(*batch,)`` for the per-head ones), never copied to full size."""
+    ``softcap``, then ``score_mod``, then ``+ alibi + bias``, then visibility (the geometry's causal
+    mask and window, ``mask`` and ``mask_mod``), tile by tile; their backward chain; and the sink.
+    Arrays are broadcast views of the full ``(*batch, Nq, Nk)`` (``(*batch,)`` for the per-head ones),
+    never copied to full size. ``user``: the call's ``_expr.UserMods`` or None."""
 
     def __init__(self, batch, n_q, n_k, acc, softcap=None, alibi_slopes=None, bias=None, mask=None, sink=None,
-                 dropout_p=0.0, seed=None, dropout_origin=(0, 0)):
-        self.batch, self.n_q, self.n_k, self.acc = batch, n_q, n_k, acc
+                 dropout_p=0.0, seed=None, dropout_origin=(0, 0), user=None):
+        self.batch, self.n_q, self.n_k, self.acc, self.user = batch, n_q, n_k, acc, user
+        self.b = flat_batch_index(batch)                    # (*batch, 1, 1)
         self.dropout_p, self.seed, self.origin = dropout_p, seed, dropout_origin
         self.softcap = None if softcap is None else acc.type(softcap)
         self.slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, acc)[..., None, None]
@@ -97,16 +100,20 @@ class _Variants:
         self.sink = None if sink is None else np.broadcast_to(np.asarray(sink, acc), batch)[..., None]   # (*batch, 1)
 
     def scores(self, Q_i, K_j, geometry, rows, cols, partial):
-        """``(S_ij, capped, visible)``: the final scores of the tile, (*batch, B_r, B_c), -inf where
-        the pair is hidden; ``softcap tanh(S / softcap)`` before alibi and bias (None without a
-        softcap), for the backward; the tile's visibility, None when every pair is visible."""
+        """``(S_ij, chain, visible)``: the final scores of the tile, (*batch, B_r, B_c), -inf where
+        the pair is hidden; for the backward, ``(capped, before_mod)``: ``softcap tanh(S / softcap)``
+        (None without a softcap) and the scores ``score_mod`` took (None without one); the tile's
+        visibility, None when every pair is visible."""
         S_ij = Q_i @ transpose(K_j)                         # (scale Q_i) K_j^T
-        capped = None
+        capped = before_mod = None
         if self.softcap is not None:
             S_ij /= self.softcap
             np.tanh(S_ij, out=S_ij)
             S_ij *= self.softcap
             capped = S_ij.copy()
+        if self.user is not None and self.user.score is not None:
+            before_mod = S_ij.copy()
+            S_ij = self.user.scores(S_ij, self.b, rows, cols)
         if self.slopes is not None:
             distance = np.abs(np.arange(rows.start, rows.stop)[:, None] + (self.n_k - self.n_q)
                               - np.arange(cols.start, cols.stop)[None, :])
@@ -117,9 +124,13 @@ class _Variants:
         if self.mask is not None:
             tile = self.mask[..., rows.start:rows.stop, cols.start:cols.stop]
             visible = tile if visible is None else visible & tile
+        if self.user is not None and self.user.mask is not None:
+            tile = self.user.visible(self.b, rows, cols)
+            visible = tile if visible is None else visible & tile
         if visible is not None:
+            visible = np.broadcast_to(visible, S_ij.shape)
             np.copyto(S_ij, NEG_INF, where=~visible)
-        return S_ij, capped, visible
+        return S_ij, (capped, before_mod), visible
 
     def dropout_scale(self, rows, cols):
         """Z_ij = keep_ij / (1 - p) of the tile (the reference's keep set, drawn for the tile alone),
@@ -131,8 +142,14 @@ class _Variants:
                             range(rows.start + r, rows.stop + r), range(cols.start + c, cols.stop + c))
         return keep.astype(self.acc) / self.acc.type(1 - self.dropout_p)
 
-    def raw_grad(self, dS_ij, capped):
-        """d loss / d((scale Q_i) K_j^T) from d loss / d S_ij: the softcap's derivative, in place."""
+    def raw_grad(self, dS_ij, chain, rows, cols, visible):
+        """d loss / d((scale Q_i) K_j^T) from d loss / d S_ij (``chain`` and ``visible`` of `scores`):
+        ``score_mod_grad``'s factor (hidden pairs kept 0), then the softcap's derivative, in place."""
+        capped, before_mod = chain
+        if before_mod is not None:
+            dS_ij *= self.user.derivative(before_mod, self.b, rows, cols)
+            if visible is not None:
+                np.copyto(dS_ij, 0, where=~visible)
         if capped is not None:
             capped /= self.softcap
             np.multiply(capped, capped, out=capped)
@@ -142,8 +159,8 @@ class _Variants:
 
 @np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
 def forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None, alibi_slopes=None, bias=None,
-            mask=None, sink=None, dropout_p=0.0, seed=None, block_r=FORWARD_TILE[0], block_c=FORWARD_TILE[1],
-            dropout_origin=(0, 0)):
+            mask=None, sink=None, dropout_p=0.0, seed=None, score_mod=None, mask_mod=None, mod_args=None,
+            block_r=FORWARD_TILE[0], block_c=FORWARD_TILE[1], dropout_origin=(0, 0)):
     """FlashAttention V1 forward (Algorithm 1), tile by tile in NumPy: the CPU path.
 
     Parameters
@@ -159,9 +176,9 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=N
         ``j <= i + (Nk - Nq)``.
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(D)``.
-    window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed, dropout_origin : optional
-        The variants of `cupyflash.reference.attention_forward`, with its meanings; tiles outside
-        the causal mask and the window are never visited.
+    window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed, score_mod, mask_mod, mod_args, dropout_origin
+        The variants of `cupyflash.reference.attention_forward`, with its meanings, all optional;
+        tiles outside the causal mask and the window are never visited.
     block_r : int, optional
         B_r, query rows per tile; default `FORWARD_TILE`.
     block_c : int, optional
@@ -208,7 +225,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=N
     batch, acc, scale, geometry, Q, K, V = _operands(q, k, v, causal, softmax_scale, window)   # Q: (*batch, Nq, D)
     n_q = geometry.n_q
     mods = _Variants(batch, n_q, geometry.n_k, acc, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed,
-                     dropout_origin)
+                     dropout_origin, user_mods(score_mod, None, mask_mod, mod_args))
     O = np.zeros((*batch, n_q, v.shape[-1]), acc)          # "HBM", (*batch, Nq, D), normalised output
     m = np.full((*batch, n_q), NEG_INF, acc)               # (*batch, Nq)
     l = np.zeros((*batch, n_q), acc)                       # (*batch, Nq)
@@ -245,8 +262,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=N
 
 @np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
 def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=None, softcap=None, alibi_slopes=None,
-             bias=None, mask=None, sink=None, dropout_p=0.0, seed=None, bias_grad=False, dropout_origin=(0, 0),
-             block_r=BACKWARD_TILE[0],
+             bias=None, mask=None, sink=None, dropout_p=0.0, seed=None, bias_grad=False, score_mod=None,
+             score_mod_grad=None, mask_mod=None, mod_args=None, dropout_origin=(0, 0), block_r=BACKWARD_TILE[0],
              block_c=BACKWARD_TILE[1]):
     """FlashAttention V1 backward, tile by tile in NumPy: the CPU path.
 
@@ -270,10 +287,13 @@ def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=N
         Bottom-right aligned causal mask, as in `forward`.
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(D)``.
-    window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed, dropout_origin : optional
-        As in `forward` (the same seed drops the same pairs).
+    window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed, score_mod, mask_mod, mod_args, dropout_origin
+        As in `forward`, all optional (the same seed drops the same pairs).
     bias_grad : bool, optional
         Also return ``dbias`` (needs ``bias``).
+    score_mod_grad : str, optional
+        With ``score_mod`` (required then): its derivative by ``s``
+        (`cupyflash.reference.attention_backward`).
     block_r : int, optional
         B_r, query rows per tile; default `BACKWARD_TILE`.
     block_c : int, optional
@@ -317,7 +337,7 @@ def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=N
     do, q, k, v, o, m, l = (np.asarray(x) for x in (do, q, k, v, o, m, l))
     batch, acc, scale, geometry, Q, K, V = _operands(q, k, v, causal, softmax_scale, window)   # Q: (*batch, Nq, D)
     mods = _Variants(batch, geometry.n_q, geometry.n_k, acc, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed,
-                     dropout_origin)
+                     dropout_origin, user_mods(score_mod, score_mod_grad, mask_mod, mod_args, backward=True))
     dB = np.zeros(np.shape(bias), acc) if bias_grad else None   # dbias, bias's own shape
     dB_2d = None if dB is None else dB.reshape((1,) * max(0, 2 - dB.ndim) + dB.shape)   # its (Nq, Nk) dims, 1 if none
     dO = do.astype(acc, copy=False)                         # (*batch, Nq, D)
@@ -335,7 +355,7 @@ def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=N
         dK_j, dV_j = dK[..., c0:c1, :], dV[..., c0:c1, :]   # (*batch, B_c, D)
         Q_i, dO_i = Q[..., r0:r1, :], dO[..., r0:r1, :]      # (*batch, B_r, D)
 
-        S_ij, capped, visible = mods.scores(Q_i, K_j, geometry, rows, cols, partial)   # (*batch, B_r, B_c)
+        S_ij, chain, visible = mods.scores(Q_i, K_j, geometry, rows, cols, partial)   # (*batch, B_r, B_c)
         visible_t = None if visible is None else transpose(visible)
         S_ij -= shift[..., r0:r1, None]
         P_ij = np.exp(S_ij, out=S_ij)
@@ -354,7 +374,7 @@ def backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=N
             at = (..., slice(r0, r1) if dB_2d.shape[-2] > 1 else slice(0, 1),
                   slice(c0, c1) if dB_2d.shape[-1] > 1 else slice(0, 1))
             dB_2d[at] += unbroadcast(dS_ij, dB_2d[at].shape)
-        dS_ij = _as_operand(mods.raw_grad(dS_ij, capped), q.dtype)
+        dS_ij = _as_operand(mods.raw_grad(dS_ij, chain, rows, cols, visible), q.dtype)
         dQ[..., r0:r1, :] += visible_matmul(dS_ij, K_j, visible)           # dQ_i += dS_ij K_j
         dK_j += visible_matmul(transpose(dS_ij), Q_i, visible_t)          # dK_j += dS_ij^T (scale Q_i)
 

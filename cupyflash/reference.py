@@ -47,6 +47,7 @@ import numpy as np
 from . import blocked
 from ._numpy_ops import (NEG_INF, broadcast_shapes, check_variants, exp_shift, packed_spans, pair_span, pair_view,
                          reciprocal_or_zero, resolve_scale, transpose, unbroadcast, visible_matmul)
+from ._expr import flat_batch_index, user_mods
 from ._philox import dropout_keep
 
 __all__ = [
@@ -93,33 +94,45 @@ def _visibility(n_q, n_k, causal, window, mask):
 
 class _Scores:
     """The scores of one problem in the reference order: ``s = scale q k^T``, then ``softcap``
-    (``s <- c tanh(s / c)``), then ``+ alibi + bias`` (alibi: ``- slope |i + off - j|``), then
-    visibility (-inf where hidden); and the chain from the final scores back to ``scale q k^T``."""
+    (``s <- c tanh(s / c)``), then ``score_mod``, then ``+ alibi + bias`` (alibi: ``- slope |i + off -
+    j|``), then visibility (-inf where hidden; causal, window, ``mask``, ``mask_mod``); and the chain
+    from the final scores back to ``scale q k^T``. ``user``: the call's ``_expr.UserMods`` or None."""
 
-    def __init__(self, q, k, scale, *, causal, window, softcap, alibi_slopes, bias, mask):
+    def __init__(self, q, k, scale, *, causal, window, softcap, alibi_slopes, bias, mask, user=None):
         n_q, n_k = q.shape[-2], k.shape[-2]
-        self.softcap = softcap
+        self.softcap, self.user = softcap, user
         S = scale * (q @ transpose(k))                                   # (*batch, Nq, Nk)
+        self.b, self.rows, self.cols = flat_batch_index(S.shape[:-2]), range(n_q), range(n_k)
         if softcap is not None:
             S = softcap * np.tanh(S / softcap)
         self.capped = S
+        if user is not None and user.score is not None:
+            S = user.scores(S, self.b, self.rows, self.cols)
         if alibi_slopes is not None:
             distance = np.abs(np.arange(n_q)[:, None] + (n_k - n_q) - np.arange(n_k)[None, :])
             S = S - np.asarray(alibi_slopes, np.float64)[..., None, None] * distance
         if bias is not None:
             S = S + np.asarray(bias, np.float64)
         self.visible = _visibility(n_q, n_k, causal, window, mask)
+        if user is not None and user.mask is not None:
+            hidden_by_mod = user.visible(self.b, self.rows, self.cols)
+            self.visible = hidden_by_mod if self.visible is None else self.visible & hidden_by_mod
         self.S = S if self.visible is None else np.where(self.visible, S, NEG_INF)
 
     def raw_grad(self, dS):
-        """d loss / d(scale q k^T) from d loss / d(final scores) ``dS`` (zero where hidden)."""
+        """d loss / d(scale q k^T) from d loss / d(final scores) ``dS`` (zero where hidden):
+        ``score_mod_grad`` at the capped scores, then the softcap's derivative."""
+        if self.user is not None and self.user.score is not None:
+            dS = dS * self.user.derivative(self.capped, self.b, self.rows, self.cols)
+            if self.visible is not None:   # a hidden pair has no term, whatever the derivative there
+                dS = np.where(self.visible, dS, 0)
         return dS if self.softcap is None else dS * (1 - (self.capped / self.softcap) ** 2)
 
 
 @np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window=None, softcap=None,
                       alibi_slopes=None, bias=None, mask=None, sink=None, dropout_p=0.0, seed=None,
-                      dropout_origin=(0, 0)):
+                      score_mod=None, mask_mod=None, mod_args=None, dropout_origin=(0, 0)):
     """Naive attention forward in float64: the ground truth.
 
     Parameters
@@ -161,6 +174,15 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window=None,
         the scores before dropout.
     seed : int, optional
         The dropout seed, in [0, 2^64); needed when ``dropout_p > 0``.
+    score_mod : str, optional
+        An expression of ``cupyflash._expr``'s language over ``s`` (the score after the softcap), ``b``
+        (the flat batch index), ``q_idx``, ``kv_idx`` (positions in q and k) and ``mod_args``' names:
+        the new score (before alibi and bias).
+    mask_mod : str, optional
+        An expression over ``b``, ``q_idx``, ``kv_idx`` and ``mod_args``' names: the pair stays
+        visible where it is nonzero (hidden pairs as ``mask``'s).
+    mod_args : dict, optional
+        Names the expressions read: numbers, or arrays read as 1-D in C order (``name[index]``).
     dropout_origin : (int, int), optional
         The (query row, key) of this problem's pair (0, 0) in the keep set's coordinates: a packed
         sequence's first row and key (`attention_varlen_forward`). Default (0, 0).
@@ -186,13 +208,14 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window=None,
     cupyflash.blocked.forward : the same result computed tile by tile, as the kernel does.
     """
     check_variants(window, softcap, dropout_p, seed)
+    user = user_mods(score_mod, None, mask_mod, mod_args)
     q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
     batch, n_q, _ = broadcast_shapes(q, k, v)
     q = np.broadcast_to(q, (*batch, n_q, q.shape[-1]))
     scale = resolve_scale(softmax_scale, q.shape[-1])
 
     scores = _Scores(q, k, scale, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                     bias=bias, mask=mask)
+                     bias=bias, mask=mask, user=user)
     S = scores.S                                    # (*batch, Nq, Nk)
     m = S.max(axis=-1, initial=NEG_INF)             # (*batch, Nq)
     if sink is not None:
@@ -212,7 +235,7 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window=None,
 @np.errstate(invalid="ignore")   # inf - inf and 0 · inf of non-finite inputs are NaN, quietly
 def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None, window=None, softcap=None,
                        alibi_slopes=None, bias=None, mask=None, sink=None, dropout_p=0.0, seed=None, bias_grad=False,
-                       dropout_origin=(0, 0)):
+                       score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=None, dropout_origin=(0, 0)):
     """Naive attention backward in float64: the ground truth.
 
     Parameters
@@ -231,8 +254,11 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
         Forward row max (``-inf`` for a row that sees no key).
     l : array_like, shape (*batch, Nq)
         Forward row sum of ``exp(S - m)`` (0 for a row that sees no key).
-    causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed, dropout_origin
+    causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed, score_mod, mask_mod,
+    mod_args, dropout_origin
         As in `attention_forward` (the same seed drops the same pairs).
+    score_mod_grad : str, optional
+        With ``score_mod`` (required then): its derivative by ``s``, an expression over the same names.
     bias_grad : bool, optional
         Also return ``dbias`` (needs ``bias``).
 
@@ -254,13 +280,14 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
 
         dV = P_d^T dO,  dP = Z (dO V^T),  D = rowsum(dO * O)   (dropout: Z = keep / (1 - p), P_d = Z P),
         dS = P * (dP - D),  dbias = dS,  dsink = -sum_i P_sink,i D_i,
-        dS' = dS (1 - (s_capped / c)^2) (softcap),  dQ = scale dS' K,  dK = scale dS'^T Q.
+        dS' = dS score_mod_grad(s_capped) (1 - (s_capped / c)^2),  dQ = scale dS' K,  dK = scale dS'^T Q.
 
     See Also
     --------
     cupyflash.blocked.backward : the same gradients computed tile by tile.
     """
     check_variants(window, softcap, dropout_p, seed, bias, bias_grad)
+    user = user_mods(score_mod, score_mod_grad, mask_mod, mod_args, backward=True)
     shapes = [np.shape(x) for x in (q, k, v)]
     do, q, k, v, o, m, l = (np.asarray(x).astype(np.float64) for x in (do, q, k, v, o, m, l))
     batch, n_q, _ = broadcast_shapes(q, k, v)
@@ -268,7 +295,7 @@ def attention_backward(do, q, k, v, o, m, l, *, causal=False, softmax_scale=None
     scale = resolve_scale(softmax_scale, q.shape[-1])
 
     scores = _Scores(q, k, scale, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-                     bias=bias, mask=mask)
+                     bias=bias, mask=mask, user=user)
     vis = scores.visible                                                     # broadcastable or None
     vis_t = None if vis is None else transpose(vis)
     inv_l = reciprocal_or_zero(l)
@@ -300,7 +327,7 @@ def _keep(seed, p, batch, n_q, n_k, origin):
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None, window=None,
                              softcap=None, alibi_slopes=None, bias=None, mask=None, sink=None, dropout_p=0.0,
-                             seed=None):
+                             seed=None, score_mod=None, mask_mod=None, mod_args=None):
     """Naive forward of packed variable-length sequences, in float64.
 
     Parameters
@@ -320,6 +347,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=Fals
     dropout_p, seed : optional
         As in `attention_forward`, the keep set over the packed pairs: sequence ``s`` drops its own
         block of ``dropout_keep(seed, p, batch, total_q, total_k)``.
+    score_mod, mask_mod, mod_args : optional
+        As in `attention_forward`, per sequence: ``q_idx``, ``kv_idx`` are positions in the sequence.
 
     Returns
     -------
@@ -328,7 +357,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=Fals
         Each sequence's rows as `attention_forward` gives them for that sequence alone.
     """
     kw = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-              sink=sink)
+              sink=sink, score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args)
     parts = [attention_forward(np.asarray(q)[..., rq, :], np.asarray(k)[..., rk, :], np.asarray(v)[..., rk, :],
                                bias=pair_view(bias, rq, rk), mask=pair_view(mask, rq, rk), dropout_p=dropout_p,
                                seed=seed, dropout_origin=(rq.start, rk.start), **kw)
@@ -342,15 +371,18 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=Fals
 
 def attention_varlen_backward(do, q, k, v, o, m, l, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None,
                               window=None, softcap=None, alibi_slopes=None, bias=None, mask=None, sink=None,
-                              bias_grad=False, dropout_p=0.0, seed=None):
+                              bias_grad=False, dropout_p=0.0, seed=None, score_mod=None, score_mod_grad=None,
+                              mask_mod=None, mod_args=None):
     """Naive backward of packed variable-length sequences, in float64.
 
     Parameters
     ----------
     do, o : array_like, shape (*batch, total_q, D)
     q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink,
-    dropout_p, seed
+    dropout_p, seed, score_mod, mask_mod, mod_args
         As in `attention_varlen_forward`.
+    score_mod_grad : str, optional
+        As in `attention_backward`.
     bias_grad : bool, optional
         Also return ``dbias`` (needs ``bias``).
     m, l : array_like, shape (*batch, total_q)
@@ -366,7 +398,7 @@ def attention_varlen_backward(do, q, k, v, o, m, l, cu_seqlens_q, cu_seqlens_k, 
         With ``sink``: its gradient, summed over the sequences.
     """
     kw = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-              sink=sink)
+              sink=sink, score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod, mod_args=mod_args)
     q, k, v, do, o, m, l = (np.asarray(x) for x in (q, k, v, do, o, m, l))
     grads = [np.zeros(x.shape) for x in (q, k, v)]
     grads += [np.zeros(np.shape(bias))] if bias_grad else []

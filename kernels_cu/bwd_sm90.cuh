@@ -1,7 +1,7 @@
 // bwd_sm90.cuh — what the two Hopper backward kernels (flash_bwd_sm90.cu, D <= 128, and
 // flash_bwd_sm90_wide.cu, 128 < D <= 256) share: the producer warpgroup and its ring of Q tiles.
 //
-// A CTA owns the K/V tile j of B_C keys and walks the Q tiles i_first .. T_r - 1 that see it. The
+// A CTA owns the K/V tile j of B_C keys and walks the Q tiles that visit it (mask.cuh: q_visits). The
 // producer copies K_j, V_j once, then Q_i, dO_i and the row statistics (lse_i log2 e and D_i from
 // flash_bwd_prep) of each step into a ring of STAGES buffers (cp.async), each guarded by a "full"
 // and an "empty" mbarrier. When causal it scans the operands of the tile pairs with masked pairs
@@ -60,11 +60,11 @@ __device__ __forceinline__ void produce_stats(acc_t* s_stat, const acc_t* lse2, 
 }
 
 // The producer warpgroup's whole part (thread ptid of BWD_WG_THREADS) for the CTA of K/V tile j of
-// work head w (sequence sq), whose `steps` Q tiles start at i_first; the consumers arrive on
+// work head w (sequence sq), whose Q tiles are `visits` (step n: position visits.begin + n); the consumers arrive on
 // q_empty[s], all CONSUMER_THREADS of them, once they are done with stage s.
 template <int B_R, int B_C, int DP, int STAGES>
 __device__ __forceinline__ void produce_bwd(const BwdParams& p, const BwdRing& r, i64 w, const Seq& sq, int j,
-                                            int i_first, int steps, int ptid) {
+                                            const Visits& visits, int ptid) {
     constexpr int TILE_KV = B_C * DP, TILE_Q = B_R * DP;
     const Mask& mask = mask_of(p, sq);
     const int Nq = mask.Nq, Nk = mask.Nk, D = p.D, kv0 = j * B_C;
@@ -74,6 +74,7 @@ __device__ __forceinline__ void produce_bwd(const BwdParams& p, const BwdRing& r
     const elem_t* dO = sq.q_rows(p.dO);
     const acc_t* lse2 = p.lse2 + sq.row0;
     const acc_t* Dsum = p.Dsum + sq.row0;
+    const int steps = visits.count();
 
     const int kv_rows = min(B_C, Nk - kv0);
     load_tile_sw128<B_C, DP, BWD_WG_THREADS>(r.K, sq.k_rows(p.k) + (i64)kv0 * p.k.sn, p.k.sn, kv_rows, D, vec, ptid);
@@ -84,9 +85,9 @@ __device__ __forceinline__ void produce_bwd(const BwdParams& p, const BwdRing& r
     // it to them (nonfinite.cuh): flag dQ_i and dK_j, dV_j for the repair. The producer scans
     // while it waits anyway: a step's tiles just before it waits to refill their buffers, K_j and
     // V_j before the first such wait, the rest as the CTA ends.
-    auto masked = [&](int n) { return may_hide(mask, (i_first + n) * B_R, B_R, kv0, B_C); };
+    auto masked = [&](int n) { return may_hide(mask, visits.tile(visits.begin + n) * B_R, B_R, kv0, B_C); };
     auto flag_pair = [&](int n) {
-        p.dq_flags[w * T_r + i_first + n] = 1u;
+        p.dq_flags[w * T_r + visits.tile(visits.begin + n)] = 1u;
         p.kv_flags[w * T_c + j] = 1u;
     };
     auto scan_step = [&](int n) {
@@ -105,7 +106,7 @@ __device__ __forceinline__ void produce_bwd(const BwdParams& p, const BwdRing& r
                 if (masked(n)) flag_pair(n);
     };
     for (int n = 0; n < steps; ++n) {
-        const int s = n % STAGES, use = n / STAGES, q0 = (i_first + n) * B_R, rows = min(B_R, Nq - q0);
+        const int s = n % STAGES, use = n / STAGES, q0 = visits.tile(visits.begin + n) * B_R, rows = min(B_R, Nq - q0);
         if (use > 0) {
             if (may_hide_any(mask) && n == STAGES) scan_kv();
             if (masked(n - STAGES)) {

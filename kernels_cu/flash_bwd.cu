@@ -36,6 +36,7 @@
 #include "params.cuh"
 #include "score_mod.cuh"
 #include "softmax.cuh"
+#include "tile_map.cuh"
 
 constexpr int DP = FLASH_DP;
 constexpr int B_R = FLASH_BR;
@@ -63,20 +64,21 @@ static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the s
 // query columns q0 ..): S = scale Q K^T, modified where modifiers apply (G: each element's ds'/ds, the
 // softcap's), the difference in natural units as in the forward; MASKED: invisible pairs -> 0
 template <bool MASKED>
-__device__ __forceinline__ void probabilities(acc_t (&P)[B_R / 8][4], acc_t (&G)[SOFTCAP ? B_R / 8 : 1][4],
+__device__ __forceinline__ void probabilities(acc_t (&P)[B_R / 8][4], acc_t (&G)[CHAIN ? B_R / 8 : 1][4],
                                               const EntryMods& mods, const Mask& mask, int q0, int key0,
                                               const acc_t* s_m, const acc_t* s_inv_l, acc_t scale) {
     const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
-    if constexpr (SCORE_MODS) {
+    const bool modify = SCORE_MODS && mods.modifies();
+    if (modify) {
         scale_scores(P, scale);
-        modify_scores<true, SOFTCAP>(P, G, mods, key0, q0);
+        modify_scores<true, CHAIN>(P, G, mods, key0, q0);
     }
 #pragma unroll
     for (int n = 0; n < B_R / 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int qc = n * 8 + 2 * t + e % 2;    // query column inside the tile
-            const acc_t S_e = SCORE_MODS ? P[n][e] : P[n][e] * scale;
+            const acc_t S_e = modify ? P[n][e] : P[n][e] * scale;
             P[n][e] = (MASKED && !mask.visible(q0 + qc, key0 + g + (e / 2) * 8))
                           ? (acc_t)0
                           : exp2_acc((S_e - s_m[qc]) * (acc_t)LOG2E) * s_inv_l[qc];
@@ -120,7 +122,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
     const acc_t* m_b = p.m_b + sq.row0;
     const acc_t* inv_l = p.inv_l + sq.row0;
     const acc_t* Dsum = p.Dsum + sq.row0;
-    const EntryMods mods = mods_of(p, sq);
+    EntryMods mods = mods_of(p, sq);
+    const TileHead tiles = tiles_of(p, sq);
 
     // load K_j, V_j from HBM into SRAM
     load_tile<B_C, DP>(s_K, k + kv0 * k_sn, k_sn, min(B_C, Nk - kv0), D, vec, tid, NTHREADS);
@@ -135,8 +138,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
     zero_frag(dK);
     zero_frag(dV);
 
-    const int i_first = mask.q_tile_first<B_R>(kv0);       // the Q tiles that see K_j: i_first .. i_stop - 1
-    const int i_stop = mask.q_tile_stop<B_R, B_C>(kv0);
+    const Visits visits = q_visits<B_R, B_C>(mask, tiles, j);   // the Q tiles that visit K_j (the band's or the tile map's)
     // Where a tile pair with masked pairs has an operand with an inf or NaN, its products may spread it
     // to them (nonfinite.cuh): flag dQ_i and dK_j, dV_j for the repair. This thread's share of K_j,
     // V_j at the first step, of Q_i, dO_i, D_i at each.
@@ -144,8 +146,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         p.dq_flags[w * T_r + i] = 1u;
         p.kv_flags[w * T_c + j] = 1u;
     };
-    for (int i = i_first; i < i_stop; ++i) {
-        const int q0 = i * B_R;
+    for (int pos = visits.begin; pos < visits.end; ++pos) {
+        const int i = visits.tile(pos), q0 = i * B_R;
+        mods.user_all = visits.all(pos);
         // load Q_i, dO_i, m_i, l_i, D_i from HBM into SRAM
         __syncthreads();
         load_tile<B_R, DP>(s_Q, q + q0 * q_sn, q_sn, min(B_R, Nq - q0), D, vec, tid, NTHREADS);
@@ -158,11 +161,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         }
         const bool plain = sync_all_plain(kv_plain && own_copies_plain<B_R, DP>(s_Q, vec, tid, NTHREADS)
                                           && own_copies_plain<B_R, DP>(s_dO, vec, tid, NTHREADS));
-        if (may_hide_any(mask) && i == i_first
+        if (may_hide_any(mask) && pos == visits.begin
             && (rows_nonfinite(s_K, B_C, DP, QKV_PITCH, tid, NTHREADS)
                 || rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS)))
-            for (int ii = i_first; ii < i_stop; ++ii)
-                if (may_hide(mask, ii * B_R, B_R, kv0, B_C)) flag_pair(ii);
+            for (int u = visits.begin; u < visits.end; ++u)
+                if (may_hide(mask, visits.tile(u) * B_R, B_R, kv0, B_C)) flag_pair(visits.tile(u));
         if (may_hide(mask, q0, B_R, kv0, B_C)
             && (rows_nonfinite(s_Q, B_R, DP, QKV_PITCH, tid, NTHREADS)
                 || rows_nonfinite(s_dO, B_R, DP, QKV_PITCH, tid, NTHREADS) || values_nonfinite(s_D, B_R, tid, NTHREADS)))
@@ -176,7 +179,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
 
         // P_ij^T = exp(S_ij^T - m_i) / l_i; a tile whose pairs are all visible (most of them) takes
         // the path without the mask
-        acc_t G[SOFTCAP ? B_R / 8 : 1][4];                // the softcap's ds'/ds
+        acc_t G[CHAIN ? B_R / 8 : 1][4];                  // ds'/ds: the softcap's, score_mod's
         if (mask.full(q0, B_R, key0, 16)) probabilities<false>(P, G, mods, mask, q0, key0, s_m, s_inv_l, scale);
         else                         probabilities<true>(P, G, mods, mask, q0, key0, s_m, s_inv_l, scale);
         unsigned keep[DROPOUT ? B_R / 8 : 1] = {};        // dropout's keep bits (keep_bits)
@@ -212,7 +215,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
             for (int e = 0; e < 4; ++e)
                 P[n][e] *= keep_factor(mods, keep[DROPOUT ? n : 0], e) * dP[n][e] - s_D[n * 8 + 2 * t + e % 2];
             if (BIAS_GRAD && c0 == 0) add_dbias_quad<true>(P[n], mods, mask, key0, q0, n);
-            if constexpr (SOFTCAP)
+            if constexpr (CHAIN)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) P[n][e] *= G[n][e];
         }
@@ -223,10 +226,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         // dK_j += dS_ij^T Q_i   (scaled at the end)                        (16, DC)
         if (plain) warp_mma<DC / 8, B_R, false, true, B_PLAIN>(dK, s_dSw, DS_PITCH, s_Q + c0, QKV_PITCH);
         else       warp_mma<DC / 8, B_R, false, true>(dK, s_dSw, DS_PITCH, s_Q + c0, QKV_PITCH);
-        // tile j adds term j - (Q tile i's first K/V tile) of dQ_i: every K/V tile before it that Q tile i
-        // sees reaches it too
+        // tile j adds the term of dQ_i of its rank among the K/V tiles Q tile i visits: every one before it
+        // reaches it too
         unsigned* dq_turn = ORDERED ? p.dq_turns + ((w * T_r + i) * n_chunks + c0 / DC) : nullptr;
-        if (ORDERED && tid == 0) wait_turn(dq_turn, j - mask.kv_tile_first<B_C>(q0));
+        if (ORDERED && tid == 0) wait_turn(dq_turn, kv_visits<B_R, B_C>(mask, tiles, i).rank(j));
         __syncthreads();   // every warp's rows of dS^T are in SRAM
 
         // dQ_i += scale dS_ij K_j                                          (B_R, DC) over the warps
@@ -273,3 +276,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         }
     }
 }
+
+#ifdef FLASH_USER_MASK
+extern "C" __global__ void __launch_bounds__(TILE_MAP_THREADS) flash_tile_map(const BwdParams p) { tile_map_states<B_R, B_C>(p); }
+extern "C" __global__ void __launch_bounds__(TILE_MAP_THREADS) flash_tile_lists(const BwdParams p) { tile_map_lists(p); }
+#endif

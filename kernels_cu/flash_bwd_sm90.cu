@@ -49,6 +49,7 @@
 #include "params.cuh"
 #include "score_mod.cuh"
 #include "sm90.cuh"
+#include "tile_map.cuh"
 
 constexpr int DP = FLASH_DP;
 constexpr int B_R = FLASH_BR;
@@ -104,7 +105,7 @@ __device__ __forceinline__ void probabilities(unsigned (&Pf)[B_R / 16][4], unsig
             const float2 Dv = *reinterpret_cast<const float2*>(st + B_R + qc);
             const acc_t neg_lse[2] = {-lse.x, -lse.y}, Dq[2] = {Dv.x, Dv.y};
             acc_t x[4] = {S[nn][0], S[nn][1], S[nn][2], S[nn][3]}, grad[4];
-            if constexpr (SCORE_MODS) modify_raw_quad<true, true>(x, grad, raw, base, key0, q0, nn);
+            if (SCORE_MODS && mods.modifies()) modify_raw_quad<true, true>(x, grad, raw, base, key0, q0, nn);
             const unsigned keep = DROPOUT ? keep_bits<true>(mods, key0, q0, nn) : 0u;
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -116,7 +117,7 @@ __device__ __forceinline__ void probabilities(unsigned (&Pf)[B_R / 16][4], unsig
                 ds[half][e] = pt[half][e] * (z * dP[nn][e] - Dq[e % 2]);
             }
             add_dbias_quad<true>(ds[half], mods, mask, key0, q0, nn);
-            if constexpr (SOFTCAP)
+            if constexpr (CHAIN)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) ds[half][e] *= grad[e];
         }
@@ -159,15 +160,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
     const Mask& mask = mask_of(p, sq);
     const int Nq = mask.Nq, Nk = mask.Nk;
     if (kv0 >= Nk) return;                             // past a shorter sequence's keys
-    const int i_first = mask.q_tile_first<B_R>(kv0);   // the Q tiles that see K_j: i_first .. i_first + steps - 1
-    const int steps = max(0, mask.q_tile_stop<B_R, B_C>(kv0) - i_first);
+    const TileHead tiles = tiles_of(p, sq);
+    const Visits visits = q_visits<B_R, B_C>(mask, tiles, j);   // the Q tiles that visit K_j (the band's or the tile map's)
+    const int steps = visits.count();
     const BwdRing ring{s_K, s_V, s_Q, s_dO, s_stat, kv_full, q_full, q_empty};
     init_ring<STAGES>(ring, CONSUMERS * WG_THREADS);
 
     if (wg == 0) {
         // producer: K_j, V_j; then Q_i, dO_i, statistics into stage n % STAGES once it is released
         setmaxnreg_dec<PRODUCER_REGS>();
-        produce_bwd<B_R, B_C, DP, STAGES>(p, ring, w, sq, j, i_first, steps, tid);
+        produce_bwd<B_R, B_C, DP, STAGES>(p, ring, w, sq, j, visits, tid);
     } else {
         // consumers: warpgroup c owns keys kv0 + 64c .. kv0 + 64c + 63
         setmaxnreg_inc<CONSUMER_REGS>();
@@ -183,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
         constexpr unsigned K_BLOCK = B_C * SW_COLS * sizeof(elem_t);
 
         const acc_t scale = (acc_t)p.scale;
-        const EntryMods mods = mods_of(p, sq);
+        EntryMods mods = mods_of(p, sq);
         acc_t dK[DP / 8][4], dV[DP / 8][4];               // (16, DP) per warp
         zero_frag(dK);
         zero_frag(dV);
@@ -191,7 +193,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
         mbar_wait(kv_full, 0);
         fence_proxy_async();
         for (int n = 0; n < steps; ++n) {
-            const int s = n % STAGES, q0 = (i_first + n) * B_R;
+            const int s = n % STAGES, i = visits.tile(visits.begin + n), q0 = i * B_R;
+            mods.user_all = visits.all(visits.begin + n);
             const elem_t* s_Qs = s_Q + s * TILE_Q;
             const elem_t* s_dOs = s_dO + s * TILE_Q;
             const acc_t* st = s_stat + s * 2 * B_R;     // lse_i log2 e, D_i of the tile's rows
@@ -268,10 +271,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
             wgmma_pin_a(Pf);
             wgmma_pin_a(dSf);
             fence_proxy_async();
-            // tile j adds term j - (Q tile i's first K/V tile) of dQ_i: every K/V tile before it that Q tile i
-            // sees reaches it too
-            unsigned* dq_turn = ORDERED ? p.dq_turns + (w * T_r + i_first + n) : nullptr;
-            if (ORDERED && ctid == 0) wait_turn(dq_turn, j - mask.kv_tile_first<B_C>(q0));
+            // tile j adds the term of dQ_i of its rank among the K/V tiles Q tile i visits: every one before
+            // it reaches it too
+            unsigned* dq_turn = ORDERED ? p.dq_turns + (w * T_r + i) : nullptr;
+            if (ORDERED && ctid == 0) wait_turn(dq_turn, kv_visits<B_R, B_C>(mask, tiles, i).rank(j));
             named_barrier_sync(DQ_WRITTEN, CONSUMERS * WG_THREADS);   // s_dQ holds dQ_i
 
             // dQ_i into the workspace: a bulk add per row (rows of 16-byte multiples), else float atomics;
@@ -318,3 +321,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
         }
     }
 }
+
+#ifdef FLASH_USER_MASK
+extern "C" __global__ void __launch_bounds__(TILE_MAP_THREADS) flash_tile_map(const BwdParams p) { tile_map_states<B_R, B_C>(p); }
+extern "C" __global__ void __launch_bounds__(TILE_MAP_THREADS) flash_tile_lists(const BwdParams p) { tile_map_lists(p); }
+#endif

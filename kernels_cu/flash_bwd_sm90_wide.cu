@@ -47,6 +47,7 @@
 #include "params.cuh"
 #include "score_mod.cuh"
 #include "sm90.cuh"
+#include "tile_map.cuh"
 
 constexpr int DP = FLASH_DP;
 constexpr int B_R = FLASH_BR;
@@ -75,7 +76,7 @@ enum Barrier : int { P_WRITTEN = 1, DS_WRITTEN = 2, DQ_WRITTEN = 3, ADDS_LANDED 
 static_assert(CONSUMERS == 2 && B_C == 64 && B_R == 64, "one producer warpgroup, two consumers sharing 64 keys");
 static_assert(DP % SW_COLS == 0 && DP > 128 && DP <= 256 && (STAGES == 1 || STAGES == 2), "tile shapes");
 // consumer 1 has dS = P o (dP - D) only as Pg o (dP - D) under a softcap: no dbias then (the host runs flash_bwd)
-static_assert(!(SOFTCAP && BIAS_GRAD), "dbias under a softcap: flash_bwd");
+static_assert(!(CHAIN && BIAS_GRAD), "dbias under a softcap or a score_mod: flash_bwd");
 static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * (65536 / NTHREADS / 8 * 8), "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
@@ -86,7 +87,7 @@ static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the s
 // (RawMods); Pg gets
 // P_ij^T o ds'/ds of the softcap, the factor dS_ij^T = Pg o (dP_ij^T - D_i) needs.
 template <bool MASKED>
-__device__ __forceinline__ void probabilities(acc_t (&S)[B_R / 8][4], acc_t (&Pg)[SOFTCAP ? B_R / 8 : 1][4],
+__device__ __forceinline__ void probabilities(acc_t (&S)[B_R / 8][4], acc_t (&Pg)[CHAIN ? B_R / 8 : 1][4],
                                               const acc_t* st, const Mask& mask, const EntryMods& mods, int q0,
                                               int key0, acc_t scale) {
     const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
@@ -100,13 +101,13 @@ __device__ __forceinline__ void probabilities(acc_t (&S)[B_R / 8][4], acc_t (&Pg
         const float2 lse = *reinterpret_cast<const float2*>(st + qc);
         const acc_t neg_lse[2] = {-lse.x, -lse.y};
         acc_t grad[4];
-        if constexpr (SCORE_MODS) modify_raw_quad<true, true>(S[nn], grad, raw, base, key0, q0, nn);
+        if (SCORE_MODS && mods.modifies()) modify_raw_quad<true, true>(S[nn], grad, raw, base, key0, q0, nn);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             S[nn][e] = (MASKED && !mask.visible(q0 + qc + e % 2, key0 + g + (e / 2) * 8))
                            ? (acc_t)0
                            : exp2_acc(fmaf(S[nn][e], unit_log2, neg_lse[e % 2]));
-            if constexpr (SOFTCAP) Pg[nn][e] = S[nn][e] * grad[e];
+            if constexpr (CHAIN) Pg[nn][e] = S[nn][e] * grad[e];
         }
     }
 }
@@ -160,14 +161,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
     const Mask& mask = mask_of(p, sq);
     const int Nq = mask.Nq, Nk = mask.Nk;
     if (kv0 >= Nk) return;                             // past a shorter sequence's keys
-    const int i_first = mask.q_tile_first<B_R>(kv0);   // the Q tiles that see K_j: i_first .. i_first + steps - 1
-    const int steps = max(0, mask.q_tile_stop<B_R, B_C>(kv0) - i_first);
+    const TileHead tiles = tiles_of(p, sq);
+    const Visits visits = q_visits<B_R, B_C>(mask, tiles, j);   // the Q tiles that visit K_j (the band's or the tile map's)
+    const int steps = visits.count();
     const BwdRing ring{s_K, s_V, s_Q, s_dO, s_stat, kv_full, q_full, q_empty};
     init_ring<STAGES>(ring, CONSUMER_THREADS);
 
     if (wg == 0) {
         setmaxnreg_dec<PRODUCER_REGS>();
-        produce_bwd<B_R, B_C, DP, STAGES>(p, ring, w, sq, j, i_first, steps, tid);
+        produce_bwd<B_R, B_C, DP, STAGES>(p, ring, w, sq, j, visits, tid);
         return;
     }
 
@@ -181,14 +183,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
     acc_t* dq_acc = sq.q_rows(p.dq_acc);
     constexpr unsigned K_BLOCK = B_C * SW_COLS * sizeof(elem_t);
     const acc_t scale = (acc_t)p.scale;
-    const EntryMods mods = mods_of(p, sq);
+    EntryMods mods = mods_of(p, sq);
     acc_t G[DP / 8][4];                                // dV_j (c = 0) or dK_j (c = 1), (16, DP) per warp
     zero_frag(G);
 
     mbar_wait(kv_full, 0);
     fence_proxy_async();
     for (int n = 0; n < steps; ++n) {
-        const int s = n % STAGES, q0 = (i_first + n) * B_R;
+        const int s = n % STAGES, i = visits.tile(visits.begin + n), q0 = i * B_R;
+        mods.user_all = visits.all(visits.begin + n);
         const elem_t* s_Qs = s_Q + s * TILE_Q;
         const elem_t* s_dOs = s_dO + s * TILE_Q;
         const acc_t* st = s_stat + s * 2 * B_R;      // lse_i log2 e, D_i of the tile's rows
@@ -200,14 +203,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
         if (c == 0) {
             scores(X, s_K, s_Qs);
             // A tile whose pairs are all visible (most of them) takes the path without the mask
-            acc_t Pg[SOFTCAP ? B_R / 8 : 1][4];         // P^T o ds'/ds of the softcap
+            acc_t Pg[CHAIN ? B_R / 8 : 1][4];           // P^T o ds'/ds of the softcap and score_mod
             if (mask.full(q0, B_R, key0, 16)) probabilities<false>(X, Pg, st, mask, mods, q0, key0, scale);
             else                         probabilities<true>(X, Pg, st, mask, mods, q0, key0, scale);
             // dropout: a dropped pair's W goes to consumer 1 negated (W >= 0; its sign bit is the keep
             // bit), and dV_j takes Z o P^T
 #pragma unroll
             for (int nn = 0; nn < B_R / 8; ++nn) {
-                const acc_t (&W)[4] = SOFTCAP ? Pg[SOFTCAP ? nn : 0] : X[nn];   // what dS_ij^T multiplies
+                const acc_t (&W)[4] = CHAIN ? Pg[CHAIN ? nn : 0] : X[nn];   // what dS_ij^T multiplies
                 const unsigned keep = DROPOUT ? keep_bits<true>(mods, key0, q0, nn) : 15u;
                 auto sent = [&](int e) { return (keep >> e & 1) ? W[e] : -W[e]; };
                 s_P[nn * WG_THREADS + wtid] = make_float4(sent(0), sent(1), sent(2), sent(3));
@@ -280,10 +283,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
                         make_float2(scale * dQ[nn][2 * h], scale * dQ[nn][2 * h + 1]);
         }
         fence_proxy_async();
-        // tile j adds term j - (Q tile i's first K/V tile) of dQ_i: every K/V tile before it that Q tile i
-        // sees reaches it too
-        unsigned* dq_turn = ORDERED ? p.dq_turns + (w * T_r + i_first + n) : nullptr;
-        if (ORDERED && ctid == 0) wait_turn(dq_turn, j - mask.kv_tile_first<B_C>(q0));
+        // tile j adds the term of dQ_i of its rank among the K/V tiles Q tile i visits: every one before it
+        // reaches it too
+        unsigned* dq_turn = ORDERED ? p.dq_turns + (w * T_r + i) : nullptr;
+        if (ORDERED && ctid == 0) wait_turn(dq_turn, kv_visits<B_R, B_C>(mask, tiles, i).rank(j));
         named_barrier_sync(DQ_WRITTEN, CONSUMER_THREADS);   // s_dQ holds dQ_i
 
         // dQ_i into the workspace: a bulk add per row (rows of 16-byte multiples), else float atomics
@@ -320,3 +323,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
         if (wtid == 0) end_turn(turn);
     }
 }
+
+#ifdef FLASH_USER_MASK
+extern "C" __global__ void __launch_bounds__(TILE_MAP_THREADS) flash_tile_map(const BwdParams p) { tile_map_states<B_R, B_C>(p); }
+extern "C" __global__ void __launch_bounds__(TILE_MAP_THREADS) flash_tile_lists(const BwdParams p) { tile_map_lists(p); }
+#endif

@@ -55,6 +55,7 @@
 #include "score_mod.cuh"
 #include "sm90.cuh"
 #include "softmax.cuh"
+#include "tile_map.cuh"
 
 constexpr int DP = FLASH_DP;
 constexpr int B_R = FLASH_BR;
@@ -83,6 +84,7 @@ static_assert(Q_STAGES == 1 || Q_STAGES == 2, "one or two Q buffers");
 static_assert(DP % SW_COLS == 0 && (B_C == 64 || B_C == 96 || B_C == 128), "tile shapes");
 static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * (65536 / NTHREADS / 8 * 8), "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
+static_assert(!PAGED, "a paged cache is read by flash_fwd_v2 (and flash_fwd_repair)");
 
 // Producer thread `ptid` of WG_THREADS: its share of a (ROWS, DP) tile of `rows` rows into a
 // swizzled buffer, then its arrival on `full` once that has landed (the `%` tells the compiler
@@ -130,17 +132,22 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
     const int tid = threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid / WG_THREADS, 0);   // from lane 0: the compiler sees it warp-uniform
     const int T_r = (p.mask.Nq + B_R - 1) / B_R;                    // the grid's Q tiles per head
-    const unsigned heads = (unsigned)p.seqs.heads, n_tiles = heads * T_r;
+    const unsigned heads = (unsigned)p.seqs.heads, splits = (unsigned)p.kv_splits, n_tiles = heads * T_r * splits;
 
     // Tile `index` of the grid order: its work head w, the sequence's mask, Q tile i (heaviest causal
-    // first; i < 0: past a shorter sequence's rows, skipped) and the K/V tiles it needs, j_first ..
-    // j_first + n_kv - 1 (ring positions kv .. kv + n_kv - 1)
-    struct Work { i64 w; Mask mask; int i, j_first, n_kv; };
+    // first; i < 0: past a shorter sequence's rows, skipped), its split (split-KV: the splits of a Q
+    // tile side by side in the order) and the K/V tiles it visits (the band's or mask_mod's tile map's,
+    // the split's run of them; visit n at ring position kv + n)
+    struct Work { i64 w; Mask mask; int i; int split; Visits visits; };
     auto work_at = [&](unsigned index) {
-        const GridTile at = grid_tile_at(index, heads, T_r, p.head_group);
-        const Mask mask = VARLEN ? seq_of(p, at.bh).mask : p.mask;
-        const int i = (mask.Nq + B_R - 1) / B_R - 1 - at.tile, j_first = mask.kv_tile_first<B_C>(i * B_R);
-        return Work{at.bh, mask, i, j_first, mask.kv_tile_stop<B_C>(i * B_R, B_R) - j_first};
+        const int split = (int)(index % splits);
+        const GridTile at = grid_tile_at(index / splits, heads, T_r, p.head_group);
+        const Seq sq = seq_of(p, at.bh);
+        const Mask mask = VARLEN ? sq.mask : p.mask;
+        const int i = (mask.Nq + B_R - 1) / B_R - 1 - at.tile;
+        const Visits visits = i < 0 ? Visits{nullptr, 0, 0}
+                                    : kv_visits<B_R, B_C>(mask, tiles_of(p, sq), i).split(split, (int)splits);
+        return Work{at.bh, mask, i, split, visits};
     };
     // the first tile from `index` on that is not past its sequence's rows (claiming more past those)
     auto first_work = [&](unsigned index) {
@@ -221,8 +228,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
                 mbar_arrive(&q_full[qs]);
                 *s_claim = gridDim.x + atomicAdd(p.tile_counter, 1u);   // under the wait for K_0's buffer
             }
-            for (int j = w.j_first; j < w.j_first + w.n_kv; ++j) {
-                const int pos = kv + j - w.j_first, s = pos % STAGES, use = pos / STAGES, rows = min(B_C, Nk - j * B_C);
+            for (int t = w.visits.begin; t < w.visits.end; ++t) {
+                const int j = w.visits.tile(t), pos = kv + t - w.visits.begin, s = pos % STAGES, use = pos / STAGES;
+                const int rows = min(B_C, Nk - j * B_C);
                 if (use > 0) mbar_wait(&k_empty[s], (use - 1) & 1);
                 produce_tile<B_C>(s_K + s * TILE_KV, k_h + (i64)j * B_C * k_sn, k_sn, rows, D, vec, &k_full[s], ptid);
                 if (use > 0) {
@@ -234,7 +242,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
                 if (s == 0) pending0 = flag;
                 else        pending1 = flag;
             }
-            kv += w.n_kv;
+            kv += w.visits.count();
         }
         cp_async_wait<0>();   // no copy outlives its thread
     } else {
@@ -267,8 +275,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             const Work w = work_at(index);
             const Mask& mask = w.mask;
             const int Nq = mask.Nq, Nk = mask.Nk;
-            // j counts the tile's K/V tiles from 0 here: K/V tile w.j_first + j, ring position kv + j
-            const int i = w.i, j_stop = w.n_kv;
+            // j counts the tile's visits from 0 here: K/V tile w.visits.tile(w.visits.begin + j), ring position kv + j
+            const int i = w.i, j_stop = w.visits.count();
             const int r0 = i * B_R + 16 * warp;             // first query row of this warp
             const elem_t* s_Qg = s_Q + qs * TILE_Q + c * 64 * SW_COLS;
 
@@ -276,7 +284,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             zero_frag(O);
             // m_i in units of raw scores Q K^T (the softmax scales differences: scale > 0, checked on the
             // host), or of the modifiers' S (RawMods: unit > 0)
-            const EntryMods entry = mods_of(p, seq_of(p, w.w));
+            EntryMods entry = mods_of(p, seq_of(p, w.w));
             const RawMods mods(entry, scale);
             const acc_t unit = SCORE_MODS ? mods.unit : scale, log2_unit = unit * (acc_t)LOG2E;
             acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
@@ -287,8 +295,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             // S_ij -> P~_ij, its statistics into m_new, alpha, rowsum (masked online softmax); modified
             // scores (score_mod.cuh) in the modifiers' units
             auto softmax_step = [&](int j) {
-                const int kv0 = (w.j_first + j) * B_C;
-                if constexpr (SCORE_MODS) modify_raw_scores(S, mods, r0, kv0);
+                const int kv0 = w.visits.tile(w.visits.begin + j) * B_C;
+                entry.user_all = w.visits.all(w.visits.begin + j);
+                if (SCORE_MODS && entry.modifies()) modify_raw_scores(S, mods, r0, kv0);
                 mask_scores(S, mask, r0, kv0);
                 online_softmax(S, m_i, m_new, alpha, rowsum, log2_unit);
                 if constexpr (DROPOUT) drop_probs(S, entry, r0, kv0);   // out of P~_ij V_j, not of l_i
@@ -315,7 +324,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             // CTA's when causal; none for rows all past Nq). It still takes every turn and releases every
             // tile, computing nothing there.
             const int row_first = i * B_R + 64 * c;
-            const int my_stop = row_first >= Nq ? 0 : mask.kv_tile_stop<B_C>(row_first, 64) - w.j_first;
+            const int my_stop = row_first >= Nq ? 0 : w.visits.below(mask.kv_tile_stop<B_C>(row_first, 64)) - w.visits.begin;
 
             // a turn with nothing to multiply: release K_j and V_{j-1} once they have landed (an arrival
             // before the tile's own must not count towards the previous use of its buffer)
@@ -384,12 +393,19 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             }
             for (int j = my_stop > 0 ? my_stop + 1 : 0; j <= j_stop; ++j) idle_step(j);
 
-            // O_i = diag(l_i)^-1 O_i; write O_i, m_i (in natural units), l_i to HBM
+            // O_i = diag(l_i)^-1 O_i (the sink folded in: split 0's, it is one key); write O_i, m_i (in
+            // natural units), l_i to HBM, or to the split's part
             const i64 row0 = seq_of(p, w.w).row0;
-            store_output_rows(p.o + row0 * D, p.m + row0, p.l + row0, O, m_i, l_i, unit, r0, Nq, D, entry.sink,
+            store_output_rows(p.o_at(w.split, row0), p.m_at(w.split, row0), p.l_at(w.split, row0), O, m_i, l_i, unit,
+                              r0, Nq, D, w.split == 0 ? entry.sink : NEG_INF,
                               DROPOUT ? entry.keep_scale : (acc_t)1);
             kv += j_stop;
         }
         if (c == 0) my_turn();   // the hand-off of the last issue
     }
 }
+
+#ifdef FLASH_USER_MASK
+extern "C" __global__ void __launch_bounds__(TILE_MAP_THREADS) flash_tile_map(const FwdParams p) { tile_map_states<B_R, B_C>(p); }
+extern "C" __global__ void __launch_bounds__(TILE_MAP_THREADS) flash_tile_lists(const FwdParams p) { tile_map_lists(p); }
+#endif

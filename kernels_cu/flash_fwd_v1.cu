@@ -30,6 +30,7 @@
 #include "params.cuh"
 #include "score_mod.cuh"
 #include "softmax.cuh"
+#include "tile_map.cuh"
 
 constexpr int DP = FLASH_DP;
 constexpr int B_R = FLASH_BR;
@@ -43,6 +44,7 @@ constexpr int SMEM_BYTES = ((2 * B_C + B_R) * QKV_PITCH + B_R * P_PITCH) * (int)
 static_assert(B_R == 16 * FLASH_WARPS, "each warp owns 16 query rows of a Q tile");
 static_assert(DP % DC == 0 && DC % 16 == 0 && B_C % 16 == 0, "tile shapes");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
+static_assert(!PAGED, "a paged cache is read by flash_fwd_v2 (and flash_fwd_repair)");
 
 // This lane's fragment of columns c0 .. c0+DC-1 of the running O_i (rows r0 .. r0+15).
 __device__ __forceinline__ void load_o_chunk(acc_t (&frag)[DC / 8][4], const acc_t* __restrict__ o_run,
@@ -84,7 +86,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
     acc_t* o_run = p.o_run + sq.row0 * DP;
     acc_t* m_run = p.m + sq.row0;
     acc_t* l_run = p.l + sq.row0;
-    const EntryMods mods = mods_of(p, sq);
+    EntryMods mods = mods_of(p, sq);
+    const TileHead tiles = tiles_of(p, sq);
 
     const int T_r = (Nq + B_R - 1) / B_R;
     if (split >= T_r) return;
@@ -113,8 +116,22 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
                 p.repair_flags[w * T_grid + i] = 1u;
             const int r0 = i * B_R + 16 * warp;   // first query row of this warp
             if (r0 >= Nq) break;
-            // the K/V tiles this warp's rows see: j_own .. j_last
-            const int j_own = mask.kv_tile_first<B_C>(r0), j_last = mask.kv_tile_stop<B_C>(r0, 16) - 1;
+            // the K/V tiles this warp's rows see: j_own .. j_last; with mask_mod's tile map, the map's among
+            // them or, where it has none, j_own alone (every pair hidden: it writes o = 0, m = -inf, l = 0)
+            int j_own = mask.kv_tile_first<B_C>(r0), j_last = mask.kv_tile_stop<B_C>(r0, 16) - 1;
+            if constexpr (TILE_MAP) {
+                const Visits visits = kv_visits<B_R, B_C>(mask, tiles, i);
+                const int first = visits.from(j_own), stop = visits.below(j_last + 1);
+                if (first < stop) {
+                    j_own = visits.tile(first);
+                    j_last = visits.tile(stop - 1);
+                } else {
+                    j_last = j_own;
+                }
+                const unsigned char state = tiles.state[(i64)i * tiles.T_c + j];
+                if (state == 0 && j != j_own) continue;
+                mods.user_all = state == 2;
+            }
             if (j < j_own || j > j_last) continue;
             const bool carry = j > j_own;         // O_i, m_i, l_i of earlier steps to read
 
@@ -205,3 +222,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
         }
     }
 }
+
+#ifdef FLASH_USER_MASK
+extern "C" __global__ void __launch_bounds__(TILE_MAP_THREADS) flash_tile_map(const FwdParams p) { tile_map_states<B_R, B_C>(p); }
+extern "C" __global__ void __launch_bounds__(TILE_MAP_THREADS) flash_tile_lists(const FwdParams p) { tile_map_lists(p); }
+#endif

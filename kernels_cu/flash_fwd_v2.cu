@@ -25,6 +25,7 @@
 #include "params.cuh"
 #include "score_mod.cuh"
 #include "softmax.cuh"
+#include "tile_map.cuh"
 
 constexpr int DP = FLASH_DP;
 constexpr int B_R = FLASH_BR;
@@ -49,16 +50,19 @@ static_assert(B_R == 16 * FLASH_WARPS, "each warp owns 16 query rows of the Q ti
 static_assert(B_C % 16 == 0 && DP % 16 == 0, "tile shapes");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
-// K_j, V_j into pipeline stage `stage`: cp.async where the layout allows it, else plain loads
-__device__ __forceinline__ void load_kv(elem_t* s_stage, const elem_t* k, const elem_t* v, i64 k_sn, i64 v_sn,
+// K_j, V_j (keys kv0 ..) into pipeline stage `stage`: cp.async where the layout allows it, else plain loads
+__device__ __forceinline__ void load_kv(elem_t* s_stage, const KeyRows<const elem_t>& k, const KeyRows<const elem_t>& v,
                                         int kv0, int Nk, int D, bool vec) {
     const int rows = min(B_C, Nk - kv0);
+    const KeyRows<const elem_t> k_j = k.from(kv0), v_j = v.from(kv0);
+    const auto k_row = [&](int r) { return k_j.row(r); };
+    const auto v_row = [&](int r) { return v_j.row(r); };
     if (vec) {
-        load_tile_async<B_C, DP>(s_stage, k + kv0 * k_sn, k_sn, rows, D, threadIdx.x, NTHREADS);
-        load_tile_async<B_C, DP>(s_stage + B_C * QKV_PITCH, v + kv0 * v_sn, v_sn, rows, D, threadIdx.x, NTHREADS);
+        load_rows_async<B_C, DP>(s_stage, k_row, rows, D, threadIdx.x, NTHREADS);
+        load_rows_async<B_C, DP>(s_stage + B_C * QKV_PITCH, v_row, rows, D, threadIdx.x, NTHREADS);
     } else {
-        load_tile<B_C, DP>(s_stage, k + kv0 * k_sn, k_sn, rows, D, false, threadIdx.x, NTHREADS);
-        load_tile<B_C, DP>(s_stage + B_C * QKV_PITCH, v + kv0 * v_sn, v_sn, rows, D, false, threadIdx.x, NTHREADS);
+        load_rows<B_C, DP>(s_stage, k_row, rows, D, threadIdx.x, NTHREADS);
+        load_rows<B_C, DP>(s_stage + B_C * QKV_PITCH, v_row, rows, D, threadIdx.x, NTHREADS);
     }
     cp_async_commit();
 }
@@ -81,22 +85,21 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
     if (VARLEN && i < 0) return;                        // past a shorter sequence's rows
 
     const elem_t* q = sq.q_rows(p.q);
-    const elem_t* k = sq.k_rows(p.k);
-    const elem_t* v = sq.k_rows(p.v);
-    const i64 q_sn = p.q.sn, k_sn = p.k.sn, v_sn = p.v.sn;
-    elem_t* o = p.o + sq.row0 * D;
-    acc_t* m_out = p.m + sq.row0;
-    acc_t* l_out = p.l + sq.row0;
-    const EntryMods mods = mods_of(p, sq);
+    const KeyRows<const elem_t> k = k_rows_of(p, sq);   // (Nk, D), PAGED: paged
+    const KeyRows<const elem_t> v = v_rows_of(p, sq);
+    const i64 q_sn = p.q.sn;
+    const int split = blockIdx.y;                       // split-KV: this CTA's run of the K/V tiles
+    EntryMods mods = mods_of(p, sq);
 
     const int r0 = i * B_R + 16 * warp;                 // first query row of this warp
-    // the K/V tiles this CTA needs: j_first .. j_stop - 1; tile j lies in stage j % STAGES
-    const int j_first = mask.kv_tile_first<B_C>(i * B_R), j_stop = mask.kv_tile_stop<B_C>(i * B_R, B_R);
+    // the K/V tiles this CTA visits (the band's, or those of mask_mod's tile map); position t lies in stage t % STAGES
+    const Visits visits = kv_visits<B_R, B_C>(mask, tiles_of(p, sq), i).split(split, p.kv_splits);
     // the tiles among them where every pair of Q tile i is visible: no element mask, nothing to repair
     const int j_full_first = mask.full_tile_first<B_C>(i * B_R, B_R), j_full_stop = mask.full_tile_stop<B_C>(i * B_R);
 
     elem_t* s_Qw = s_Q + 16 * warp * QKV_PITCH;         // (16, DP) this warp's rows of Q_i
-    load_kv(s_KV + (j_first % STAGES) * KV_STAGE, k, v, k_sn, v_sn, j_first * B_C, Nk, D, vec);
+    if (visits.count() > 0)
+        load_kv(s_KV + (visits.begin % STAGES) * KV_STAGE, k, v, visits.tile(visits.begin) * B_C, Nk, D, vec);
     load_tile<16, DP>(s_Qw, q + r0 * q_sn, q_sn, max(0, min(16, Nq - r0)), D, vec, lane, WARP_SIZE);
 
 #if FLASH_TENSOR_CORES
@@ -113,23 +116,24 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
     zero_frag(O);
     acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
 
-    for (int j = j_first; j < j_stop; ++j) {
-        const int kv0 = j * B_C;
-        elem_t* s_K = s_KV + (j % STAGES) * KV_STAGE;   // (B_C, DP)
+    for (int t = visits.begin; t < visits.end; ++t) {
+        const int j = visits.tile(t), kv0 = j * B_C;
+        elem_t* s_K = s_KV + (t % STAGES) * KV_STAGE;   // (B_C, DP)
         elem_t* s_V = s_K + B_C * QKV_PITCH;            // (B_C, DP)
-        // prefetch K_{j+1}, V_{j+1} into the other stage, then wait for K_j, V_j
-        if (j + 1 < j_stop) {
-            load_kv(s_KV + ((j + 1) % STAGES) * KV_STAGE, k, v, k_sn, v_sn, kv0 + B_C, Nk, D, vec);
+        // prefetch the next visit's K, V into the other stage, then wait for K_j, V_j
+        if (t + 1 < visits.end) {
+            load_kv(s_KV + ((t + 1) % STAGES) * KV_STAGE, k, v, visits.tile(t + 1) * B_C, Nk, D, vec);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
+        mods.user_all = visits.all(t);
         const bool edge = j < j_full_first || j >= j_full_stop;   // Q tile i x K_j has masked or ragged pairs
         const bool plain = sync_all_plain(q_plain && own_copies_plain<B_C, DP>(s_K, vec, tid, NTHREADS)
                                           && own_copies_plain<B_C, DP>(s_V, vec, tid, NTHREADS));
         // where Q tile i may have masked pairs in tile j and V_j holds an inf or NaN, P~_ij V_j may spread
         // it to them (nonfinite.cuh): flag the tile for the repair (flags exist where some pair is masked)
-        if ((BOOL_MASK || edge && mask.banded()) && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS))
+        if ((mods.hides() || edge && mask.banded()) && rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS))
             p.repair_flags[w * T_r + i] = 1u;
 
         // S_ij = scale Q_i K_j^T, then its modifiers (score_mod.cuh)        (16, B_C)
@@ -143,7 +147,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
         else       warp_mma<B_C / 8, DP, false, false, GUARDED, TF32_UNROLL>(S, s_Qw, QKV_PITCH, s_K, QKV_PITCH);
 #endif
         scale_scores(S, scale);
-        if constexpr (SCORE_MODS) modify_scores(S, mods, r0, kv0);
+        if (SCORE_MODS && mods.modifies()) modify_scores(S, mods, r0, kv0);
         if (edge) mask_scores(S, mask, r0, kv0);
 
         // m_i^new = max(m_i, rowmax(S_ij));  P~_ij = exp(S_ij - m_i^new)
@@ -185,6 +189,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
         __syncthreads();   // every warp is done with this stage before it is refilled
     }
 
-    // O_i = diag(l_i)^-1 O_i (the sink folded in, SINK); write O_i, m_i, l_i to HBM
-    store_output_rows(o, m_out, l_out, O, m_i, l_i, (acc_t)1, r0, Nq, D, mods.sink, DROPOUT ? mods.keep_scale : (acc_t)1);
+    // O_i = diag(l_i)^-1 O_i (the sink folded in, SINK: split 0's, it is one key); write O_i, m_i, l_i
+    // to HBM, or to the split's part
+    store_output_rows(p.o_at(split, sq.row0), p.m_at(split, sq.row0), p.l_at(split, sq.row0), O, m_i, l_i, (acc_t)1,
+                      r0, Nq, D, split == 0 ? mods.sink : NEG_INF, DROPOUT ? mods.keep_scale : (acc_t)1);
 }
+
+#ifdef FLASH_USER_MASK
+extern "C" __global__ void __launch_bounds__(TILE_MAP_THREADS) flash_tile_map(const FwdParams p) { tile_map_states<B_R, B_C>(p); }
+extern "C" __global__ void __launch_bounds__(TILE_MAP_THREADS) flash_tile_lists(const FwdParams p) { tile_map_lists(p); }
+#endif

@@ -159,8 +159,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_repair(const Fw
         const int Nq = mask.Nq;
         const int r0 = (int)(tile % T_r) * tile_rows;
         const elem_t* q_h = sq.q_rows(p.q);
-        const elem_t* k_h = sq.k_rows(p.k);
-        const elem_t* v_h = sq.k_rows(p.v);
+        const KeyRows<const elem_t> k_h = k_rows_of(p, sq);
+        const KeyRows<const elem_t> v_h = v_rows_of(p, sq);
         const EntryMods mods = mods_of(p, sq);
         for (int r = r0 + warp; r < min(r0 + tile_rows, Nq); r += NWARPS) {
             const acc_t m_i = p.m[sq.row0 + r], l_i = p.l[sq.row0 + r];
@@ -170,8 +170,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_repair(const Fw
                 for (int j = mask.key_start(r); j < mask.key_stop(r); ++j) {
                     if (mods.hidden(r, j)) continue;   // no term (a dropped pair keeps its 0 · v_j)
                     acc_t k_j[RPL], v_j[RPL];
-                    load_row(k_j, k_h + j * p.k.sn, D);
-                    load_row(v_j, v_h + j * p.v.sn, D);
+                    load_row(k_j, k_h.row(j), D);
+                    load_row(v_j, v_h.row(j), D);
                     acc_t unused;
                     acc_t pr = exp2_acc((mods.apply(dot(q_i, k_j) * scale, r, j, unused) - m_i) * (acc_t)LOG2E);
                     if (DROPOUT) pr *= mods.kept(r, j) ? (acc_t)1 : (acc_t)0;   // Z P (its 1 / (1 - p) below)

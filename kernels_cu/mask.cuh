@@ -101,6 +101,108 @@ struct Mask {
     }
 };
 
+// mask_mod's tile map (FLASH_USER_MASK; FlexAttention's BlockMask): which tiles of B_R query rows x
+// B_C keys a kernel visits, written before it by its own module's flash_tile_map and
+// flash_tile_lists (tile_map.cuh) at its own tile sizes. A tile is visited iff some pair of it is
+// visible under both the band and mask_mod; ALL_BIT marks those where mask_mod hides no pair the band
+// leaves visible (no per-element mask_mod). One map head holds, at these byte offsets:
+//     state     (T_r, T_c) bytes, 0: not visited, 1: visited, 2: visited and ALL
+//     kv_count  (T_r) int32      the K/V tiles each Q tile visits ...
+//     kv_list   (T_r, T_c)       ... ascending, each an index | ALL_BIT
+//     q_count   (T_c)            the Q tiles that visit each K/V tile ...
+//     q_list    (T_c, T_r)       ... ascending, each an index | ALL_BIT
+// A map head per work head where mask_mod reads b (by_entry), else one per sequence (the same for
+// every batch entry). cupyflash/_launch.py: tile_map_bytes mirrors the layout.
+#ifdef FLASH_USER_MASK
+constexpr bool TILE_MAP = true;
+#else
+constexpr bool TILE_MAP = false;
+#endif
+
+struct TileHead {
+    unsigned char* state;
+    int *kv_count, *kv_list, *q_count, *q_list;
+    int T_r, T_c;
+};
+
+struct TileMap {
+    static constexpr int ALL_BIT = 1 << 30;
+    unsigned char* base;   // the map heads, head_bytes apart
+    i64 head_bytes;
+    int T_r, T_c;          // the kernel's tiles over the grid's lengths
+    int by_entry;          // a map head per work head (mask_mod reads b), else per sequence
+
+    __host__ __device__ static i64 state_bytes(int T_r, int T_c) { return ((i64)T_r * T_c + 15) / 16 * 16; }
+
+    // the map head of sequence s of batch entry e (n sequences per entry)
+    __device__ __forceinline__ TileHead head(i64 e, int s, int n) const {
+        unsigned char* h = base + (by_entry ? e * n + s : (i64)s) * head_bytes;
+        int* kv_count = reinterpret_cast<int*>(h + state_bytes(T_r, T_c));
+        int* kv_list = kv_count + T_r;
+        int* q_count = kv_list + (i64)T_r * T_c;
+        return {h, kv_count, kv_list, q_count, q_count + T_c, T_r, T_c};
+    }
+};
+
+// The tiles a loop visits, in order, by position p in [begin, end): tile p itself without a tile map
+// (the band's interval), entry p of the map's list with one (begin 0)
+struct Visits {
+    const int* list;
+    int begin, end;
+
+    __device__ __forceinline__ int count() const { return end - begin; }
+    __device__ __forceinline__ int tile(int p) const { return TILE_MAP ? list[p] & ~TileMap::ALL_BIT : p; }
+    // mask_mod hides no pair of the tile at p that the band leaves visible (always without a map)
+    __device__ __forceinline__ bool all(int p) const { return !TILE_MAP || (list[p] & TileMap::ALL_BIT) != 0; }
+    // one past the position of the last tile below `stop`
+    __device__ __forceinline__ int below(int stop) const {
+        if constexpr (!TILE_MAP) return max(begin, min(end, stop));
+        int p = end;
+        while (p > begin && tile(p - 1) >= stop) --p;
+        return p;
+    }
+    // the position of the first tile at or past `start`
+    __device__ __forceinline__ int from(int start) const {
+        if constexpr (!TILE_MAP) return max(begin, min(end, start));
+        int p = begin;
+        while (p < end && tile(p) < start) ++p;
+        return p;
+    }
+    // split s of n (split-KV, FwdParams::kv_splits): the s-th of n runs of consecutive visits, their
+    // lengths as equal as they come (none for s >= count)
+    __device__ __forceinline__ Visits split(int s, int n) const {
+        const int count = end - begin;
+        return {list, begin + count * s / n, begin + count * (s + 1) / n};   // count * n < 2^31: n <= 256
+    }
+    // the rank of `tile` (one of the visits) among them: a binary search of the map's list
+    __device__ __forceinline__ int rank(int tile_index) const {
+        if constexpr (!TILE_MAP) return tile_index - begin;
+        int lo = begin, hi = end - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi) / 2;
+            if (tile(mid) < tile_index) lo = mid + 1;
+            else                        hi = mid;
+        }
+        return lo - begin;
+    }
+};
+
+// The K/V tiles Q tile i (rows i B_R ..) visits: the band's (Mask::kv_tile_first .. kv_tile_stop - 1)
+// or the map's
+template <int B_R, int B_C>
+__device__ __forceinline__ Visits kv_visits(const Mask& mask, const TileHead& tiles, int i) {
+    if constexpr (TILE_MAP) return {tiles.kv_list + (i64)i * tiles.T_c, 0, tiles.kv_count[i]};
+    return {nullptr, mask.kv_tile_first<B_C>(i * B_R), mask.kv_tile_stop<B_C>(i * B_R, B_R)};
+}
+
+// The Q tiles that visit K/V tile j: the band's (Mask::q_tile_first .. q_tile_stop - 1) or the map's
+template <int B_R, int B_C>
+__device__ __forceinline__ Visits q_visits(const Mask& mask, const TileHead& tiles, int j) {
+    if constexpr (TILE_MAP) return {tiles.q_list + (i64)j * tiles.T_r, 0, tiles.q_count[j]};
+    const int first = mask.q_tile_first<B_R>(j * B_C);
+    return {nullptr, first, max(first, mask.q_tile_stop<B_R, B_C>(j * B_C))};
+}
+
 // One band for sequences of different lengths (packed variable-length sequences, params.cuh: Seqs):
 // the window's sides, the causal mask's right side 0 (the smaller of both), UNBOUNDED where a side
 // bounds nothing. `of` gives a sequence's Mask exactly as MaskGeometry.kernel_fields

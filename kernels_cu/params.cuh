@@ -1,8 +1,10 @@
 // params.cuh — everything a kernel reads of a call: one parameter struct per kernel family,
 // passed once, by value.
 //
-//   FwdParams   flash_fwd_v1, flash_fwd_v2, flash_fwd_sm90 and flash_fwd_repair
-//   BwdParams   flash_bwd_prep, flash_bwd, flash_bwd_sm90, flash_bwd_repair and flash_convert
+//   FwdParams    flash_fwd_v1, flash_fwd_v2, flash_fwd_sm90 and flash_fwd_repair
+//   BwdParams    flash_bwd_prep, flash_bwd, flash_bwd_sm90, flash_bwd_repair and flash_convert
+//   MergeParams  flash_merge
+//   AppendParams flash_append
 //
 // Every pointer and stride has a name here. cupyflash/_params.py mirrors each struct once as a
 // NumPy structured dtype; a plan fills one per call shape and a call writes only its pointers.
@@ -21,6 +23,13 @@
 #define FLASH_VARLEN 0
 #endif
 constexpr bool VARLEN = FLASH_VARLEN != 0;
+
+// Keys in a paged K/V cache (flash_attention_with_kvcache with a block table) compiled in (the forward's
+// with FLASH_VARLEN: Seqs::len_k)
+#ifndef FLASH_PAGED
+#define FLASH_PAGED 0
+#endif
+constexpr bool PAGED = FLASH_PAGED != 0;
 
 // A tensor of the call as the kernels read it: base pointer, element strides along the three
 // collapsed batch dims (0 along a broadcast one) and of a row. The head dim is contiguous.
@@ -45,17 +54,76 @@ struct Batch {
 // The sequences of each batch entry and the work heads the grid walks. With VARLEN a batch entry's rows
 // hold n packed sequences: sequence s is the query rows cu_q[s] .. cu_q[s+1] - 1 and the key rows
 // cu_k[s] .. cu_k[s+1] - 1, and sees only its own keys, under `band` with its own Nq, Nk (causal
-// and windows bottom-right per sequence). Work head w = e n + s is sequence s of batch entry e;
-// the grid's tiles are those of the longest sequence (the params' Mask.Nq, Mask.Nk), and a CTA past
-// its own sequence's rows or keys has nothing to do. Without VARLEN: one sequence, the params' Mask,
-// n = 1.
+// and windows bottom-right per sequence). Null offsets make the entry's rows one sequence (n = 1:
+// rows_q queries, rows_k keys), and `len_k`, where given, cuts each batch entry's keys to its first
+// len_k[entry] + len_add (a K/V cache's valid lengths, the new keys appended; clamped to [0, rows_k]).
+// Work head w = e n + s is sequence s of batch entry e; the grid's tiles are those of the longest
+// sequence (the params' Mask.Nq, Mask.Nk), and a CTA past its own sequence's rows or keys has nothing
+// to do. Without VARLEN: one sequence, the params' Mask, n = 1.
 struct Seqs {
-    const int* cu_q;       // (n + 1) int32, VARLEN
+    const int* cu_q;       // (n + 1) int32, VARLEN, or null
     const int* cu_k;
+    const int* len_k;      // VARLEN: int32 per batch entry (broadcast over the batch dims), or null
+    i64 len_s0, len_s1, len_s2;   // its collapsed batch strides
     i64 heads;             // work heads: batch.count * n
     int n;                 // sequences per batch entry
-    int rows_q, rows_k;    // a batch entry's rows of q (o, dO, m, l) and of k, v
+    int rows_q, rows_k;    // a batch entry's rows of q (o, dO, m, l) and of k, v (a paged cache's: its capacity)
+    int len_add;           // added to len_k
     Band band;             // VARLEN: the visibility of every sequence
+
+    // the keys of batch entry bi's one sequence under len_k (VARLEN, len_k given)
+    __device__ __forceinline__ int keys_of(BatchIndex bi) const {
+        return min(max(len_k[batch_offset(bi, len_s0, len_s1, len_s2)] + len_add, 0), rows_k);
+    }
+};
+
+// The key rows of one sequence in k or v: row j at base + j sn, or (PAGED) key first + j in page
+// table[(first + j) / size] at row (first + j) % size, base then the sequence's head in page 0. Page
+// numbers are clamped to [0, count) on the device: a bad table reads (or flash_append writes) a wrong
+// page, never outside the cache.
+template <typename T>
+struct KeyRows {
+    T* base;
+    i64 sn;
+    const int* table;      // PAGED: the batch entry's row of the page table
+    i64 page;              // PAGED: elements between pages
+    int size, count;       // PAGED: rows per page, pages in the cache
+    int first;             // PAGED: the key of row 0
+
+    __device__ __forceinline__ T* row(int j) const {
+        if constexpr (PAGED) {
+            j += first;
+            const int at = min((unsigned)table[j / size], (unsigned)(count - 1));
+            return base + (i64)at * page + (i64)(j % size) * sn;
+        } else {
+            return base + (i64)j * sn;
+        }
+    }
+
+    // the rows from key `k0` on (a tile's): row r of the result is row k0 + r of these
+    __device__ __forceinline__ KeyRows from(int k0) const {
+        KeyRows r = *this;
+        if constexpr (PAGED) r.first += k0;
+        else r.base += (i64)k0 * sn;
+        return r;
+    }
+};
+
+// A paged K/V cache (PAGED): the k, v Tensors' batch strides place an entry's head in page 0, the
+// table maps each entry's run of `size` rows to a page
+struct Pages {
+    const int* table;      // (B, per_entry) int32 page numbers
+    i64 s0, s1, s2;        // the table's collapsed batch strides (of its rows)
+    i64 page_k, page_v;    // elements between pages of k, of v
+    int size;              // rows per page
+    int count;             // pages in the cache
+
+    // batch entry bi's rows of tensor t (k or v; `page` its elements between pages), from key row k0
+    template <typename T>
+    __device__ __forceinline__ KeyRows<T> rows(const Tensor<T>& t, i64 page, BatchIndex bi, int k0) const {
+        if constexpr (PAGED) return {t.at(bi), t.sn, table + batch_offset(bi, s0, s1, s2), page, size, count, k0};
+        return {t.at(bi) + (i64)k0 * t.sn, t.sn, nullptr, 0, 0, 0, 0};
+    }
 };
 
 // What a CTA of work head w reads: its batch entry and its sequence
@@ -80,8 +148,12 @@ __device__ __forceinline__ Seq seq_of(const Params& p, i64 w) {
     } else {
         const Seqs& sq = p.seqs;
         const i64 e = w / sq.n;
-        const int s = (int)(w - e * sq.n), q0 = sq.cu_q[s], k0 = sq.cu_k[s];
-        return {p.batch.split(e), e, e * sq.rows_q + q0, s, q0, k0, sq.band.of(sq.cu_q[s + 1] - q0, sq.cu_k[s + 1] - k0)};
+        const int s = (int)(w - e * sq.n);
+        const BatchIndex bi = p.batch.split(e);
+        const int q0 = sq.cu_q ? sq.cu_q[s] : 0, k0 = sq.cu_k ? sq.cu_k[s] : 0;
+        const int nq = sq.cu_q ? sq.cu_q[s + 1] - q0 : sq.rows_q;
+        const int nk = sq.len_k ? sq.keys_of(bi) : sq.cu_k ? sq.cu_k[s + 1] - k0 : sq.rows_k;
+        return {bi, e, e * sq.rows_q + q0, s, q0, k0, sq.band.of(nq, nk)};
     }
 }
 
@@ -94,6 +166,13 @@ template <class Params>
 __device__ __forceinline__ EntryMods mods_of(const Params& p, const Seq& sq) {
     const Mask& mask = mask_of(p, sq);
     return p.mods.at(sq.bi, sq.e, sq.q0, sq.k0, mask.Nq, mask.Nk);
+}
+
+// sequence sq's map head of mask_mod's tile map (without FLASH_USER_MASK: none, not read)
+template <class Params>
+__device__ __forceinline__ TileHead tiles_of(const Params& p, const Seq& sq) {
+    if constexpr (TILE_MAP) return p.tiles.head(sq.e, sq.s, p.seqs.n);
+    return {};
 }
 
 // ranges of 4-byte words flash_bwd_prep zeroes (BwdParams::zero)
@@ -115,17 +194,43 @@ struct FwdParams {
     acc_t* o_run;              // (BH, rows_q, DP) V1: the running O_i between outer steps
     unsigned* tile_counter;    // the persistent Hopper forward: tiles claimed past the first grid, zeroed
     unsigned* repair_flags;    // (heads, T_r) zeroed, causal: Q tiles for flash_fwd_repair
+    elem_t* o_parts;           // (kv_splits, BH, rows_q, D) split-KV: each split's o, m, l, for flash_merge
+    acc_t* m_parts;            // (kv_splits, BH, rows_q)
+    acc_t* l_parts;            // (kv_splits, BH, rows_q)
     Batch batch;
     Mask mask;                 // without VARLEN the call's; with, Nq, Nk of the longest sequence
     Seqs seqs;
+    TileMap tiles;             // FLASH_USER_MASK: mask_mod's tile map at the main kernel's tiles (mask.cuh)
     ScoreMods mods;            // softcap, ALiBi slopes (score_mod.cuh; read where compiled in)
+    Pages pages;               // PAGED: k, v are a paged cache
     int D;
     int vec;                   // 16-byte loads of q, k, v are safe (aligned rows, D % VEC == 0)
     int head_group;            // heads per group of the grid order (layout.cuh: grid_tile)
     int n_splits;              // V1: CTAs per head, each owning every n_splits-th Q tile
+    int kv_splits;             // V2, Hopper: CTAs per Q tile, each over its run of the K/V tiles (Visits::split)
+                               // into o_parts, m_parts, l_parts; 1: one CTA, into o, m, l
     int tile_rows;             // rows of a flagged Q tile (the main kernel's B_r), for the repair
     double scale;              // softmax_scale, as the accumulator type rounds it
+
+    // where split `split` of a forward writes the rows from `row0` on: o, m, l, or its parts
+    __device__ __forceinline__ elem_t* o_at(int split, i64 row0) const {
+        return kv_splits == 1 ? o + row0 * D : o_parts + (split * batch.count * seqs.rows_q + row0) * D;
+    }
+    __device__ __forceinline__ acc_t* m_at(int split, i64 row0) const {
+        return kv_splits == 1 ? m + row0 : m_parts + split * batch.count * seqs.rows_q + row0;
+    }
+    __device__ __forceinline__ acc_t* l_at(int split, i64 row0) const {
+        return kv_splits == 1 ? l + row0 : l_parts + split * batch.count * seqs.rows_q + row0;
+    }
 };
+
+// the key rows of sequence sq in k or v of a forward (PAGED: in the paged cache)
+__device__ __forceinline__ KeyRows<const elem_t> k_rows_of(const FwdParams& p, const Seq& sq) {
+    return p.pages.rows(p.k, p.pages.page_k, sq.bi, sq.k0);
+}
+__device__ __forceinline__ KeyRows<const elem_t> v_rows_of(const FwdParams& p, const Seq& sq) {
+    return p.pages.rows(p.v, p.pages.page_v, sq.bi, sq.k0);
+}
 
 struct BwdParams {
     Tensor<const elem_t> q;    // (batch..., rows_q, D)
@@ -156,6 +261,7 @@ struct BwdParams {
     Batch batch;
     Mask mask;
     Seqs seqs;
+    TileMap tiles;
     ScoreMods mods;
     int D;
     int vec;                   // 16-byte loads of q, k, v, dO are safe
@@ -165,4 +271,43 @@ struct BwdParams {
     int lse_stats;             // the main kernel reads lse2 (flash_bwd_sm90), else m_b, inv_l
     int tile_r, tile_c;        // the main kernel's B_r, B_c: the tiles of dq_flags, kv_flags
     double scale;
+};
+
+// the most parts a MergeParams names one by one; more arrive stacked (PartSet::stride)
+constexpr int MERGE_POINTERS = 16;
+
+// The parts of a merge, each a C-contiguous array of the same shape: named one by one (stride 0), or
+// stacked, part p at ptr[0] + p * stride
+template <typename T>
+struct PartSet {
+    T* ptr[MERGE_POINTERS];
+    i64 stride;
+
+    __device__ __forceinline__ T* at(int part) const { return stride ? ptr[0] + part * stride : ptr[part]; }
+};
+
+struct MergeParams {
+    PartSet<const elem_t> o;   // each (rows, D)
+    PartSet<const acc_t> m;    // each (rows,)
+    PartSet<const acc_t> l;
+    elem_t* o_out;             // (rows, D)
+    acc_t* m_out;              // (rows,)
+    acc_t* l_out;
+    i64 rows;
+    int D;
+    int parts;
+    int lanes;                 // threads per row
+    int vec;                   // 16-byte accesses of o are safe (aligned parts, D % VEC == 0)
+};
+
+// New keys and values appended to a K/V cache at each batch entry's length (flash_attention_with_kvcache)
+struct AppendParams {
+    Tensor<elem_t> k, v;                 // the cache, (entries..., rows_k, D); paged: page 0's
+    Tensor<const elem_t> k_new, v_new;   // (entries..., n_new, D)
+    Batch batch;                         // the cache's batch entries
+    Seqs seqs;                           // len_k: where each entry's new rows go; rows_k the capacity
+    Pages pages;                         // table null: a contiguous cache
+    int n_new;
+    int D;
+    int vec;                             // 16-byte accesses are safe
 };

@@ -3,16 +3,22 @@
 // The API's order (cupyflash.reference: _Scores), for query i and key j, off = Nk - Nq:
 //     s = scale q_i . k_j                        natural units
 //     softcap c:   s <- c tanh(s / c)            FLASH_SOFTCAP
+//     score_mod:   s <- score_mod(s, b, i, j)    FLASH_USER_SCORE (its text; FLASH_USER_GRAD its derivative)
 //     ALiBi slope: s <- s - slope |i + off - j|  FLASH_ALIBI
 //     bias:        s <- s + bias_ij              FLASH_BIAS (FLASH_BIAS_GRAD: the backward adds dS_ij to dbias_ij)
 //     mask:        s <- -inf where mask_ij false FLASH_MASK (the pair is hidden, as the band hides it)
+//     mask_mod:    s <- -inf where it is 0       FLASH_USER_MASK (its text)
 // then the band (mask.cuh). m_i, l_i are the statistics of the modified scores. Dropout (FLASH_DROPOUT)
 // then zeroes the pairs of P~ its keep set drops (philox.cuh) and scales the rest by 1 / (1 - p): the
 // forward drops them from P~ V (not from l_i) and scales O_i at the end; the backward takes
 // Z = keep / (1 - p) into dV = (Z o P)^T dO and dS = P o (Z o dP - D). A modifier is
 // compiled in only where a call uses it (TileConfig.mods), so a plain call runs the plain kernel and
 // pays nothing. The backward's dS is taken with respect to the modified score; the chain back to
-// scale q . k multiplies it by ds'/ds = 1 - tanh^2 (softcap; ALiBi adds a constant).
+// scale q . k multiplies it by ds'/ds: score_mod_grad, times 1 - tanh^2 (softcap; ALiBi adds a constant).
+//
+// User expressions (cupyflash/_expr.py renders them, in acc_t's arithmetic) read s, b (the flat batch
+// index), q_idx, kv_idx (positions in the sequence, long long) and the names FLASH_USER_ARGS declares
+// from UserArgs' slots (mod_args: an array's address or a number's bits each).
 //
 // tanh: the forward of 16-bit inputs takes the hardware's tanh.approx (relative error 2^-11, what
 // rounding a score to float16 costs); float32 and float64 take the accurate tanhf / tanh. The
@@ -48,12 +54,29 @@
 #define FLASH_DROPOUT 0
 #endif
 
+#ifdef FLASH_USER_SCORE
+constexpr bool USER_SCORE = true;
+#else
+constexpr bool USER_SCORE = false;
+#endif
+#ifdef FLASH_USER_MASK
+constexpr bool USER_MASK = true;
+#else
+constexpr bool USER_MASK = false;
+#endif
+#ifndef FLASH_USER_ARGS
+#define FLASH_USER_ARGS
+#endif
+
 constexpr bool SOFTCAP = FLASH_SOFTCAP != 0;
 constexpr bool ALIBI = FLASH_ALIBI != 0;
 constexpr bool BIAS = FLASH_BIAS != 0;
 constexpr bool BIAS_GRAD = BIAS && FLASH_BIAS_GRAD != 0;   // the backward's dbias
 constexpr bool BOOL_MASK = FLASH_MASK != 0;
-constexpr bool SCORE_MODS = SOFTCAP || ALIBI || BIAS || BOOL_MASK;
+constexpr bool HIDES = BOOL_MASK || USER_MASK;             // pairs hidden one by one, beyond the band
+constexpr bool CHAIN = SOFTCAP || USER_SCORE;              // the backward multiplies dS by ds'/ds
+constexpr bool SCORE_MODS = SOFTCAP || ALIBI || BIAS || BOOL_MASK || USER_SCORE || USER_MASK;
+constexpr bool MODS_BUT_USER_MASK = SOFTCAP || ALIBI || BIAS || BOOL_MASK || USER_SCORE;
 constexpr bool DROPOUT = FLASH_DROPOUT != 0;
 // the attention sink: one more key per batch entry, of logit `sink` and value zero, folded into the
 // forward's final m_i, l_i (softmax.cuh: fold_sink); the backward's P = exp(S - lse) needs nothing more
@@ -83,6 +106,42 @@ __device__ __forceinline__ void tanh_and_grad(acc_t x, acc_t& t, acc_t& grad) {
 #else
     t = tanh_acc(x);
     grad = (acc_t)1 - t * t;
+#endif
+}
+
+// mod_args as the kernels read them: each slot an array's address or a number's bits (an int's as
+// long long, a float's as double)
+struct UserArgs {
+    unsigned long long slot[8];
+};
+
+// score_mod, score_mod_grad and mask_mod of one pair (identity, 1 and visible where not compiled in)
+__device__ __forceinline__ acc_t user_score(acc_t s, long long b, long long q_idx, long long kv_idx,
+                                            const UserArgs& args) {
+#ifdef FLASH_USER_SCORE
+    FLASH_USER_ARGS
+    return (acc_t)(FLASH_USER_SCORE);
+#else
+    return s;
+#endif
+}
+
+__device__ __forceinline__ acc_t user_score_grad(acc_t s, long long b, long long q_idx, long long kv_idx,
+                                                 const UserArgs& args) {
+#ifdef FLASH_USER_GRAD
+    FLASH_USER_ARGS
+    return (acc_t)(FLASH_USER_GRAD);
+#else
+    return (acc_t)1;
+#endif
+}
+
+__device__ __forceinline__ bool user_visible(long long b, long long q_idx, long long kv_idx, const UserArgs& args) {
+#ifdef FLASH_USER_MASK
+    FLASH_USER_ARGS
+    return (FLASH_USER_MASK) != 0;
+#else
+    return true;
 #endif
 }
 
@@ -125,6 +184,15 @@ struct EntryMods {
     // the Philox key (the seed's two words), the threshold round(p 2^32) and 1 / (1 - p)
     unsigned b_lo, b_hi, pq0, pk0, seed_lo, seed_hi, threshold;
     acc_t keep_scale;
+    long long b;          // user expressions: the flat batch index
+    UserArgs user;        // ... and mod_args
+    bool user_all = false;   // the tile map's ALL for the tile at hand: mask_mod hides none of its pairs
+
+    // the tile at hand needs the modifiers: some modifier but mask_mod, or a mask_mod that may hide a pair
+    __device__ __forceinline__ bool modifies() const { return MODS_BUT_USER_MASK || (USER_MASK && !user_all); }
+
+    // the boolean mask or mask_mod may hide a pair of the tile at hand
+    __device__ __forceinline__ bool hides() const { return BOOL_MASK || (USER_MASK && !user_all); }
 
     // word `w` (0-3) of a Philox result
     __device__ __forceinline__ static unsigned word(const Words4& r, unsigned w) {
@@ -146,17 +214,37 @@ struct EntryMods {
         second = (key & 3) != 3 ? word(r, (key & 3) + 1) >= threshold : kept(i, j + 1);
     }
 
-    // the boolean mask hides pair (i, j) (always false without one); pairs past the lengths are hidden
+    // the boolean mask or mask_mod hides pair (i, j) (always false without either); pairs past the
+    // lengths are hidden
     __device__ __forceinline__ bool hidden(int i, int j) const {
-        if constexpr (BOOL_MASK) return i >= Nq || j >= Nk || !keep(i, j);
+        if constexpr (HIDES) {
+            if (i >= Nq || j >= Nk) return true;
+            if constexpr (BOOL_MASK)
+                if (!keep(i, j)) return true;
+            if constexpr (USER_MASK)
+                if (!user_all && !user_visible(b, i, j, user)) return true;
+        }
         return false;
+    }
+
+    // score_mod of pair (i, j) at s (natural units, after the softcap); DERIV: grad *= score_mod_grad at s.
+    // Pairs past the lengths (a tile's ragged end, hidden by the band) are not evaluated: an expression
+    // may read its arrays at q_idx or kv_idx.
+    template <bool DERIV = false>
+    __device__ __forceinline__ acc_t user_mod(acc_t s, int i, int j, acc_t& grad) const {
+        if constexpr (USER_SCORE) {
+            if (i >= Nq || j >= Nk) return s;
+            if constexpr (DERIV) grad *= user_score_grad(s, b, i, j, user);
+            return user_score(s, b, i, j, user);
+        }
+        return s;
     }
 
     // s of pair (i, j) with the bias added and -inf where the mask hides it
     __device__ __forceinline__ acc_t pair_score(acc_t s, int i, int j) const {
         if constexpr (BIAS)
             if (i < Nq && j < Nk) s += to_acc(bias(i, j));
-        if constexpr (BOOL_MASK)
+        if constexpr (HIDES)
             if (hidden(i, j)) s = NEG_INF;
         return s;
     }
@@ -189,10 +277,10 @@ struct EntryMods {
         return s;
     }
 
-    // the modified score of query i, key j from s = scale q_i . k_j; grad as in cap_score
+    // the modified score of query i, key j from s = scale q_i . k_j; DERIV: grad (1 on entry) gets ds'/ds
     template <bool DERIV = false>
     __device__ __forceinline__ acc_t apply(acc_t s, int i, int j, acc_t& grad) const {
-        return pair_score(alibi(cap_score<DERIV>(s, grad), (acc_t)(i + off - j)), i, j);
+        return pair_score(alibi(user_mod<DERIV>(cap_score<DERIV>(s, grad), i, j, grad), (acc_t)(i + off - j)), i, j);
     }
 };
 
@@ -211,6 +299,7 @@ struct ScoreMods {
     double keep_scale;                      // FLASH_DROPOUT: 1 / (1 - p)
     i64 batch0;                             // the flat batch index of the call's entry 0 (of a peeled piece)
     unsigned long long seed;                // FLASH_DROPOUT: the Philox key (written per call)
+    UserArgs user;                          // FLASH_USER_*: mod_args
 
     // the modifiers of batch entry bi (flat index `entry`) for its sequence of Nq queries and Nk keys, the
     // first pair at (q0, k0) of the entry's (packed) rows and keys
@@ -227,6 +316,10 @@ struct ScoreMods {
         if constexpr (BOOL_MASK) e.keep = {keep.at(bi, q0, k0), (int)keep.si, (int)keep.sj};
         if constexpr (BIAS_GRAD) e.dbias = {dbias.at(bi, q0, k0), (int)dbias.si, (int)dbias.sj};
         e.dbias_add = dbias_add != 0;
+        if constexpr (USER_SCORE || USER_MASK) {
+            e.b = (long long)(batch0 + entry);
+            e.user = user;
+        }
         if constexpr (DROPOUT) {
             const unsigned long long b = (unsigned long long)(batch0 + entry);
             e.b_lo = (unsigned)b;
@@ -252,13 +345,14 @@ __device__ __forceinline__ void pair_at(int r0, int c0, int n, int e, int& i, in
     j = TRANSPOSED ? row : col;
 }
 
-// Some pair inside the ragged ends may be hidden: the band's answer, and any under a boolean mask
-__device__ __forceinline__ bool may_hide_any(const Mask& mask) { return BOOL_MASK || mask.banded(); }
+// Some pair inside the ragged ends may be hidden: the band's answer, and any under a boolean mask or a
+// mask_mod
+__device__ __forceinline__ bool may_hide_any(const Mask& mask) { return HIDES || mask.banded(); }
 
 // The tile of rows [q0, q0 + rows) x keys [k0, k0 + cols) may hold a hidden pair that is not past a
-// ragged end (nonfinite.cuh): the band's answer, and under a boolean mask any tile
+// ragged end (nonfinite.cuh): the band's answer, and under a boolean mask or a mask_mod any tile
 __device__ __forceinline__ bool may_hide(const Mask& mask, int q0, int rows, int k0, int cols) {
-    return BOOL_MASK || mask.has_masked_pairs(q0, rows, k0, cols);
+    return HIDES || mask.has_masked_pairs(q0, rows, k0, cols);
 }
 
 // Dropout's keep bits of the four elements of n-tile n of a warp's tile (rows r0 .., columns c0 .. as
@@ -342,7 +436,7 @@ __device__ __forceinline__ void add_dbias_quad(const acc_t (&ds)[4], const Entry
 // The modifiers on a warp's (16, 8*NT) accumulator tile of scores in natural units (mma_sm80.cuh and
 // wgmma fragments alike): rows r0 + g, r0 + g + 8, columns c0 + 8n + 2t + {0, 1}. Rows are queries
 // and columns keys, or, TRANSPOSED (the backward's S^T), rows keys and columns queries. Without
-// DERIV, G is not written; with it G holds each element's ds'/ds (the softcap's).
+// DERIV, G is not written; with it G holds each element's ds'/ds (the softcap's and score_mod's).
 template <bool TRANSPOSED, bool DERIV = false, int NT>
 __device__ __forceinline__ void modify_scores(acc_t (&S)[NT][4], acc_t (&G)[DERIV ? NT : 1][4], const EntryMods& mods,
                                               int r0, int c0) {
@@ -358,21 +452,20 @@ __device__ __forceinline__ void modify_scores(acc_t (&S)[NT][4], acc_t (&G)[DERI
     for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            acc_t grad;
-            const acc_t s = mods.cap_score<DERIV>(S[n][e], grad);
+            acc_t grad = (acc_t)1;
+            int i = 0, j = 0;
+            if constexpr (BIAS || HIDES || USER_SCORE) pair_at<TRANSPOSED>(r0, c0, n, e, i, j);
+            const acc_t s = mods.user_mod<DERIV>(mods.cap_score<DERIV>(S[n][e], grad), i, j, grad);
             if constexpr (DERIV) G[n][e] = grad;
             S[n][e] = mods.alibi(s, base[e / 2] - (acc_t)(8 * n + e % 2));
-            if constexpr (BIAS || BOOL_MASK) {
-                int i, j;
-                pair_at<TRANSPOSED>(r0, c0, n, e, i, j);
-                S[n][e] = mods.pair_score(S[n][e], i, j);
-            }
+            if constexpr (BIAS || HIDES) S[n][e] = mods.pair_score(S[n][e], i, j);
         }
 }
 
 // The modifiers in units of `unit`, for a kernel whose online softmax scales differences of raw scores
 // x = q . k into its exponent (the Hopper forward): the natural score is unit * S with
 //     softcap:  S = tanh(x scale / c),  unit = c        else  S = x,  unit = scale (> 0)
+//     score_mod: S = score_mod(unit S) / unit
 //     ALiBi:    S -= (slope / unit) |i + off - j|
 //     bias:     S += bias_ij / unit;  mask: S = -inf where hidden
 // so no element pays a multiplication into natural units but the bias's.
@@ -380,12 +473,12 @@ struct RawMods {
     acc_t in_scale;   // scale / c: x -> the tanh's argument
     acc_t unit;       // natural units per unit of S: m_i's scale, and the exponent's (times log2 e)
     acc_t slope;      // ALiBi slope / unit
-    acc_t inv_unit;   // 1 / unit: the bias's factor
+    acc_t inv_unit;   // 1 / unit: the bias's and score_mod's factor
     const EntryMods& entry;   // the offset Nk - Nq, the bias and the mask
 
     __device__ __forceinline__ RawMods(const EntryMods& mods, acc_t scale)
         : in_scale(SOFTCAP ? scale * mods.inv_cap : (acc_t)0), unit(SOFTCAP ? mods.cap : scale),
-          slope(ALIBI ? mods.slope / unit : (acc_t)0), inv_unit(BIAS ? (acc_t)1 / unit : (acc_t)0),
+          slope(ALIBI ? mods.slope / unit : (acc_t)0), inv_unit(BIAS || USER_SCORE ? (acc_t)1 / unit : (acc_t)0),
           entry(mods) {}
 };
 
@@ -402,8 +495,8 @@ __device__ __forceinline__ void raw_base(acc_t (&base)[2], int off, int r0, int 
 }
 
 // RawMods on the four accumulator values x of n-tile n of a warp's tile of raw scores (base from
-// raw_base, rows r0 .., columns c0 .. as there); DERIV: grad gets each one's ds'/ds (the softcap's;
-// untouched without one)
+// raw_base, rows r0 .., columns c0 .. as there); DERIV: grad gets each one's ds'/ds (the softcap's
+// and score_mod's; untouched without either)
 template <bool TRANSPOSED, bool DERIV = false>
 __device__ __forceinline__ void modify_raw_quad(acc_t (&x)[4], acc_t (&grad)[4], const RawMods& mods,
                                                 const acc_t (&base)[2], int r0, int c0, int n) {
@@ -413,17 +506,25 @@ __device__ __forceinline__ void modify_raw_quad(acc_t (&x)[4], acc_t (&grad)[4],
             if constexpr (DERIV) tanh_and_grad(x[e] * mods.in_scale, x[e], grad[e]);
             else                 x[e] = tanh_acc(x[e] * mods.in_scale);
         }
+    if constexpr (USER_SCORE)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int i, j;
+            pair_at<TRANSPOSED>(r0, c0, n, e, i, j);
+            if constexpr (DERIV && !SOFTCAP) grad[e] = (acc_t)1;
+            x[e] = mods.entry.user_mod<DERIV>(x[e] * mods.unit, i, j, grad[e]) * mods.inv_unit;
+        }
     if constexpr (ALIBI)
 #pragma unroll
         for (int e = 0; e < 4; ++e) x[e] -= mods.slope * fabs(base[e / 2] - (acc_t)(8 * n + e % 2));
-    if constexpr (BIAS || BOOL_MASK)
+    if constexpr (BIAS || HIDES)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             int i, j;
             pair_at<TRANSPOSED>(r0, c0, n, e, i, j);
             if constexpr (BIAS)
                 if (i < mods.entry.Nq && j < mods.entry.Nk) x[e] += to_acc(mods.entry.bias(i, j)) * mods.inv_unit;
-            if constexpr (BOOL_MASK)
+            if constexpr (HIDES)
                 if (mods.entry.hidden(i, j)) x[e] = NEG_INF;
         }
 }

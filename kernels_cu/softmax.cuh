@@ -43,7 +43,7 @@ template <int NT>
 __device__ __forceinline__ void final_scores(acc_t (&S)[NT][4], acc_t scale, const EntryMods& mods, const Mask& mask,
                                              int r0, int kv0) {
     scale_scores(S, scale);
-    if constexpr (SCORE_MODS) modify_scores(S, mods, r0, kv0);
+    if (SCORE_MODS && mods.modifies()) modify_scores(S, mods, r0, kv0);
     mask_scores(S, mask, r0, kv0);
 }
 

@@ -104,6 +104,14 @@ __device__ __forceinline__ acc_t exp2_acc(acc_t x) {
 #endif
 }
 
+__device__ __forceinline__ acc_t exp_acc(acc_t x) {
+#if FLASH_DTYPE == 3
+    return exp(x);
+#else
+    return expf(x);
+#endif
+}
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return (unsigned)__cvta_generic_to_shared(p);
 }

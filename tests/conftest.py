@@ -6,6 +6,8 @@ worker process per core into CuPy's disk cache; the tests then load them. Only a
 selects a GPU test pays it, and a warm cache makes it a few seconds.
 """
 
+import os
+
 import pytest
 
 from helpers import HAVE_GPU
@@ -17,10 +19,23 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def kernels_compiled_in_parallel(request):
-    if HAVE_GPU and getattr(request.session, "selects_gpu_tests", False):
+    # under pytest-xdist each worker compiles what its tests load: a pool per worker would start a
+    # process per core in every worker
+    if HAVE_GPU and getattr(request.session, "selects_gpu_tests", False) and "PYTEST_XDIST_WORKER" not in os.environ:
         import cupyflash
 
         cupyflash.precompile()
+
+
+@pytest.fixture(autouse=True)
+def pool_given_back_under_xdist():
+    """Under pytest-xdist every worker's CuPy pool would keep the blocks of its largest test, and a few
+    workers together run the GPU out of memory: each test hands its blocks back when it ends."""
+    yield
+    if HAVE_GPU and "PYTEST_XDIST_WORKER" in os.environ:
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
 
 
 @pytest.fixture()

@@ -47,6 +47,24 @@ def gpu_test(test):
     return test
 
 
+# tests that run on NumPy arrays (the CPU path) and, where a GPU is present, on CuPy arrays: parametrize
+# by ARRAY_MODULES and take the module with array_module_named
+ARRAY_MODULES = ["numpy", pytest.param("cupy", marks=requires_gpu)]
+
+
+def array_module_named(name: str):
+    if name == "numpy":
+        return numpy
+    import cupy
+
+    return cupy
+
+
+def host(x):
+    """``x`` (NumPy or CuPy) as a NumPy array of its own dtype."""
+    return x if isinstance(x, numpy.ndarray) else x.get()
+
+
 POISON_BYTES = 256 << 20
 
 

@@ -165,10 +165,14 @@ def test_a_plain_call_compiles_no_modifier_and_a_modified_one_only_its_own():
 
 def test_the_compile_test_covers_every_modified_family_dtype_and_bucket():
     smem = 227 * 1024
-    modified = {(c.kernel, c.dtype, c.d_pad) for c in _tiles.modified_tile_configs(smem)}
+    configs = [c for c in _tiles.modified_tile_configs(smem) if c.spec.score_mods]
+    modified = {(c.kernel, c.dtype, c.d_pad) for c in configs}
     plain = {(c.kernel, c.dtype, c.d_pad) for c in _tiles.all_tile_configs(smem) if c.spec.score_mods}
     assert modified == plain
-    configs = _tiles.modified_tile_configs(smem)
+    # and every family that reads a paged cache, with it
+    paged = {(c.kernel, c.dtype, c.d_pad) for c in _tiles.modified_tile_configs(smem) if c.paged}
+    assert paged == {(c.kernel, c.dtype, c.d_pad) for c in _tiles.all_tile_configs(smem)
+                     if c.kernel in _tiles.PAGED_KERNELS}
     assert all(c.alibi and c.sink and c.bias and c.mask and c.varlen for c in configs)
     # every modifier line of every family: the softcap everywhere, dbias in the backward kernels (the wide
     # Hopper backward takes no dbias under a softcap, so it is built both ways)
@@ -359,7 +363,8 @@ def test_slopes_and_sinks_of_one_layout_do_not_share_a_kept_plan(first, then):
 def test_the_kernels_modifier_fields_take_the_layouts_last_tensors(alibi, sink, bias, mask, grad):
     """ScoreMods (params.cuh) from a call's batch layout: the collapsed strides of the slopes, the sinks,
     the bias, the mask and dbias's buffer are the layout's last tensors, in that order, each per-pair
-    array with its query and key strides; then dbias_add and the softcap (pointers written per call)."""
+    array with its query and key strides; then dbias_add, the softcap and the mod_args slots (pointers
+    written per call)."""
     from cupyflash._launch import BatchLayout, Mods
 
     given = {"alibi": alibi, "sink": sink, "bias": bias, "mask": mask, "dbias": grad}
@@ -370,8 +375,9 @@ def test_the_kernels_modifier_fields_take_the_layouts_last_tensors(alibi, sink, 
     of = {name: strides[name] if g else (0, 0, 0) for name, g in given.items()}
     assert fields == (0, *of["alibi"], 0, *of["sink"], *((0, *of[name], *ij) for name, ij in
                                                          zip(("bias", "mask", "dbias"), pairs)), int(grad),
-                      0, 2.5, 1.0, 0, 0)   # no dropout: threshold 0, scale 1, batch offset 0, seed per call
-    assert Mods().fields(BatchLayout((4, 5, 6), tuple(tensors[:3])))[-1] == 0.0
+                      0, 2.5, 1.0, 0, 0, ((0,) * 8,))   # no dropout: threshold 0, scale 1, batch offset 0,
+    # seed per call; no expressions: mod_args' slots 0
+    assert Mods().fields(BatchLayout((4, 5, 6), tuple(tensors[:3])))[-5] == 0.0   # no softcap
 
 
 @pytest.mark.parametrize("name", ["alibi_slopes", "sink"])

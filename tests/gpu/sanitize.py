@@ -13,7 +13,10 @@ not, causal with a NaN in each of q, k, v, do inside a diagonal tile (the scans,
 flash_repair.cu), a sliding window without and (causal) with the NaNs, K/V broadcast over a group of
 query heads, the backward unordered and deterministic; ``--mods all`` runs them with the softcap,
 ALiBi and a sink compiled in, ``--mods pairs`` with a bias (and dbias) and a boolean mask,
-``--mods dropout`` with dropout.
+``--mods dropout`` with dropout, ``--mods user`` with a score_mod and a mask_mod (its tile map's kernels too).
+``--splits N`` runs the V2 forwards split-KV in N parts (merged by flash_merge.cu);
+``--merge`` runs merge_attention's kernel instead (every dtype, 1, 3 and 17 parts listed and stacked, a
+head dim of 16-byte rows and one without, empty rows), against the NumPy merge.
 ``--quick`` keeps two head dims, ``--head-dims`` picks some, ``--dtypes`` some dtypes, ``--schedules`` some
 schedules, ``--masks`` some masks (racecheck over all six head dims takes
 longer than one 10-minute device call: run it in parts). The script also checks each result
@@ -66,10 +69,15 @@ MODS = {"none": {}, "all": dict(softcap=4.0, alibi_slopes=numpy.array([[0.5], [0
                                 sink=numpy.array([[0.5, -1.0], [1.5, 0.0]], numpy.float32)),
         "pairs": dict(bias=_PAIRS.integers(-8, 8, (2, Q_SHAPE[-1], KV_SHAPE[-1])) / 4,
                       mask=_PAIRS.random((Q_SHAPE[0], 1, 1, Q_SHAPE[-1], KV_SHAPE[-1])) < 0.75),
-        "dropout": dict(dropout_p=0.25, seed=2**40 + 3)}
+        "dropout": dict(dropout_p=0.25, seed=2**40 + 3),
+        # user expressions: a softcap and a per-key weight by score_mod, a mask_mod that hides every third
+        # block of 64 keys (whole tiles: the tile map skips them) and, for odd b, the keys past q_idx + 150
+        "user": dict(score_mod="c * tanhf(s / c) + w[kv_idx]", score_mod_grad="1 - tanhf(s / c) * tanhf(s / c)",
+                     mask_mod="(kv_idx / 64) % 3 != 1 && (b % 2 == 0 || kv_idx <= q_idx + 150)",
+                     mod_args={"c": 4.0, "w": (numpy.arange(KV_SHAPE[-1]) % 5 / 4).astype(numpy.float32)})}
 
 
-def run_case(dtype, precision, D, schedule, causal, window, poison, rng, mods=None) -> float:
+def run_case(dtype, precision, D, schedule, causal, window, poison, rng, mods=None, splits=1) -> float:
     """Forward and backward of one case; the worst relative error against the reference."""
     import cupy
 
@@ -85,8 +93,10 @@ def run_case(dtype, precision, D, schedule, causal, window, poison, rng, mods=No
     kw = dict(causal=causal, window=window, **(mods or {}))
     if "bias" in kw:
         kw["bias"] = kw["bias"].astype(dtype)
-    grad_kw = dict(kw, bias_grad=True) if "bias" in kw else kw
-    o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, **kw, schedule=api, precision=precision)
+    grad_kw = dict(kw, bias_grad=True) if "bias" in kw else dict(kw)
+    kw.pop("score_mod_grad", None)   # the backward's alone
+    splits = splits if api != "v1" else 1
+    o, m, l = cupyflash.flash_attention_forward(qg, kg, vg, **kw, schedule=api, precision=precision, num_splits=splits)
     grads = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, **grad_kw, schedule=api, precision=precision)
     ordered = cupyflash.flash_attention_backward(dog, qg, kg, vg, o, m, l, **grad_kw, schedule=api,
                                                  precision=precision, deterministic=True)
@@ -103,6 +113,32 @@ def run_case(dtype, precision, D, schedule, causal, window, poison, rng, mods=No
     return worst
 
 
+def merge_cases(rng) -> int:
+    """flash_merge.cu on every dtype, listed and stacked parts, D 128 and 40; the failures."""
+    import cupy
+
+    failures = cases = 0
+    for (name, dtype, _, tolerance), parts, D, stacked in itertools.product(
+            [v for v in VARIANTS if v[2] != "tf32"], (1, 3, 17), (128, 40), (False, True)):
+        acc = numpy.float64 if dtype == numpy.float64 else numpy.float32
+        o = rng.standard_normal((parts, 3, 37, D)).astype(dtype)
+        m = (3 * rng.standard_normal((parts, 3, 37))).astype(acc)
+        l = rng.uniform(1, 9, (parts, 3, 37)).astype(acc)
+        m[:, 0, :4], l[:, 0, :4] = -numpy.inf, 0          # rows no part saw
+        want = cupyflash.merge_attention_stacked(o, m, l)
+        if stacked:
+            got = cupyflash.merge_attention_stacked(*(cupy.asarray(x) for x in (o, m, l)))
+        else:
+            got = cupyflash.merge_attention([tuple(cupy.asarray(x[p]) for x in (o, m, l)) for p in range(parts)])
+        err = max(float(numpy.abs(g.get().astype(numpy.float64) - w.astype(numpy.float64)).max()) for g, w in zip(got, want))
+        cases += 1
+        if not err <= SANITIZE_REL_ERR[tolerance] * 10:
+            failures += 1
+            print(f"FAIL merge {name} parts={parts} D={D} stacked={stacked}: error {err:.2e}", flush=True)
+    print(f"{cases - failures} of {cases} cases within tolerance", flush=True)
+    return failures
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"head dims {QUICK_HEAD_DIMS} only")
@@ -117,7 +153,11 @@ def main(argv=None) -> int:
                         help=f"these masks only (default all: {' '.join(MASKS)})")
     parser.add_argument("--mods", nargs="+", choices=list(MODS), default=["none"], metavar="NAME",
                         help=f"the modifier sets (default none; all: {' '.join(MODS['all'])})")
+    parser.add_argument("--merge", action="store_true", help="merge_attention's kernel only")
+    parser.add_argument("--splits", type=int, default=1, help="the forwards' num_splits (V2 schedules; default 1)")
     args = parser.parse_args(argv)
+    if args.merge:
+        return 1 if merge_cases(numpy.random.default_rng(0)) else 0
     head_dims = args.head_dims or (QUICK_HEAD_DIMS if args.quick else HEAD_DIMS)
     if any(not 1 <= d <= _tiles.MAX_HEAD_DIM for d in head_dims):
         parser.error(f"--head-dims must lie in 1..{_tiles.MAX_HEAD_DIM}, got {head_dims}")
@@ -127,7 +167,7 @@ def main(argv=None) -> int:
     variants = [v for v in VARIANTS if not args.dtypes or v[0] in args.dtypes]
     cases = list(itertools.product(variants, head_dims, args.schedules or SCHEDULES, masks, args.mods))
     for (name, dtype, precision, tolerance), D, schedule, (causal, window, poison), mods in cases:
-        err = run_case(dtype, precision, D, schedule, causal, window, poison, rng, MODS[mods])
+        err = run_case(dtype, precision, D, schedule, causal, window, poison, rng, MODS[mods], args.splits)
         ok = err <= SANITIZE_REL_ERR[tolerance]
         failures += not ok
         if not ok:
