@@ -59,11 +59,15 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
-import cupy
 import ml_dtypes
 import numpy
-from cupy_backends.cuda.api.runtime import CUDA_R_16BF
-from cupy_backends.cuda.libs import cublas
+
+try:
+    import cupy
+    from cupy_backends.cuda.api.runtime import CUDA_R_16BF
+    from cupy_backends.cuda.libs import cublas
+except ImportError:     # --help needs no CuPy; main() says what a run needs
+    cupy = None
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CHECKOUT = (REPO_ROOT / "cupyflash" / "__init__.py").is_file()   # else installed: cupyflash/benchmarks/bench.py
@@ -924,6 +928,10 @@ def sweep_configs(args) -> list:
 
 def main(argv=None):
     args = parse_args(argv)
+    if cupy is None:
+        from cupyflash._compile import install_hint
+
+        sys.exit(f"the benchmark needs CuPy and a GPU: {install_hint(',bench')}")
     started = time.perf_counter()
     systems = [s for s in SYSTEMS if s.name in args.systems]
     torch_note = torch_missing() if any(s.needs_torch for s in systems) else None

@@ -14,8 +14,8 @@ now (``cupyflash.precompile``), e.g. when a container image is built on a GPU
 machine; ``--kernels``, ``--dtypes``, ``--head-dims`` choose which.
 
 ``bench``: the side-by-side benchmark, ``benchmarks/bench.py`` (the wheel
-carries it), with its own options (``python -m cupyflash bench --help``). Without CuPy or a
-usable GPU it says so in one line and exits 2, as ``precompile`` does.
+carries it), with its own options (``python -m cupyflash bench --help``, which needs neither CuPy nor a
+GPU). Without CuPy or a usable GPU a run says so in one line and exits 2, as ``precompile`` does.
 """
 
 from __future__ import annotations
@@ -36,19 +36,19 @@ from cupyflash import _compile, _tiles, reference
 
 
 def _gpu_or_why():
-    """(cupy, None) where a CUDA GPU can be used, else (None, why not)."""
+    """(cupy, None) where a CUDA GPU can be used, else (None, why not) in one line: CuPy missing, or
+    CuPy present with no usable device or driver, and the error it gave."""
     try:
         import cupy
-
+    except ImportError:
+        return None, f"CuPy is not installed; for the GPU kernels, {_compile.install_hint()}"
+    try:
         if cupy.cuda.runtime.getDeviceCount() > 0:
             return cupy, None
-        return None, "no CUDA device"
-    except Exception as error:  # no cupy or no usable driver/device
-        return None, str(error) or type(error).__name__
-
-
-def _gpu():
-    return _gpu_or_why()[0]
+        return None, f"CuPy {cupy.__version__} is installed but finds no CUDA device"
+    except Exception as error:  # no usable driver or device
+        why = " ".join(str(error).split()) or type(error).__name__
+        return None, f"CuPy {cupy.__version__} is installed but cannot use a GPU: {why}"
 
 
 def _rel(got, ref) -> float:
@@ -56,14 +56,14 @@ def _rel(got, ref) -> float:
     return float(numpy.linalg.norm(got - ref) / numpy.linalg.norm(ref))
 
 
-def demo(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool) -> int:
-    cupy = _gpu()
+def demo(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, gpu=None) -> int:
+    cupy, why = gpu if gpu is not None else _gpu_or_why()
     rng = numpy.random.default_rng(0)
     dtype = numpy.float16 if cupy is not None else numpy.float32
     shape = (batch, heads, seqlen, head_dim)
     q, k, v, do = (rng.standard_normal(shape).astype(dtype) for _ in range(4))
     if cupy is None:
-        print("no CUDA GPU found: running the NumPy path (the blocked Algorithm 1 on the CPU), float32")
+        print(f"no usable CUDA GPU, running the NumPy path (the blocked Algorithm 1 on the CPU, float32): {why}")
         inputs = (q, k, v, do)
     else:
         name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
@@ -172,10 +172,10 @@ def bench(argv) -> int:
     if script is None:
         print(f"the benchmark is not installed ({' or '.join(map(str, BENCH_SCRIPTS))} not found)", file=sys.stderr)
         return 2
-    if importlib.util.find_spec("cupy") is None:   # the benchmark runs on the GPU
-        print(f"the benchmark needs CuPy and a GPU: {_compile.install_hint(',bench')}", file=sys.stderr)
-        return 2
-    if not {"-h", "--help"} & set(argv):
+    if not {"-h", "--help"} & set(argv):   # the options print without CuPy; a run needs CuPy and a GPU
+        if importlib.util.find_spec("cupy") is None:
+            print(f"the benchmark needs CuPy and a GPU: {_compile.install_hint(',bench')}", file=sys.stderr)
+            return 2
         cupy, why = _gpu_or_why()
         if cupy is None:
             print(f"the benchmark needs a CUDA GPU, and none can be used here: {why}", file=sys.stderr)
@@ -183,8 +183,11 @@ def bench(argv) -> int:
     sys.argv = [str(script), *argv]
     try:
         runpy.run_path(str(script), run_name="__main__")
-    except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else 0
+    except SystemExit as stop:   # argparse's exits, or sys.exit("why") from the script
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 2
     return 0
 
 
@@ -221,8 +224,9 @@ def main(argv=None) -> int:
                         help=f"1 to {_tiles.MAX_HEAD_DIM} (default %(default)s)")
     parser.add_argument("--causal", action="store_true")
     args = parser.parse_args(argv)
-    seqlen = args.seqlen if args.seqlen is not None else (1024 if _gpu() is not None else 256)
-    return demo(args.batch, args.heads, seqlen, args.head_dim, args.causal)
+    gpu = _gpu_or_why()
+    seqlen = args.seqlen if args.seqlen is not None else (1024 if gpu[0] is not None else 256)
+    return demo(args.batch, args.heads, seqlen, args.head_dim, args.causal, gpu)
 
 
 if __name__ == "__main__":

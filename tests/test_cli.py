@@ -21,12 +21,40 @@ def run_cli(*args):
                           timeout=300)
 
 
+# `python -m cupyflash` where CuPy is not installed: a None in sys.modules makes `import cupy` raise ImportError
+WITHOUT_CUPY = ("import runpy, sys; sys.modules['cupy'] = sys.modules['cupy_backends'] = None; "
+                "runpy.run_module('cupyflash', run_name='__main__', alter_sys=True)")
+
+
+def run_cli_without_cupy(*args):
+    return subprocess.run([sys.executable, "-c", WITHOUT_CUPY, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
 def test_demo_checks_itself_against_the_reference():
     done = run_cli("demo", "--seqlen", "70", "--head-dim", "40", "--causal")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "relative error against the float64 reference" in done.stdout and "OK" in done.stdout
     if not HAVE_GPU:
-        assert "no CUDA GPU found: running the NumPy path" in done.stdout
+        assert "no usable CUDA GPU, running the NumPy path" in done.stdout
+
+
+def test_demo_without_cupy_says_why_it_runs_numpy_in_one_line():
+    done = run_cli_without_cupy("demo", "--seqlen", "33", "--head-dim", "24")
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("no usable CUDA GPU, running the NumPy path"), first
+    assert "CuPy is not installed" in first and "[cuda13]" in first, first
+
+
+@pytest.mark.skipif(HAVE_GPU or importlib.util.find_spec("cupy") is None,
+                    reason="needs CuPy without a usable GPU")
+def test_demo_with_cupy_and_no_gpu_gives_cupys_error():
+    done = run_cli("demo", "--seqlen", "33", "--head-dim", "24")
+    assert done.returncode == 0, done.stdout + done.stderr
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("no usable CUDA GPU, running the NumPy path"), first
+    assert "CuPy" in first and "is installed but" in first, first
 
 
 @pytest.mark.parametrize("option, value, says", [
@@ -52,13 +80,20 @@ def test_bench_without_a_gpu_says_so_in_one_line():
     assert lines[0].startswith(("the benchmark needs a CUDA GPU", "the benchmark needs CuPy and a GPU")), lines
 
 
-def test_bench_verb_reaches_the_benchmark_or_names_the_extra_it_needs():
+def test_bench_help_prints_the_benchmarks_options():
     done = run_cli("bench", "--help")
-    if importlib.util.find_spec("cupy") is None:   # the benchmark imports CuPy (a CPU-only install)
-        assert done.returncode == 2 and "[cuda12,bench]" in done.stderr, done.stdout + done.stderr
-    else:
-        assert done.returncode == 0, done.stderr
-        assert "--seqlens" in done.stdout
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "--seqlens" in done.stdout and "--quick" in done.stdout
+
+
+def test_bench_help_needs_no_cupy_and_a_run_names_the_extra_it_needs():
+    done = run_cli_without_cupy("bench", "--help")
+    assert done.returncode == 0 and done.stderr == "", done.stdout + done.stderr
+    assert "--seqlens" in done.stdout and "--quick" in done.stdout
+    done = run_cli_without_cupy("bench", "--quick")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and done.stdout == "" and len(lines) == 1, done.stdout + done.stderr
+    assert lines[0].startswith("the benchmark needs CuPy and a GPU") and "[cuda12,bench]" in lines[0], lines
 
 
 def test_info_names_versions_and_the_gpu_or_its_absence():

@@ -67,6 +67,12 @@ print(cupyflash.__version__)
     info = subprocess.run([str(python), "-m", "cupyflash", "info"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300, env=CLEAN_ENV)
     assert info.returncode == 0 and "CuPy: not installed" in info.stdout, info.stdout + info.stderr
-    bench = subprocess.run([str(python), "-m", "cupyflash", "bench", "--help"], cwd=tmp_path, capture_output=True,
+    demo = subprocess.run([str(python), "-m", "cupyflash", "demo", "--seqlen", "33"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, env=CLEAN_ENV)
+    assert demo.returncode == 0 and "CuPy is not installed" in demo.stdout.splitlines()[0], demo.stdout + demo.stderr
+    bench_help = subprocess.run([str(python), "-m", "cupyflash", "bench", "--help"], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=300, env=CLEAN_ENV)
+    assert bench_help.returncode == 0 and "--seqlens" in bench_help.stdout, bench_help.stdout + bench_help.stderr
+    bench = subprocess.run([str(python), "-m", "cupyflash", "bench", "--quick"], cwd=tmp_path, capture_output=True,
                            text=True, timeout=300, env=CLEAN_ENV)
     assert bench.returncode == 2 and "[cuda12,bench]" in bench.stderr, bench.stdout + bench.stderr
