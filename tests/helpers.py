@@ -22,7 +22,7 @@ DTYPE_BY_NAME = {dt.name: dt for dt in FLOAT_DTYPES}
 UNSUPPORTED_DTYPES = (numpy.dtype(numpy.int32), numpy.dtype(numpy.int64), numpy.dtype(numpy.bool_),
                       numpy.dtype(numpy.complex64), numpy.dtype(ml_dtypes.float8_e4m3fn),
                       numpy.dtype(numpy.longdouble), numpy.dtype(object))
-MAX_HEAD_DIM = 256   # README, Semantics: any head dim 1 <= D <= 256
+MAX_HEAD_DIM = 256   # docs/semantics.md, Sizes: any head dim 1 <= D <= 256
 
 
 def _gpu_available() -> bool:
@@ -152,7 +152,7 @@ def assert_non_finite_rules(dtype, causal, case, to_device=lambda *arrays: array
 
 
 # ---------------------------------------------------------------------------
-# The contract of a forward call (README, Semantics and Errors)
+# The contract of a forward call (docs/semantics.md, Sizes and Errors)
 
 
 def _finite_as_float(number):

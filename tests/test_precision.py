@@ -14,7 +14,7 @@ pytestmark = requires_gpu
 SHAPE = (1, 4, 2048, 128)
 LOGIT_SCALE = 3.0
 # 'tf32' (10-bit mantissas): the worst error of o and of each gradient, relative to the largest
-# magnitude of the reference, is at most this (README, precision)
+# magnitude of the reference, is at most this (docs/semantics.md, precision of float32)
 TF32_REL_ERR = 1e-2
 
 
@@ -82,7 +82,7 @@ def test_operands_whose_tf32_rounding_would_overflow_are_split_exactly(causal, s
     big = numpy.uint32(0x7F7FF800).view(numpy.float32)   # 3.4027e38: rounded to TF32 it would be inf
     assert (int(big.view(numpy.uint32)) + 0x1000) & 0xFFFFE000 == 0x7F800000
     # q . k stays finite; 2^-100 keeps the low TF32 parts of the small factors normal (the tensor cores
-    # count subnormal operands as 0, README: precision), the scale keeps the softmax from saturating
+    # count subnormal operands as 0, docs/semantics.md: precision of float32), the scale keeps the softmax from saturating
     tiny = lambda x: numpy.copysign(1 + numpy.abs(x), x) * numpy.float32(2.0**-100)
     scale = 2.0**-30
     q[0, 0, 150, 3], k[..., 3] = big, tiny(k[..., 3])

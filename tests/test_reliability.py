@@ -1,6 +1,6 @@
 """Reliability on the GPU (skipped cleanly without one): streams, threads, memory, scale, fuzzing.
 
-What is promised is stated in the README's "Guarantees"; each test here checks one
+What is promised is stated in docs/guarantees.md; each test here checks one
 promise against the float64 reference or against the same call run alone.
 """
 
@@ -263,7 +263,7 @@ def test_deterministic_backward_is_bitwise_reproducible(schedule, dtype, D, caus
 @pytest.mark.parametrize("head_dim", [64, 200])
 def test_non_finite_inputs_reach_the_outputs_the_reference_says(schedule, dtype, causal, case, head_dim,
                                                                 monkeypatch):
-    """The README's rules, on every kernel ("v2-mma": the portable V2 forward where the Hopper one would
+    """The non-finite rules (docs/semantics.md), on every kernel ("v2-mma": the portable V2 forward where the Hopper one would
     run; D = 200: the wide Hopper backward under "v2"): o, m, l and the gradients non-finite exactly where the
     mask-exact reference's are, masked pairs of a diagonal tile included; rows that see no key keep
     o = 0, m = -inf, l = 0 and dq = 0."""

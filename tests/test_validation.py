@@ -701,7 +701,7 @@ def test_deterministic_backward_on_the_numpy_path_is_the_same_backward():
 @pytest.mark.parametrize("case", ["q", "k", "v", "do"])
 @pytest.mark.parametrize("layout", ["own", "kv_shared", "q_shared"])
 def test_non_finite_inputs_on_the_numpy_path_follow_the_gpu_rules(dtype, causal, case, layout):
-    """The NumPy path keeps the README's non-finite rules as the kernels do (test_reliability.py): o, m, l
+    """The NumPy path keeps the non-finite rules (docs/semantics.md) as the kernels do (test_reliability.py): o, m, l
     and the gradients non-finite exactly where the mask-exact reference's are, with k, v or q shared
     between heads too, and rows that see no key empty (o = 0, m = -inf, l = 0, dq = 0)."""
     assert_non_finite_rules(dtype, causal, case, layout=layout)

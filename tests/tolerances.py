@@ -238,7 +238,7 @@ VIEW_RTOL = PerPrecision(float16=2e-3, bfloat16=1.6e-2, float32=1e-5, float64=1e
 
 
 # ---------------------------------------------------------------------------
-# Outputs next to planted inf/NaN (README, Semantics)
+# Outputs next to planted inf/NaN (docs/semantics.md, Non-finite values)
 
 # Where both are finite: within this fraction of the largest finite reference value
 NON_FINITE_RTOL = PerPrecision(float16=2e-2, bfloat16=6e-2, float32=1e-4, float64=1e-9)
