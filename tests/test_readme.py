@@ -1,0 +1,53 @@
+"""The README and docs/ on the CPU: the NumPy quick start runs, CI installs and tests as the README says,
+and every link between the documents reaches a file and a heading that exist."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+DOCUMENTS = [README, *sorted((REPO / "docs").glob("*.md"))]
+README_MAX_LINES = 300          # a newcomer reads it in ten minutes; the rest lives in docs/
+
+
+def python_blocks(path):
+    return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+
+
+def heading_anchors(path):
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped, spaces as '-'."""
+    headings = re.findall(r"^#+ (.*)$", path.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_the_numpy_quick_start_runs_and_matches_the_reference(capsys):
+    (block,) = [b for b in python_blocks(README) if "import numpy, cupyflash" in b]
+    exec(compile(block, "README.md (quick start, NumPy)", "exec"), {})
+    assert float(capsys.readouterr().out) < 1e-5
+
+
+def test_ci_installs_and_tests_the_way_the_readme_says():
+    ci = (REPO / ".ci" / "run").read_text()
+    install = re.search(r"^python -m pip install -e (\S+)$", ci, re.M)
+    assert install and f"python -m pip install -e {install.group(1)}" in README.read_text()
+    assert "python -m pytest -q" in ci.splitlines() and "python -m pytest -q " in README.read_text()
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=lambda p: p.name)
+def test_every_link_reaches_a_file_and_a_heading(path):
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if "://" in target:
+            continue
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        assert linked.exists(), f"{path.name} links to {target}: no such file"
+        if anchor:
+            assert anchor in heading_anchors(linked), f"{path.name} links to {target}: no such heading"
+
+
+def test_the_readme_stays_short_and_the_documents_carry_no_issue_numbers():
+    assert len(README.read_text().splitlines()) <= README_MAX_LINES
+    for path in DOCUMENTS:
+        assert not re.search(r"issue #\d+", path.read_text(), re.I), path.name
