@@ -55,7 +55,7 @@ def _family_cases():
             yield pytest.param(schedule, dtype, D, i % 2 == 0, id=f"{schedule}-{dtype}-D{D}")
 
 
-@pytest.mark.parametrize("portable, dtype, D, causal", _family_cases(), indirect=["portable"])
+@pytest.mark.parametrize("portable, dtype, D, causal", list(_family_cases()), indirect=["portable"])
 def test_every_family_dtype_and_bucket(portable, dtype, D, causal):
     """Forward of the schedule, then the backward that follows it (V1's forward shares V2's backward,
     so V1 cases check the deterministic backward): ragged lengths, a GQA-broadcast K/V."""
