@@ -1,6 +1,6 @@
 """Where a call's host time goes: cProfile over back-to-back calls of the forward and the backward.
 
-    PYTHONPATH=$PWD python3 benchmarks/host_profile.py [--shape 1 1 64 64] [--calls 3000] [--top 25]
+    python3 benchmarks/host_profile.py [--shape 1 1 64 64] [--calls 3000] [--top 25]
 
 The calls are float16 and causal, as the host-cost check of benchmarks/bench.py (``--host``). Prints the
 wall time per call without the profiler (back to back, the GPU idle most of the time at these shapes,
@@ -12,12 +12,18 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import sys
 import time
+from pathlib import Path
 
 import cupy
 import numpy
 
-import cupyflash
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if (REPO_ROOT / "cupyflash" / "__init__.py").is_file():   # run from a checkout
+    sys.path.insert(0, str(REPO_ROOT))
+
+import cupyflash  # noqa: E402
 
 
 def main() -> None:
