@@ -23,7 +23,7 @@ import ctypes
 import os
 import re
 import traceback
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy
@@ -189,8 +189,7 @@ def framework_version(message: str):
 # ---------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class BufferView:
+class BufferView(NamedTuple):
     """One argument or result buffer: its device (or host) address, shape and dtype."""
 
     data: int
@@ -212,9 +211,10 @@ class XlaError(Exception):
 
 def _buffer(address: int) -> BufferView:
     buf = Buffer.from_address(address)
-    if buf.dtype not in DTYPES:
+    dtype = DTYPES.get(buf.dtype)
+    if dtype is None:
         raise TypeError(f"buffer of XLA data type {buf.dtype}, not one of {sorted(DTYPES)}")
-    return BufferView(buf.data or 0, tuple(buf.dims[:buf.rank]), DTYPES[buf.dtype])
+    return BufferView(buf.data or 0, tuple(buf.dims[:buf.rank]), dtype)
 
 
 def _attribute(kind: int, address: int):

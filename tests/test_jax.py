@@ -401,3 +401,38 @@ def test_gpu_runs_on_xla_stream_in_order(monkeypatch):
     assert seen and all(h != 0 and h != cupy.cuda.get_current_stream().ptr for h, _ in seen)
     assert {o for _, o in seen} == {getattr(device, "local_hardware_id", device.id)}
 
+
+
+def test_shard_map_runs_each_device_on_its_slice():
+    """Two CPU devices (a process of its own: the device count is fixed at JAX's start), the batch
+    sharded by ``jax.shard_map``: the gradients equal the unsharded call's. ``check_vma=False``: an XLA
+    custom call's results carry no varying manual axes, so JAX's check refuses the VJP's types."""
+    code = textwrap.dedent("""
+        import numpy, jax, jax.numpy as jnp
+        from jax.sharding import Mesh, PartitionSpec
+        import cupyflash.jax as cfj
+        mesh = Mesh(numpy.array(jax.devices("cpu")[:2]), ("batch",))
+        x = numpy.random.default_rng(0).standard_normal((3, 4, 2, 33, 16)).astype(numpy.float32)
+        loss = lambda q, k, v: jnp.sum(cfj.flash_attention(q, k, v, causal=True) ** 2)
+        sharded = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, check_vma=False,
+                                        in_specs=PartitionSpec("batch"), out_specs=PartitionSpec("batch")))
+        for got, want in zip(sharded(*x), jax.grad(loss, argnums=(0, 1, 2))(*x)):
+            numpy.testing.assert_allclose(numpy.asarray(got), numpy.asarray(want), rtol=1e-5, atol=1e-6)
+        print("OK")
+    """)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
+
+
+def test_the_training_benchmark_runs_on_the_cpu():
+    """benchmarks/train_step_jax.py end to end at a toy size on the CPU: both arms, one loss curve."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                          "train_step_jax.py")
+    done = subprocess.run([sys.executable, script, "--platform", "cpu", "--layers", "1", "--seq", "32", "--batch", "2",
+                           "--steps", "3", "--warmup", "1", "--dtype", "float32"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    gap = float(done.stdout.split("largest |difference| ")[1].split()[0])
+    assert gap <= 1e-4, done.stdout
