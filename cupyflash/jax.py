@@ -220,7 +220,22 @@ def _batch_shape(q, k, v) -> tuple:
 
 
 def flash_attention_forward_ffi(q, k, v, options: Options):
-    """``(o, m, l)`` of the forward target on JAX arrays (checked ``options``): one XLA custom call."""
+    """The forward target on JAX arrays: one XLA custom call, no VJP of its own.
+
+    Parameters
+    ----------
+    q, k, v : jax.Array
+        As in :func:`flash_attention`.
+    options : Options
+        From :func:`check` (which validates q, k, v with them).
+
+    Returns
+    -------
+    o : jax.Array, shape (*batch, Nq, D)
+    m, l : jax.Array, shape (*batch, Nq)
+        Row max and row exp-sum, float32 (float64 for float64 inputs), as
+        :func:`cupyflash.flash_attention_forward` returns them.
+    """
     register()
     stats = jax.ShapeDtypeStruct((*_batch_shape(q, k, v), q.shape[-2]), accumulator_dtype(q.dtype))
     results = (jax.ShapeDtypeStruct((*stats.shape, q.shape[-1]), q.dtype), stats, stats)
@@ -231,8 +246,23 @@ def flash_attention_forward_ffi(q, k, v, options: Options):
 
 
 def flash_attention_backward_ffi(do, q, k, v, o, m, l, options: Options):
-    """``(dq, dk, dv)`` of the backward target: one XLA custom call; each gradient of its input's shape
-    (summed over the batch dims along which that input broadcast)."""
+    """The backward target on JAX arrays: one XLA custom call.
+
+    Parameters
+    ----------
+    do : jax.Array, shape (*batch, Nq, D)
+        The cotangent of ``o``.
+    q, k, v, o, m, l : jax.Array
+        The forward's inputs and :func:`flash_attention_forward_ffi`'s results.
+    options : Options
+        The forward's.
+
+    Returns
+    -------
+    dq, dk, dv : jax.Array
+        Each of its input's shape and dtype, summed over the batch dims along
+        which that input broadcast (:func:`cupyflash.flash_attention_backward`).
+    """
     register()
     results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     call = jax.ffi.ffi_call(BACKWARD_TARGET, results, vmap_method="broadcast_all")

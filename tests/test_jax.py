@@ -397,7 +397,7 @@ def test_gpu_runs_on_xla_stream_in_order(monkeypatch):
 
     got = numpy.asarray(step(*(jax.device_put(x, device) for x in (q, k, v))))
     want = numpy.cumsum(reference.attention_forward(q * 2, numpy.flip(k, -2), v + 1, causal=True)[0], axis=-2)
-    assert rel_err(got, want) <= 1e-5
+    assert rel_err(got, want) <= 1e-4   # out of order, o would be of stale or unwritten memory
     assert seen and all(h != 0 and h != cupy.cuda.get_current_stream().ptr for h, _ in seen)
     assert {o for _, o in seen} == {getattr(device, "local_hardware_id", device.id)}
 
