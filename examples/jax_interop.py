@@ -1,21 +1,23 @@
-"""JAX arrays through cupyflash and back, through DLPack, no copies.
+"""cupyflash inside a jitted JAX function and under jax.grad, through XLA's FFI.
 
-    python examples/jax_interop.py           # needs JAX with CUDA, CuPy and a GPU
+    python examples/jax_interop.py           # JAX with CUDA, CuPy and a GPU: the CUDA kernels
+                                             # JAX on the CPU: the same calls run cupyflash's NumPy path
 
-JAX stays outside cupyflash. JAX dispatches asynchronously on streams of its own, so the arrays are
-made ready (``block_until_ready``) before CuPy reads them; cupyflash's outputs come back as JAX
-arrays through ``jax.dlpack.from_dlpack``. The check compares with attention written in jax.numpy, at full float32 matmul precision.
+``cupyflash.jax.flash_attention`` is a ``jax.custom_vjp`` function whose forward and backward are each
+one XLA custom call: XLA hands cupyflash its stream and buffers, the kernels write straight into XLA's
+outputs, and nothing synchronises. The check compares the loss and its gradients with attention written
+in jax.numpy at full float32 matmul precision.
 """
 
 from __future__ import annotations
 
-import cupy
 import jax
 import jax.numpy as jnp
 
-import cupyflash
+import cupyflash.jax as cfj
 
 HIGHEST = jax.lax.Precision.HIGHEST   # JAX's default float32 matmul on a GPU rounds inputs to TF32
+TOLERANCE = 1e-4                      # relative error of o and of each gradient, in float32
 
 
 def attention_jnp(q, k, v, causal):
@@ -26,22 +28,30 @@ def attention_jnp(q, k, v, causal):
     return jnp.einsum("...qk,...kd->...qd", jax.nn.softmax(s, axis=-1), v, precision=HIGHEST)
 
 
+def loss_of(attention):
+    """A toy loss of one attention layer: its output against a target, with gradients by q, k, v."""
+    def loss(q, k, v, target):
+        return jnp.mean((attention(q, k, v) - target) ** 2)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def relative_error(x, ref) -> float:
+    return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
+
+
 def main() -> int:
-    key = jax.random.PRNGKey(0)
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v, target = (jax.random.normal(key, (2, 4, 300, 64), jnp.float32) for key in keys)
     worst = 0.0
     for causal in (False, True):
-        q, k, v = (jax.random.normal(sub, (2, 4, 300, 64), jnp.float32) for sub in jax.random.split(key, 3))
-        for x in (q, k, v):
-            x.block_until_ready()
-        o, m, l = cupyflash.flash_attention_forward(*(cupy.from_dlpack(x) for x in (q, k, v)), causal=causal)
-        cupy.cuda.get_current_stream().synchronize()   # JAX reads on its own streams
-        o = jax.dlpack.from_dlpack(o)
-        ref = attention_jnp(q, k, v, causal)
-        err = float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref))
-        worst = max(worst, err)
-        print(f"causal={causal!s:5s} o: relative error {err:.1e}")
-    print("OK" if worst <= 1e-4 else "FAILED")
-    return 0 if worst <= 1e-4 else 1
+        ours = loss_of(lambda q, k, v: cfj.flash_attention(q, k, v, causal=causal))(q, k, v, target)
+        ref = loss_of(lambda q, k, v: attention_jnp(q, k, v, causal))(q, k, v, target)
+        errors = [relative_error(ours[0], ref[0])] + [relative_error(g, r) for g, r in zip(ours[1], ref[1])]
+        worst = max(worst, *errors)
+        print(f"causal={causal!s:5s} relative error: loss {errors[0]:.1e}, dq {errors[1]:.1e}, "
+              f"dk {errors[2]:.1e}, dv {errors[3]:.1e}")
+    print("OK" if worst <= TOLERANCE else "FAILED")
+    return 0 if worst <= TOLERANCE else 1
 
 
 if __name__ == "__main__":

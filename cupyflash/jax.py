@@ -1,0 +1,387 @@
+"""cupyflash from JAX: attention inside ``jax.jit`` and under ``jax.grad``, through XLA's FFI.
+
+``flash_attention(q, k, v, ...)`` is a ``jax.custom_vjp`` function. Its forward rule is one XLA
+custom call (``jax.ffi.ffi_call``) to the target ``cupyflash_forward``, whose results are
+``o, m, l``; its backward rule one call to ``cupyflash_backward`` with results ``dq, dk, dv``.
+Both targets are Python functions registered as XLA FFI handlers through ctypes
+(``cupyflash._xla_ffi``), so nothing is compiled but cupyflash's own kernels:
+
+- on CUDA the handler asks XLA for the call's stream and device, wraps XLA's buffers in CuPy
+  arrays (no copies) and runs ``flash_attention_forward``/``flash_attention_backward`` on XLA's
+  stream with ``out=`` XLA's result buffers. Nothing synchronises; XLA orders the kernels with
+  the rest of the program.
+- on the CPU the same handlers run cupyflash's NumPy path over XLA's host buffers.
+
+The options (causal, scale, window, softcap, precision, deterministic) travel as XLA attributes,
+checked when the call is traced, by cupyflash's own checks. The handlers run Python at every call
+(tens of microseconds of host time) and are not recorded into XLA's command buffers (CUDA graphs).
+
+Importing this module imports JAX; ``import cupyflash`` does not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy
+
+from . import _xla_ffi
+from ._checks import check_bool, check_choice, check_forward, with_softcap
+from ._tiles import PRECISIONS, accumulator_dtype
+from .api import flash_attention_backward, flash_attention_forward
+
+__all__ = ["flash_attention", "flash_attention_forward_ffi", "flash_attention_backward_ffi"]
+
+FORWARD_TARGET = "cupyflash_forward"
+BACKWARD_TARGET = "cupyflash_backward"
+NO_SIDE = -1            # a window side that is None, as an int attribute
+NO_SOFTCAP = 0.0        # softcap None, as a float attribute
+MAX_HEAD_DIM = 256      # the lse gradient adds one column to D (``_lse_backward``)
+
+
+@dataclass(frozen=True)
+class Options:
+    """A call's checked options: static under ``jit`` (hashable, a ``nondiff_argnums`` of the VJP)."""
+
+    causal: bool
+    softmax_scale: float
+    window: tuple           # (left, right): ints >= 0 or None
+    softcap: Optional[float]
+    precision: str
+    deterministic: bool
+
+    def attributes(self) -> dict:
+        """The XLA attributes the handlers read (``keywords`` reads them back)."""
+        left, right = self.window
+        return dict(causal=numpy.bool_(self.causal), softmax_scale=numpy.float64(self.softmax_scale),
+                    window_left=numpy.int64(NO_SIDE if left is None else left),
+                    window_right=numpy.int64(NO_SIDE if right is None else right),
+                    softcap=numpy.float64(NO_SOFTCAP if self.softcap is None else self.softcap),
+                    precision=self.precision, deterministic=numpy.bool_(self.deterministic))
+
+
+def keywords(attrs: dict, backward: bool) -> dict:
+    """cupyflash's keyword arguments from a call's attributes (``Options.attributes``)."""
+    side = (lambda s: None if s == NO_SIDE else int(s))
+    out = dict(causal=bool(attrs["causal"]), softmax_scale=float(attrs["softmax_scale"]),
+               window=(side(attrs["window_left"]), side(attrs["window_right"])),
+               softcap=None if attrs["softcap"] == NO_SOFTCAP else float(attrs["softcap"]),
+               precision=attrs["precision"])
+    if backward:
+        out["deterministic"] = bool(attrs["deterministic"])
+    return out
+
+
+def _stand_in(x):
+    """A zero-strided NumPy array of ``x``'s shape and dtype (no memory): what cupyflash's checks read."""
+    return numpy.broadcast_to(numpy.zeros((), numpy.dtype(x.dtype)), numpy.shape(x))
+
+
+def check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic):
+    """``(Problem, Options)`` of a call, by cupyflash's own checks (``_checks``): a TypeError or
+    ValueError naming the argument, raised while the call is traced."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    prob = with_softcap(check_forward(*(_stand_in(x) for x in (q, k, v)), causal, softmax_scale, window), softcap)
+    check_choice("precision", precision, PRECISIONS)
+    check_bool("deterministic", deterministic)
+    return prob, Options(prob.causal, prob.scale, prob.window, prob.softcap, precision, bool(deterministic))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The handlers
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _host_array(buf: _xla_ffi.BufferView):
+    """A NumPy array over an XLA host buffer, writeable, no copy."""
+    if buf.nbytes == 0:
+        return numpy.empty(buf.shape, buf.dtype)
+    raw = (ctypes.c_char * buf.nbytes).from_address(buf.data)
+    return numpy.frombuffer(raw, buf.dtype).reshape(buf.shape)
+
+
+def _device_array(buf: _xla_ffi.BufferView, device: int):
+    """A CuPy array over an XLA device buffer, no copy (XLA owns the memory)."""
+    import cupy
+
+    if buf.nbytes == 0:
+        return cupy.ndarray(buf.shape, buf.dtype)
+    memory = cupy.cuda.UnownedMemory(buf.data, buf.nbytes, None, device)
+    return cupy.ndarray(buf.shape, buf.dtype, cupy.cuda.MemoryPointer(memory, 0))
+
+
+class _XlaStream:
+    """XLA's stream, by the CUDA stream protocol (what ``cupy.cuda.Stream.from_external`` reads)."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+_streams: dict = {}   # (device, stream handle) -> cupy.cuda.Stream: XLA keeps its streams for the process
+
+
+def _cupy_stream(handle: int, device: int):
+    stream = _streams.get((device, handle))
+    if stream is None:
+        import cupy
+
+        stream = _streams[(device, handle)] = cupy.cuda.Stream.from_external(_XlaStream(handle))
+    return stream
+
+
+def _run(call: _xla_ffi.Call, on_gpu: bool, backward: bool):
+    """One call of either target: cupyflash over XLA's buffers, writing into XLA's results."""
+    options = keywords(call.attrs, backward)
+    function = flash_attention_backward if backward else flash_attention_forward
+    if not on_gpu:
+        args = [_host_array(b) for b in call.args]
+        function(*args, out=tuple(_host_array(b) for b in call.rets), **options)
+        return
+    import cupy
+
+    device = call.device()
+    stream = _cupy_stream(call.stream(), device)
+    with cupy.cuda.Device(device), stream:
+        args = [_device_array(b, device) for b in call.args]
+        function(*args, out=tuple(_device_array(b, device) for b in call.rets), **options)
+
+
+# (target, platform as JAX names it, whether the handler runs CuPy)
+TARGETS = ((FORWARD_TARGET, "cpu", False), (BACKWARD_TARGET, "cpu", False),
+           (FORWARD_TARGET, "CUDA", True), (BACKWARD_TARGET, "CUDA", True))
+_handlers: dict = {}          # (target, platform) -> _xla_ffi.Handler, alive as long as XLA may call it
+_registering = threading.Lock()
+
+
+def _version() -> tuple:
+    """The FFI API version of the header installed with jaxlib; (0, 1) where none is found (XLA's
+    refusal then names its own, and registration tries that)."""
+    try:
+        return _xla_ffi.header_version(jax.ffi.include_dir())
+    except (OSError, AttributeError, ValueError):
+        return (0, 1)
+
+
+@functools.lru_cache(maxsize=1)
+def _platforms() -> frozenset:
+    """The platforms of JAX's backends that the handlers serve: 'cpu' and, with CUDA GPUs, 'CUDA'
+    (asking starts the backends, which are then fixed for the process)."""
+    found = {"cpu"}
+    try:
+        if jax.devices("cuda"):
+            found.add("CUDA")
+    except RuntimeError:   # no CUDA backend
+        pass
+    return frozenset(found)
+
+
+def register() -> None:
+    """Register the handlers with XLA for each platform present (once; later calls return at once).
+
+    Backends are started first (``jax.devices()``), so a registration XLA refuses raises here. A
+    refusal of the handler's API version is retried once with the version XLA names.
+    """
+    with _registering:
+        platforms = _platforms()
+        for target, platform, on_gpu in TARGETS:
+            if platform not in platforms or (target, platform) in _handlers:
+                continue
+            execute = functools.partial(_run, on_gpu=on_gpu, backward=target == BACKWARD_TARGET)
+            handler = _xla_ffi.Handler(target, execute, _version())
+            try:
+                jax.ffi.register_ffi_target(target, handler.capsule, platform=platform)
+            except Exception as e:   # jaxlib's XlaRuntimeError; its class differs between versions
+                version = _xla_ffi.framework_version(str(e))
+                if version is None or version == handler.version:
+                    raise
+                handler.version = version
+                jax.ffi.register_ffi_target(target, handler.capsule, platform=platform)
+            _handlers[(target, platform)] = handler
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The calls and their VJP
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _batch_shape(q, k, v) -> tuple:
+    return tuple(numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+
+
+def flash_attention_forward_ffi(q, k, v, options: Options):
+    """The forward target on JAX arrays: one XLA custom call, no VJP of its own.
+
+    Parameters
+    ----------
+    q, k, v : jax.Array
+        As in :func:`flash_attention`.
+    options : Options
+        From :func:`check` (which validates q, k, v with them).
+
+    Returns
+    -------
+    o : jax.Array, shape (*batch, Nq, D)
+    m, l : jax.Array, shape (*batch, Nq)
+        Row max and row exp-sum, float32 (float64 for float64 inputs), as
+        :func:`cupyflash.flash_attention_forward` returns them.
+    """
+    register()
+    stats = jax.ShapeDtypeStruct((*_batch_shape(q, k, v), q.shape[-2]), accumulator_dtype(q.dtype))
+    results = (jax.ShapeDtypeStruct((*stats.shape, q.shape[-1]), q.dtype), stats, stats)
+    call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="broadcast_all")
+    attrs = options.attributes()
+    del attrs["deterministic"]
+    return call(q, k, v, **attrs)
+
+
+def flash_attention_backward_ffi(do, q, k, v, o, m, l, options: Options):
+    """The backward target on JAX arrays: one XLA custom call.
+
+    Parameters
+    ----------
+    do : jax.Array, shape (*batch, Nq, D)
+        The cotangent of ``o``.
+    q, k, v, o, m, l : jax.Array
+        The forward's inputs and :func:`flash_attention_forward_ffi`'s results.
+    options : Options
+        The forward's.
+
+    Returns
+    -------
+    dq, dk, dv : jax.Array
+        Each of its input's shape and dtype, summed over the batch dims along
+        which that input broadcast (:func:`cupyflash.flash_attention_backward`).
+    """
+    register()
+    results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    call = jax.ffi.ffi_call(BACKWARD_TARGET, results, vmap_method="broadcast_all")
+    return call(do, q, k, v, o, m, l, **options.attributes())
+
+
+def _lse(m, l):
+    """``lse = m + log l`` (``-inf`` for a row that saw no key)."""
+    return m + jnp.log(l)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, options):
+    return flash_attention_forward_ffi(q, k, v, options)[0]
+
+
+def _attention_fwd(q, k, v, options):
+    o, m, l = flash_attention_forward_ffi(q, k, v, options)
+    return o, (q, k, v, o, m, l)
+
+
+def _attention_bwd(options, saved, do):
+    q, k, v, o, m, l = saved
+    return flash_attention_backward_ffi(do, q, k, v, o, m, l, options)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention_lse(q, k, v, options):
+    o, m, l = flash_attention_forward_ffi(q, k, v, options)
+    return o, _lse(m, l)
+
+
+def _attention_lse_fwd(q, k, v, options):
+    q, k, v = (x.value for x in (q, k, v))   # symbolic_zeros wraps the primals
+    o, m, l = flash_attention_forward_ffi(q, k, v, options)
+    return (o, _lse(m, l)), (q, k, v, o, m, l)
+
+
+def _attention_lse_bwd(options, saved, cotangents):
+    q, k, v, o, m, l = saved
+    do, dlse = cotangents
+    if isinstance(do, jax.custom_derivatives.SymbolicZero):
+        do = jnp.zeros(o.shape, o.dtype)
+    if isinstance(dlse, jax.custom_derivatives.SymbolicZero):
+        return flash_attention_backward_ffi(do, q, k, v, o, m, l, options)
+    return _lse_backward(do, dlse, q, k, v, o, m, l, options)
+
+
+_attention_lse.defvjp(_attention_lse_fwd, _attention_lse_bwd, symbolic_zeros=True)
+
+
+def _lse_backward(do, dlse, q, k, v, o, m, l, options):
+    """Gradients with a cotangent ``g`` of ``lse`` too, by one backward over a head dim one wider.
+
+    ``d lse_i / d s_ij = P_ij``, so ``dS_ij = P_ij (dP_ij - D_i + g_i)`` with ``dP = dO Vᵀ`` and
+    ``D_i = rowsum(dO_i ∘ O_i)``. The backward computes exactly that from ``v' = [v, 1]``,
+    ``do' = [do, g]`` and ``o' = [o, 0]``: ``dP' = dP + g``, ``D' = D``. Its ``dv'`` less the last
+    column is ``dv``; ``dq``, ``dk`` are unchanged by the extra column of ``q``, ``k`` (zeros).
+    """
+    if q.shape[-1] + 1 > MAX_HEAD_DIM:
+        raise NotImplementedError(f"the gradient through lse needs a head dim D < {MAX_HEAD_DIM}, got D={q.shape[-1]}")
+    wide = (lambda x, c: jnp.concatenate([x, jnp.broadcast_to(c, (*x.shape[:-1], 1)).astype(x.dtype)], axis=-1))
+    dq, dk, dv = flash_attention_backward_ffi(wide(do, dlse[..., None]), wide(q, 0), wide(k, 0), wide(v, 1),
+                                              wide(o, 0), m, l, options)
+    return dq[..., :-1], dk[..., :-1], dv[..., :-1]
+
+
+def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None,
+                    window=None, softcap: Optional[float] = None, precision: str = "highest",
+                    deterministic: bool = False, return_lse: bool = False):
+    """Exact attention on JAX arrays, differentiable, inside or outside ``jax.jit``.
+
+    Parameters
+    ----------
+    q : jax.Array, shape (..., Nq, D)
+    k, v : jax.Array, shape (..., Nk, D)
+        One dtype: float16, bfloat16, float32, or float64 (with ``jax_enable_x64``).
+        ``1 <= D <= 256``. The batch dims broadcast as in ``numpy.matmul``, so GQA
+        is ``q (B, Hkv, G, N, D)`` with ``k, v (B, Hkv, 1, N, D)``.
+    causal, softmax_scale, window, softcap, precision
+        As in :func:`cupyflash.flash_attention_forward`. Static: each distinct set
+        is a distinct compiled call.
+    deterministic : bool, optional
+        Bitwise-identical gradients run to run (:func:`cupyflash.flash_attention_backward`).
+    return_lse : bool, optional
+        Also return ``lse = m + log l``, shape ``(*batch, Nq)``, float32 (float64
+        for float64 inputs). It is differentiable too (for ``D < 256``): its
+        gradient takes one backward over a head dim one wider.
+
+    Returns
+    -------
+    o : jax.Array, shape (*batch, Nq, D)
+        ``softmax(S) v`` in the input dtype; ``batch`` is the broadcast batch shape.
+    lse : jax.Array, shape (*batch, Nq)
+        With ``return_lse`` only.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`cupyflash.flash_attention_forward` for bad inputs or options, while
+        the call is traced.
+
+    Notes
+    -----
+    The forward and backward each run as one XLA custom call whose handler is Python
+    (``cupyflash._xla_ffi``): on a CUDA device it runs cupyflash's kernels on XLA's stream,
+    reading and writing XLA's buffers in place; on the CPU, cupyflash's NumPy path. Gradients
+    are FlashAttention's recomputation backward from the saved ``o, m, l``. Under ``jax.vmap``
+    each call runs once over the broadcast batch.
+
+    See Also
+    --------
+    cupyflash.flash_attention_forward, cupyflash.flash_attention_backward : the calls each handler makes.
+    cupyflash.reference.attention_forward : the naive float64 reference.
+    """
+    _, options = check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic)
+    if return_lse:
+        return _attention_lse(q, k, v, options)
+    return _attention(q, k, v, options)

@@ -1,0 +1,447 @@
+"""cupyflash.jax: attention inside jax.jit and under jax.grad, through XLA's FFI with a ctypes handler.
+
+On the CPU (here and in CI) the handler runs cupyflash's NumPy path inside XLA: values and gradients
+against the float64 reference and against ``jax.nn.dot_product_attention``, the lse and its gradient,
+vmap, the checks at trace time, the ctypes mirrors against the header installed with jaxlib, and the
+handler's answers to XLA (metadata, errors). On a CUDA GPU (``-m gpu``, JAX with CUDA) the same
+checks run on the CUDA target, in float16, bfloat16 and float32, on XLA's own stream.
+"""
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy
+import pytest
+
+# on a GPU, XLA takes 75% of the memory at its first use unless told not to; CuPy (these kernels'
+# workspaces, and the other GPU tests of this process) needs its share
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import cupyflash.jax as cfj  # noqa: E402
+import yardsticks  # noqa: E402
+from cupyflash import _xla_ffi, reference  # noqa: E402
+from helpers import gpu_test, random_inputs  # noqa: E402
+from tolerances import (BWD_CEILING, FWD_CEILING, assert_gradient, assert_twice_naive, gradient_magnitudes,  # noqa: E402
+                        largest_logit, rel_err, stored_output_error)
+
+# (q shape, k/v shape, options): ragged lengths, head dims off the tile sizes, every option, GQA by broadcast
+CASES = {
+    "one key": ((2, 1, 8), (2, 1, 8), {}),
+    "causal, Nq < Nk": ((2, 3, 17, 40), (2, 3, 113, 40), dict(causal=True)),
+    "window, Nq > Nk": ((1, 2, 113, 72), (1, 2, 17, 72), dict(window=(5, 3))),
+    "softcap, scale": ((2, 33, 16), (2, 33, 16), dict(softcap=2.0, softmax_scale=0.7)),
+    "gqa, causal window": ((2, 2, 3, 65, 24), (2, 2, 1, 65, 24), dict(causal=True, window=(9, None))),
+}
+
+
+def gpu_device():
+    """JAX's first CUDA device, or a skip."""
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("needs JAX with CUDA")
+
+
+def attention_and_grads(device, q, k, v, do, **options):
+    """``o`` of ``cupyflash.jax.flash_attention`` and ``jax.grad`` of ``sum(o * do)`` by (q, k, v), both
+    jitted, on ``device``; as NumPy arrays."""
+    def loss(q, k, v, do):
+        o = cfj.flash_attention(q, k, v, **options)
+        return jnp.sum(o.astype(jnp.float32 if o.dtype.itemsize < 8 else o.dtype) * do.astype(o.dtype))
+
+    args = [jax.device_put(x, device) for x in (q, k, v, do)]
+    o = jax.jit(lambda q, k, v: cfj.flash_attention(q, k, v, **options))(*args[:3])
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+    assert all(x.devices() == {device} for x in (o, *grads))
+    return [numpy.asarray(x) for x in (o, *grads)]
+
+
+def check_against_reference(device, dtype, q_shape, kv_shape, options, seed=0):
+    """o and its gradients within twice a naive same-precision attention's error of the float64 reference
+    (tests/tolerances.py), with the shapes and dtypes of the inputs."""
+    rng = numpy.random.default_rng(seed)
+    q, k, v = random_inputs(rng, dtype, q_shape, kv_shape)
+    batch = numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    do = rng.standard_normal((*batch, *q.shape[-2:])).astype(q.dtype)
+    o, *grads = attention_and_grads(device, q, k, v, do, **options)
+    forward = reference.attention_forward(q, k, v, **options)
+    refs = reference.attention_backward(do, q, k, v, *forward, **options)
+    assert o.dtype == q.dtype and o.shape == forward[0].shape
+    assert_twice_naive("o", o, forward[0], yardsticks.naive_same_precision_forward(q, k, v, **options)[0], dtype,
+                       FWD_CEILING)
+    naive = yardsticks.naive_same_precision_backward(do, q, k, v, **options)
+    inherited = stored_output_error(do, q, k, v, (*forward, *refs), q.dtype, **options)
+    scale = options.get("softmax_scale") or 1 / numpy.sqrt(q.shape[-1])
+    window, causal, mods = options.get("window"), options.get("causal", False), {"softcap": options.get("softcap")}
+    mags = gradient_magnitudes(do, q, k, v, causal, scale, window, **mods)
+    logit = largest_logit(q, k, causal, scale, window, **mods)
+    for name, g, ref, nv, mag, x, err in zip(("dq", "dk", "dv"), grads, refs, naive, mags, (q, k, v), inherited):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+        assert_gradient(name, g, ref, nv, mag, dtype, logit, err)
+
+
+def against_jax_nn(device, dtype, causal, window, seed=0):
+    """``flash_attention`` and ``jax.nn.dot_product_attention(implementation="xla")`` on (B, H, N, D)
+    inputs with two query heads per K/V head (GQA), values and gradients, each at its precision's ceiling."""
+    rng = numpy.random.default_rng(seed)
+    B, Hkv, G, N, D = 2, 2, 2, 77, 40
+    q = rng.standard_normal((B, Hkv, G, N, D)).astype(dtype)
+    k, v = (rng.standard_normal((B, Hkv, 1, N, D)).astype(dtype) for _ in range(2))
+    do = rng.standard_normal(q.shape).astype(dtype)
+    o, *grads = attention_and_grads(device, q, k, v, do, causal=causal, window=window)
+
+    def theirs(q, k, v):   # (B, Hkv, G, N, D) -> (B, N, H, D), the layout jax.nn takes
+        to_bnhd = (lambda x: jnp.moveaxis(x.reshape(B, -1, N, D), 1, 2))
+        o = jax.nn.dot_product_attention(to_bnhd(q), to_bnhd(k[:, :, 0]), to_bnhd(v[:, :, 0]), is_causal=causal,
+                                         local_window_size=window, implementation="xla")
+        return jnp.moveaxis(o, 2, 1).reshape(q.shape)
+
+    args = [jax.device_put(x, device) for x in (q, k, v)]
+    with jax.default_matmul_precision("highest"):
+        o_ref, vjp = jax.vjp(jax.jit(theirs), *args)
+        grads_ref = vjp(jax.device_put(do, device))
+    dtype = numpy.dtype(dtype).name
+    assert rel_err(o, o_ref) <= FWD_CEILING[dtype], "o"
+    for name, g, ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert g.shape == ref.shape, name
+        assert rel_err(g, ref) <= BWD_CEILING[dtype], name
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The seam: imports, the ctypes mirrors, the handler's answers to XLA
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_import_cupyflash_imports_no_jax():
+    code = "import sys, cupyflash; assert 'jax' not in sys.modules, 'jax imported'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr
+
+
+C_PROGRAM = """
+#include <stddef.h>
+#include <stdio.h>
+#include "xla/ffi/api/c_api.h"
+int main(void) {{
+{lines}
+  return 0;
+}}
+"""
+
+
+# names a later c_api.h gives the same struct or API-table slot (the layouts are unchanged): XLA 0.11's
+HEADER_RENAMES = {"XLA_FFI_Extension_Base": "XLA_FFI_InternalExtension",
+                  "XLA_FFI_Error_GetMessage": "XLA_FFI_Error_GetDetails",
+                  "XLA_FFI_ExecutionContext_Get": "XLA_FFI_InvokeContext_Get"}
+
+
+def test_mirrors_match_the_header_installed_with_jaxlib(tmp_path):
+    """Every field of every ctypes mirror at the offset and of the size the C compiler gives it in
+    ``c_api.h`` as jaxlib installs it; the struct sizes the handler reports, the header's own."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    header = (Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h").read_text()
+    lines, expected = [], []
+    for mirror, c_name in _xla_ffi.MIRRORS:
+        for field, _ in mirror._fields_:
+            c_struct, c_field = (name if name in header else HEADER_RENAMES.get(name, name) for name in (c_name, field))
+            lines.append(f'  printf("%zu %zu\\n", offsetof({c_struct}, {c_field}), sizeof((({c_struct}*)0)->{c_field}));')
+            described = getattr(mirror, field)
+            expected.append((f"{c_name}.{field}", described.offset, described.size))
+    sizes = {"XLA_FFI_CallFrame": _xla_ffi.CALL_FRAME_SIZE, "XLA_FFI_Error_Create_Args": _xla_ffi.ERROR_CREATE_ARGS_SIZE,
+             "XLA_FFI_Stream_Get_Args": _xla_ffi.STREAM_GET_ARGS_SIZE,
+             "XLA_FFI_DeviceOrdinal_Get_Args": _xla_ffi.DEVICE_ORDINAL_GET_ARGS_SIZE,
+             "XLA_FFI_Api_Version": _xla_ffi.API_VERSION_SIZE, "XLA_FFI_Metadata": _xla_ffi.METADATA_SIZE,
+             "XLA_FFI_Metadata_Extension": _xla_ffi.METADATA_EXTENSION_SIZE}
+    for c_name, size in sizes.items():
+        lines.append(f'  printf("%zu %zu\\n", (size_t){c_name}_STRUCT_SIZE, (size_t)0);')
+        expected.append((f"{c_name}_STRUCT_SIZE", size, 0))
+    source = tmp_path / "offsets.c"
+    source.write_text(C_PROGRAM.format(lines="\n".join(lines)))
+    binary = tmp_path / "offsets"
+    subprocess.run([compiler, "-I", jax.ffi.include_dir(), str(source), "-o", str(binary)], check=True, timeout=120)
+    printed = subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(printed) == len(expected)
+    for (what, offset, size), line in zip(expected, printed):
+        assert tuple(map(int, line.split())) == (offset, size), what
+
+
+def test_metadata_answer_names_the_version_and_no_traits():
+    """XLA's metadata query (a frame with the metadata extension and no API table, as XLA sends at
+    registration) gets the handler's version and no traits (not command-buffer compatible)."""
+    called = []
+    handler = _xla_ffi.Handler("probe", called.append, (0, 7))
+    metadata = _xla_ffi.Metadata(_xla_ffi.METADATA_SIZE)
+    metadata.traits = 0xFF
+    extension = _xla_ffi.MetadataExtension(
+        _xla_ffi.ExtensionBase(_xla_ffi.METADATA_EXTENSION_SIZE, _xla_ffi.EXTENSION_METADATA, None),
+        ctypes.pointer(metadata))
+    frame = _xla_ffi.CallFrame(_xla_ffi.CALL_FRAME_SIZE,
+                               ctypes.cast(ctypes.pointer(extension), ctypes.POINTER(_xla_ffi.ExtensionBase)))
+    assert handler.callback(ctypes.pointer(frame)) is None
+    assert (metadata.api_version.major_version, metadata.api_version.minor_version) == (0, 7)
+    assert metadata.traits == _xla_ffi.NO_TRAITS and not called
+
+
+def test_stream_device_and_errors_go_through_the_api_table():
+    """What the CUDA handler asks XLA (stream, device ordinal) and how it fails, against a table of
+    Python functions standing in for XLA's: the arguments each gets, the answers read back, and an
+    exception turned into the error the table's XLA_FFI_Error_Create made."""
+    asked, made = [], []
+
+    def stream_get(args):
+        asked.append(("stream", args.contents.struct_size, args.contents.ctx))
+        args.contents.stream = 0xC0FFEE
+        return None
+
+    def device_get(args):
+        asked.append(("device", args.contents.struct_size, args.contents.ctx))
+        args.contents.device_ordinal = 3
+        return None
+
+    def error_create(args):
+        made.append((args.contents.struct_size, args.contents.message.decode(), args.contents.errc))
+        return 0xBAD
+
+    table = _xla_ffi.Api(ctypes.sizeof(_xla_ffi.Api))
+    functions = (_xla_ffi.StreamGet(stream_get), _xla_ffi.DeviceOrdinalGet(device_get),
+                 _xla_ffi.ErrorCreate(error_create))
+    table.XLA_FFI_Stream_Get, table.XLA_FFI_DeviceOrdinal_Get, table.XLA_FFI_Error_Create = functions
+    seen = []
+
+    def execute(call):
+        seen.append((call.stream(), call.device(), call.args, call.rets, call.attrs))
+        raise RuntimeError("stop")
+
+    dims = (ctypes.c_int64 * 2)(5, 7)
+    buffer = _xla_ffi.Buffer(ctypes.sizeof(_xla_ffi.Buffer), None, 16, 0x1000, 2, dims)   # BF16 (5, 7)
+    pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+    kinds = (ctypes.c_int * 1)(1)
+    frame = _xla_ffi.CallFrame(_xla_ffi.CALL_FRAME_SIZE, None, ctypes.pointer(table), 0x42, _xla_ffi.STAGE_EXECUTE,
+                               _xla_ffi.Args(ctypes.sizeof(_xla_ffi.Args), None, 1, kinds, pointers),
+                               _xla_ffi.Rets(ctypes.sizeof(_xla_ffi.Rets), None, 1, kinds, pointers),
+                               _xla_ffi.Attrs(ctypes.sizeof(_xla_ffi.Attrs)))
+    handler = _xla_ffi.Handler("probe", execute, (0, 1))
+    assert handler.callback(ctypes.pointer(frame)) == 0xBAD
+    bf16 = _xla_ffi.BufferView(0x1000, (5, 7), numpy.dtype("bfloat16"))
+    assert seen == [(0xC0FFEE, 3, [bf16], [bf16], {})]
+    assert asked == [("stream", _xla_ffi.STREAM_GET_ARGS_SIZE, 0x42),
+                     ("device", _xla_ffi.DEVICE_ORDINAL_GET_ARGS_SIZE, 0x42)]
+    assert made == [(_xla_ffi.ERROR_CREATE_ARGS_SIZE, "probe: RuntimeError: stop", _xla_ffi.ERROR_INTERNAL)]
+    frame.stage = 0   # instantiate: nothing runs
+    assert handler.callback(ctypes.pointer(frame)) is None and len(seen) == 1
+
+
+def test_header_version_is_read_and_a_refusal_names_the_framework_version():
+    assert _xla_ffi.header_version(jax.ffi.include_dir())[0] == 0
+    message = ("FFI handler registration for f on platform Host (canonical host) failed because the hander's API "
+               "version (0.1) is incompatible with the framework's API version (0.4)")
+    assert _xla_ffi.framework_version(message) == (0, 4)
+    assert _xla_ffi.framework_version("something else") is None
+
+
+def test_a_python_exception_in_a_handler_is_an_xla_error_with_its_message():
+    def refuse(call):
+        raise ValueError(f"refused {len(call.args)} args, attrs {sorted(call.attrs.items())}")
+
+    handler = _xla_ffi.Handler("cupyflash_test_refuse", refuse, cfj._version())
+    jax.ffi.register_ffi_target("cupyflash_test_refuse", handler.capsule, platform="cpu")
+    call = jax.ffi.ffi_call("cupyflash_test_refuse", jax.ShapeDtypeStruct((2,), jnp.float32))
+    x = jax.device_put(jnp.ones(2), jax.devices("cpu")[0])
+    with pytest.raises(Exception, match=r"ValueError: refused 1 args, attrs \[\('a', 3\), \('b', 'x'\)"):
+        jax.jit(lambda x: call(x, a=numpy.int64(3), b="x"))(x).block_until_ready()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The CPU target: cupyflash's NumPy path inside XLA
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_float64_values_and_gradients_match_reference(case):
+    with jax.enable_x64(True):
+        check_against_reference(jax.devices("cpu")[0], "float64", *CASES[case])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_each_dtype_within_twice_naive_on_the_cpu(dtype):
+    check_against_reference(jax.devices("cpu")[0], dtype, (2, 3, 65, 40), (2, 3, 65, 40), dict(causal=True))
+
+
+# jax.nn.dot_product_attention takes its softmax in float32 whatever the inputs: float32 is its precision
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (8, 0)), (False, (5, 3))])
+def test_matches_jax_dot_product_attention_on_the_cpu(causal, window):
+    against_jax_nn(jax.devices("cpu")[0], "float32", causal, window)
+
+
+def attention_jnp(q, k, v, causal):
+    """Plain attention in jax.numpy, with its lse, for JAX's own autodiff."""
+    s = jnp.einsum("...qd,...kd->...qk", q, k) / jnp.sqrt(q.shape[-1])
+    if causal:
+        n_q, n_k = s.shape[-2:]
+        s = jnp.where(jnp.arange(n_k)[None, :] <= jnp.arange(n_q)[:, None] + (n_k - n_q), s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    return jnp.einsum("...qk,...kd->...qd", jnp.exp(s - lse[..., None]), v), lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_and_gradients_through_it(causal):
+    """``return_lse``: lse = m + log l of the reference; gradients of a loss of o and lse equal JAX's
+    autodiff of plain attention (float64); a loss of o alone gets the gradients without lse."""
+    rng = numpy.random.default_rng(5)
+    q, k, v = random_inputs(rng, "float64", (2, 37, 24), (2, 53, 24))
+    do, g = rng.standard_normal(q.shape), rng.standard_normal(q.shape[:-1])
+    with jax.enable_x64(True):
+        def loss(attention):
+            def f(q, k, v):
+                o, lse = attention(q, k, v)
+                return jnp.sum(o * do) + jnp.sum(lse * g)
+            return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+        ours = loss(lambda *x: cfj.flash_attention(*x, causal=causal, return_lse=True))(q, k, v)
+        theirs = loss(lambda *x: attention_jnp(*x, causal))(q, k, v)
+        o, lse = jax.jit(lambda *x: cfj.flash_attention(*x, causal=causal, return_lse=True))(q, k, v)
+        o_only = jax.jit(jax.grad(lambda *x: jnp.sum(cfj.flash_attention(*x, causal=causal, return_lse=True)[0] * do),
+                                  argnums=(0, 1, 2)))(q, k, v)
+        plain = jax.jit(jax.grad(lambda *x: jnp.sum(cfj.flash_attention(*x, causal=causal) * do),
+                                 argnums=(0, 1, 2)))(q, k, v)
+    _, m, l = reference.attention_forward(q, k, v, causal=causal)
+    assert lse.dtype == numpy.float64 and rel_err(lse, m + numpy.log(l)) <= 1e-12
+    assert rel_err(ours[0], theirs[0]) <= 1e-12
+    for name, a, b in zip(("dq", "dk", "dv"), ours[1], theirs[1]):
+        assert rel_err(a, b) <= BWD_CEILING["float64"], name
+    for a, b in zip(o_only, plain):
+        numpy.testing.assert_array_equal(a, b)
+
+
+def test_vmap_runs_the_batch_in_one_call():
+    rng = numpy.random.default_rng(3)
+    q, k, v = random_inputs(rng, "float32", (3, 2, 29, 16), (3, 2, 31, 16))
+    attention = jax.jit(jax.vmap(lambda q, k, v: cfj.flash_attention(q, k, v, causal=True)))
+    batched = attention(q, k, v)
+    whole = cfj.flash_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True)
+    numpy.testing.assert_array_equal(numpy.asarray(batched), numpy.asarray(whole))
+    assert jax.jit(jax.vmap(cfj.flash_attention)).lower(q, k, v).as_text().count("cupyflash_forward") == 1
+    loss = (lambda q, k, v: jnp.sum(cfj.flash_attention(q, k, v, causal=True) ** 2))
+    per_entry = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(q, k, v)
+    for got, want in zip(per_entry, jax.grad(loss, argnums=(0, 1, 2))(q, k, v)):
+        numpy.testing.assert_allclose(numpy.asarray(got), numpy.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("change, error, words", [
+    (dict(k=numpy.zeros((2, 9, 8), numpy.float16)), TypeError, "share one dtype"),
+    (dict(q=numpy.zeros((2, 9, 300), numpy.float32), k=numpy.zeros((2, 9, 300), numpy.float32),
+          v=numpy.zeros((2, 9, 300), numpy.float32)), ValueError, "head dim"),
+    (dict(q=numpy.zeros((2, 9, 8), numpy.int32)), TypeError, "dtype"),
+    (dict(window=(-1, 0)), ValueError, "window"),
+    (dict(precision="bogus"), ValueError, "precision"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(k=numpy.zeros((3, 9, 8), numpy.float32), v=numpy.zeros((3, 9, 8), numpy.float32)), ValueError, "broadcast"),
+])
+def test_bad_inputs_raise_while_tracing(change, error, words):
+    args = dict(q=numpy.zeros((2, 9, 8), numpy.float32), k=numpy.zeros((2, 9, 8), numpy.float32),
+                v=numpy.zeros((2, 9, 8), numpy.float32))
+    args.update(change)
+    with pytest.raises(error, match=words):
+        jax.jit(lambda q, k, v: cfj.flash_attention(q, k, v, **{n: x for n, x in args.items() if n not in "qkv"}))(
+            args["q"], args["k"], args["v"])
+
+
+def test_the_gradient_through_lse_needs_room_for_one_more_column():
+    q = jnp.zeros((1, 4, 256), jnp.float32)
+    with pytest.raises(NotImplementedError, match="D < 256"):
+        jax.grad(lambda q: jnp.sum(cfj.flash_attention(q, q, q, return_lse=True)[1]))(q)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The CUDA target: cupyflash's kernels on XLA's stream
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("case", CASES)
+@gpu_test
+def test_gpu_values_and_gradients_match_reference(case, dtype):
+    check_against_reference(gpu_device(), dtype, *CASES[case])
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, (5, 3))])
+@gpu_test
+def test_gpu_matches_jax_dot_product_attention(causal, window):
+    against_jax_nn(gpu_device(), "float32", causal, window)
+
+
+@gpu_test
+def test_gpu_runs_on_xla_stream_in_order(monkeypatch):
+    """The kernels run on the stream XLA hands the handler (not CuPy's), between XLA's own producer and
+    consumer of their buffers, with no synchronisation: the results are right only if ordered."""
+    device = gpu_device()
+    import cupy
+
+    seen = []
+    original = cfj._cupy_stream
+
+    def recording(handle, ordinal):
+        seen.append((handle, ordinal))
+        return original(handle, ordinal)
+
+    monkeypatch.setattr(cfj, "_cupy_stream", recording)
+    rng = numpy.random.default_rng(9)
+    q, k, v = random_inputs(rng, "float32", (4, 8, 1024, 64), (4, 8, 1024, 64))
+
+    @jax.jit
+    def step(q, k, v):
+        o = cfj.flash_attention(q * 2.0, jnp.flip(k, -2), v + 1.0, causal=True)   # XLA produces the inputs
+        return jnp.cumsum(o, axis=-2)                                                # and consumes o
+
+    got = numpy.asarray(step(*(jax.device_put(x, device) for x in (q, k, v))))
+    want = numpy.cumsum(reference.attention_forward(q * 2, numpy.flip(k, -2), v + 1, causal=True)[0], axis=-2)
+    assert rel_err(got, want) <= 1e-4   # out of order, o would be of stale or unwritten memory
+    assert seen and all(h != 0 and h != cupy.cuda.get_current_stream().ptr for h, _ in seen)
+    assert {o for _, o in seen} == {getattr(device, "local_hardware_id", device.id)}
+
+
+
+def test_shard_map_runs_each_device_on_its_slice():
+    """Two CPU devices (a process of its own: the device count is fixed at JAX's start), the batch
+    sharded by ``jax.shard_map``: the gradients equal the unsharded call's. ``check_vma=False``: an XLA
+    custom call's results carry no varying manual axes, so JAX's check refuses the VJP's types."""
+    code = textwrap.dedent("""
+        import numpy, jax, jax.numpy as jnp
+        from jax.sharding import Mesh, PartitionSpec
+        import cupyflash.jax as cfj
+        mesh = Mesh(numpy.array(jax.devices("cpu")[:2]), ("batch",))
+        x = numpy.random.default_rng(0).standard_normal((3, 4, 2, 33, 16)).astype(numpy.float32)
+        loss = lambda q, k, v: jnp.sum(cfj.flash_attention(q, k, v, causal=True) ** 2)
+        sharded = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=mesh, check_vma=False,
+                                        in_specs=PartitionSpec("batch"), out_specs=PartitionSpec("batch")))
+        for got, want in zip(sharded(*x), jax.grad(loss, argnums=(0, 1, 2))(*x)):
+            numpy.testing.assert_allclose(numpy.asarray(got), numpy.asarray(want), rtol=1e-5, atol=1e-6)
+        print("OK")
+    """)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
+
+
+def test_the_training_benchmark_runs_on_the_cpu():
+    """benchmarks/train_step_jax.py end to end at a toy size on the CPU: both arms, one loss curve."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                          "train_step_jax.py")
+    done = subprocess.run([sys.executable, script, "--platform", "cpu", "--layers", "1", "--seq", "32", "--batch", "2",
+                           "--steps", "3", "--warmup", "1", "--dtype", "float32"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    gap = float(done.stdout.split("largest |difference| ")[1].split()[0])
+    assert gap <= 1e-4, done.stdout
