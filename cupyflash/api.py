@@ -248,7 +248,8 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         ``(o, m, l)`` to write into: of exactly the shapes and dtypes below,
         C-contiguous, writeable, of the inputs' kind and device (on the GPU
         also 16-byte aligned), sharing memory with no input and with each
-        other. They are returned.
+        other. They are the result's items (an earlier result may be passed
+        as ``out``).
 
     Returns
     -------
