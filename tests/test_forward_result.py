@@ -7,7 +7,9 @@ exactly those the forward and the backward share, by identity. GPU: the same com
 deterministic backward, bit for bit.
 """
 
+import copy
 import inspect
+import pickle
 import weakref
 
 import numpy
@@ -249,6 +251,17 @@ def test_backward_hands_on_the_forwards_own_objects(varlen, monkeypatch):
     assert len(args) == len(expected) and all(a is b for a, b in zip(args, expected))
     assert passed.keys() == {*kw, *own}
     assert all(passed[n] is value for n, value in {**kw, **own}.items())
+
+
+def test_a_copied_or_pickled_result_keeps_its_call():
+    rng, (q, k, v, do) = inputs(numpy, numpy.float32, 13)
+    kw, own = keywords_of("causal softcap alibi sink bias", rng, numpy, numpy.float32)
+    result = cupyflash.flash_attention_forward(q, k, v, **kw)
+    expected = result.backward(do, **own)
+    for again in (copy.copy(result), copy.deepcopy(result), pickle.loads(pickle.dumps(result))):
+        assert type(again) is cupyflash.ForwardResult and len(again) == 3
+        assert_same_bits(again, result)
+        assert_same_bits(again.backward(do, **own), expected)
 
 
 def test_the_result_keeps_the_forwards_inputs_alive_and_nothing_more():
