@@ -8,10 +8,11 @@ softmax statistics ``m`` (row max) and ``l`` (row exp-sum).
 from . import reference
 from ._compile import precompile
 from .merge import merge_attention, merge_attention_stacked
-from .api import (dropout_mask, flash_attention, flash_attention_backward, flash_attention_forward,
+from .api import (ForwardResult, dropout_mask, flash_attention, flash_attention_backward, flash_attention_forward,
                   flash_attention_varlen_backward, flash_attention_varlen_forward)
 from .kvcache import flash_attention_with_kvcache
 
 __version__ = "0.1.0"
 __all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward", "flash_attention_varlen_forward",
-           "flash_attention_varlen_backward", "flash_attention_with_kvcache", "merge_attention", "merge_attention_stacked", "dropout_mask", "precompile", "reference", "__version__"]
+           "flash_attention_varlen_backward", "ForwardResult", "flash_attention_with_kvcache", "merge_attention",
+           "merge_attention_stacked", "dropout_mask", "precompile", "reference", "__version__"]

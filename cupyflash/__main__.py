@@ -162,7 +162,7 @@ def precompile(argv) -> int:
     return 0
 
 
-# the benchmark as installed (the wheel maps benchmarks/ to cupyflash/benchmarks/), or in a checkout
+# the benchmark as installed (setup.py copies benchmarks/bench.py into a built package), or in a checkout
 BENCH_SCRIPTS = (Path(__file__).resolve().parent / "benchmarks" / "bench.py",
                  Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py")
 

@@ -7,6 +7,7 @@ settled in Python. Errors name the argument and the shapes or dtypes seen.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -321,8 +322,10 @@ OUT_ALIGNMENT = 16   # bytes: the kernels store whole vectors into o, dq, dk, dv
 
 
 def _extent(x) -> tuple[int, int]:
-    """Bytes [lo, hi) of memory that ``x`` can touch (0, 0 when it holds nothing)."""
-    if x.size == 0:
+    """Bytes [lo, hi) of memory that ``x`` can touch (0, 0 when it holds nothing: an empty array, or
+    an input that is not an array, such as a number or a list of slopes, which the call converts)."""
+    cupy = sys.modules.get("cupy")   # not imported: no CuPy array exists
+    if not (isinstance(x, numpy.ndarray) or (cupy is not None and isinstance(x, cupy.ndarray))) or x.size == 0:
         return 0, 0
     base = x.ctypes.data if isinstance(x, numpy.ndarray) else x.data.ptr
     reach = [s * (n - 1) for s, n in zip(x.strides, x.shape)]

@@ -30,7 +30,8 @@ _PRAGMA_ONCE = re.compile(r"^#pragma once[ \t]*\n", re.M)
 
 
 def kernel_dir() -> Path:
-    """Folder of the CUDA sources: ``kernels_cu/`` beside the package, or inside it."""
+    """Folder of the CUDA sources: ``kernels_cu/`` beside the package (a checkout, an editable install),
+    or inside it (a built package: setup.py copies it there)."""
     here = Path(__file__).resolve().parent
     for candidate in (here.parent / "kernels_cu", here / "kernels_cu"):
         if (candidate / "params.cuh").is_file():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+from operator import itemgetter
 from typing import TYPE_CHECKING, Optional, Union
 
 import numpy
@@ -29,6 +30,107 @@ Window = tuple[Optional[int], Optional[int]]
 
 FORWARD_OUTPUTS = ("o", "m", "l")
 BACKWARD_OUTPUTS = ("dq", "dk", "dv")
+# the keywords of a forward that its backward takes too, with the same values (ForwardResult.backward)
+BACKWARD_KEYWORDS = ("causal", "softmax_scale", "window", "softcap", "alibi_slopes", "bias", "mask", "sink",
+                     "dropout_p", "seed", "score_mod", "mask_mod", "mod_args", "schedule", "precision")
+VARLEN_BACKWARD_KEYWORDS = ("max_seqlen_q", "max_seqlen_k", *BACKWARD_KEYWORDS)
+
+
+class ForwardResult(tuple):
+    """The ``(o, m, l)`` of a forward call, which remembers the call for its backward.
+
+    A tuple of the three outputs: ``o, m, l = result``, ``result[0]``,
+    ``len(result) == 3`` and ``tuple(result)`` are those of the plain tuple;
+    ``result.o``, ``result.m``, ``result.l`` name them. Beside them it holds
+    the call that made them: the forward's inputs (``q``, ``k``, ``v``; the
+    offsets of packed sequences) and the values of its keywords, so that
+    :meth:`backward` runs the backward with exactly the forward's arguments.
+
+    Attributes
+    ----------
+    o : ndarray, shape (*batch, Nq, D)
+    m, l : ndarray, shape (*batch, Nq)
+        The outputs, as :func:`flash_attention_forward` (or
+        :func:`flash_attention_varlen_forward`) documents them.
+
+    Notes
+    -----
+    Everything is held by reference, nothing is copied: the inputs and the
+    keywords' arrays (``bias``, ``mask``, ``alibi_slopes``, ``sink``, the
+    ``mod_args`` dict) stay alive while the result does, and an array changed
+    in place between the forward and :meth:`backward` is read as it is then,
+    as :func:`flash_attention_backward` would read it.
+    """
+
+    def __new__(cls, outputs, backward, inputs, offsets, names, values):
+        """``outputs`` (o, m, l) of a call that ``backward`` differentiates as ``backward(do, *inputs, o, m, l,
+        *offsets, **dict(zip(names, values)), ...)``."""
+        result = tuple.__new__(cls, outputs)
+        result._call = (backward, inputs, offsets, names, values)
+        return result
+
+    def __getnewargs__(self):
+        return (tuple(self), *self._call)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(o={self[0]!r}, m={self[1]!r}, l={self[2]!r})"
+
+    o = property(itemgetter(0), doc="The attention output, ``result[0]``.")
+    m = property(itemgetter(1), doc="The rows' score maxima, ``result[1]``.")
+    l = property(itemgetter(2), doc="The rows' exp-sums, ``result[2]``.")
+
+    def backward(self, do: Array, *, score_mod_grad: Optional[str] = None, bias_grad: bool = False,
+                 deterministic: bool = False, out: Optional[Outputs] = None) -> tuple:
+        """Gradients of this forward call, with its own inputs, outputs and keywords.
+
+        Parameters
+        ----------
+        do : ndarray, shape (*batch, Nq, D)
+            Gradient of the loss with respect to ``o`` (``total_q`` rows for
+            packed sequences); dtype of ``q``.
+        score_mod_grad : str, optional
+            The derivative of the forward's ``score_mod`` by ``s``; required
+            when the forward had a ``score_mod`` (the forward does not take it).
+        bias_grad, deterministic, out : optional
+            As in :func:`flash_attention_backward`: what only the backward
+            chooses.
+
+        Returns
+        -------
+        dq, dk, dv : ndarray
+            Of the shapes of ``q``, ``k``, ``v``.
+        dbias : ndarray
+            With ``bias_grad`` only.
+        dsink : ndarray
+            With a ``sink`` in the forward only (the last result).
+
+        Raises
+        ------
+        TypeError, ValueError
+            As in :func:`flash_attention_backward` (``do`` of the wrong shape
+            or dtype, ``bias_grad`` without a bias in the forward, a
+            ``score_mod`` without ``score_mod_grad``, a bad ``out``).
+
+        Notes
+        -----
+        The call is :func:`flash_attention_backward` (for packed sequences
+        :func:`flash_attention_varlen_backward`) of ``do``, the forward's
+        ``q``, ``k``, ``v``, this ``o``, ``m``, ``l`` (and the offsets) with
+        every keyword the forward was given that the backward takes:
+        ``causal``, ``softmax_scale``, ``window``, ``softcap``,
+        ``alibi_slopes``, ``bias``, ``mask``, ``sink``, ``dropout_p``,
+        ``seed``, ``score_mod``, ``mask_mod``, ``mod_args``, ``schedule``,
+        ``precision`` (and ``max_seqlen_q``, ``max_seqlen_k``). So the
+        backward differentiates the attention the forward computed, which
+        the free function cannot check.
+
+        See Also
+        --------
+        flash_attention_backward : the same with every argument given.
+        """
+        backward, inputs, offsets, names, values = self._call
+        return backward(do, *inputs, *self, *offsets, **dict(zip(names, values)), score_mod_grad=score_mod_grad,
+                        bias_grad=bias_grad, deterministic=deterministic, out=out)
 
 
 def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = False,
@@ -37,7 +139,7 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
                             sink=None, dropout_p: float = 0.0, seed: Optional[int] = None, score_mod: Optional[str] = None,
                             mask_mod: Optional[str] = None, mod_args: Optional[dict] = None, schedule: str = "auto",
                             precision: str = "highest", num_splits: Optional[int] = None,
-                            out: Optional[Outputs] = None) -> Outputs:
+                            out: Optional[Outputs] = None) -> ForwardResult:
     """Exact attention with its softmax statistics (FlashAttention's fused forward).
 
     Parameters
@@ -146,10 +248,16 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         ``(o, m, l)`` to write into: of exactly the shapes and dtypes below,
         C-contiguous, writeable, of the inputs' kind and device (on the GPU
         also 16-byte aligned), sharing memory with no input and with each
-        other. They are returned.
+        other. They are the result's items (an earlier result may be passed
+        as ``out``).
 
     Returns
     -------
+    result : ForwardResult
+        The tuple ``(o, m, l)`` of the three arrays below (``o, m, l =
+        result``, ``result[0]``, also ``result.o``), which holds this call's
+        inputs and keywords by reference (no copies): ``result.backward(do)``
+        is :func:`flash_attention_backward` of this very call.
     o : ndarray, shape (*batch, Nq, D)
         ``softmax(S) v`` with ``S = softmax_scale · q kᵀ`` (then softcapped,
         less ALiBi), in the input dtype, C-contiguous; ``batch`` is the
@@ -203,8 +311,11 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     cupyflash.reference.attention_forward : the naive float64 reference.
     cupyflash.blocked.forward : the NumPy Algorithm 1 (CPU path).
     """
-    return _forward(q, k, v, None, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, out,
-                    bias, mask, dropout_p, seed, (score_mod, None, mask_mod, mod_args), num_splits)
+    outputs = _forward(q, k, v, None, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision,
+                       out, bias, mask, dropout_p, seed, (score_mod, None, mask_mod, mod_args), num_splits)
+    return ForwardResult(outputs, flash_attention_backward, (q, k, v), (), BACKWARD_KEYWORDS,
+                         (causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed,
+                          score_mod, mask_mod, mod_args, schedule, precision))
 
 
 def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, out,
@@ -409,7 +520,7 @@ def _call_key(arrays, out, flags):
     """``_launch.call_key`` of a call, its ``out`` arrays included; None where no plan can be kept."""
     if out is None:
         return _launch.call_key(arrays, flags)
-    if type(out) is not tuple or len(out) != 3:
+    if not isinstance(out, tuple) or len(out) != 3:   # a ForwardResult passed back in too
         return None
     return _launch.call_key((*arrays, *out), flags)
 
@@ -536,6 +647,13 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
                              deterministic: bool = False, out: Optional[Outputs] = None) -> Outputs:
     """Gradients of exact attention from the forward's outputs (FlashAttention's recomputation backward).
 
+    For callers that keep ``o``, ``m``, ``l`` themselves. Every argument but
+    ``do``, ``bias_grad``, ``score_mod_grad``, ``deterministic`` and ``out``
+    must be what the forward was given (or returned); nothing can check it, and
+    other values give the gradients of another attention without an error.
+    ``result.backward(do)`` on the forward's :class:`ForwardResult` passes
+    them all itself.
+
     Parameters
     ----------
     do : ndarray, shape (*batch, Nq, D)
@@ -624,6 +742,7 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
 
     See Also
     --------
+    ForwardResult.backward : this backward of a forward's result, with the forward's arguments.
     cupyflash.reference.attention_backward : the naive float64 reference.
     cupyflash.blocked.backward : the NumPy version (CPU path).
     """
@@ -814,7 +933,8 @@ def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: A
                                    seed: Optional[int] = None, score_mod: Optional[str] = None,
                                    mask_mod: Optional[str] = None, mod_args: Optional[dict] = None,
                                    schedule: str = "auto", precision: str = "highest",
-                                   num_splits: Optional[int] = None, out: Optional[Outputs] = None) -> Outputs:
+                                   num_splits: Optional[int] = None,
+                                   out: Optional[Outputs] = None) -> ForwardResult:
     """Exact attention over packed variable-length sequences, with its softmax statistics.
 
     Parameters
@@ -860,6 +980,10 @@ def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: A
 
     Returns
     -------
+    result : ForwardResult
+        The tuple ``(o, m, l)`` of the arrays below, holding this call's
+        inputs, offsets and keywords by reference: ``result.backward(do)``
+        is :func:`flash_attention_varlen_backward` of this very call.
     o : ndarray, shape (*batch, total_q, D)
     m, l : ndarray, shape (*batch, total_q)
         Each sequence's rows as :func:`flash_attention_forward` gives them
@@ -887,9 +1011,13 @@ def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: A
     --------
     cupyflash.reference.attention_varlen_forward : the naive float64 reference.
     """
-    return _forward(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), causal, softmax_scale,
-                    window, softcap, alibi_slopes, sink, schedule, precision, out, bias, mask, dropout_p, seed,
-                    (score_mod, None, mask_mod, mod_args), num_splits)
+    outputs = _forward(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), causal, softmax_scale,
+                       window, softcap, alibi_slopes, sink, schedule, precision, out, bias, mask, dropout_p, seed,
+                       (score_mod, None, mask_mod, mod_args), num_splits)
+    return ForwardResult(outputs, flash_attention_varlen_backward, (q, k, v), (cu_seqlens_q, cu_seqlens_k),
+                         VARLEN_BACKWARD_KEYWORDS,
+                         (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, softcap, alibi_slopes, bias, mask,
+                          sink, dropout_p, seed, score_mod, mask_mod, mod_args, schedule, precision))
 
 
 def flash_attention_varlen_backward(do: Array, q: Array, k: Array, v: Array, o: Array, m: Array, l: Array,
@@ -903,6 +1031,11 @@ def flash_attention_varlen_backward(do: Array, q: Array, k: Array, v: Array, o: 
                                     mod_args: Optional[dict] = None, schedule: str = "auto", precision: str = "highest",
                                     deterministic: bool = False, out: Optional[Outputs] = None) -> Outputs:
     """Gradients of attention over packed variable-length sequences.
+
+    As in :func:`flash_attention_backward`, every argument but ``do``,
+    ``bias_grad``, ``score_mod_grad``, ``deterministic`` and ``out`` must be
+    the forward's, unchecked; ``result.backward(do)`` on the result of
+    :func:`flash_attention_varlen_forward` passes them itself.
 
     Parameters
     ----------
@@ -936,6 +1069,7 @@ def flash_attention_varlen_backward(do: Array, q: Array, k: Array, v: Array, o: 
 
     See Also
     --------
+    ForwardResult.backward : this backward of a forward's result, with the forward's arguments.
     cupyflash.reference.attention_varlen_backward : the naive float64 reference.
     """
     return _backward(do, q, k, v, o, m, l, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), causal,

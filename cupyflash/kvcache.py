@@ -68,6 +68,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     m, l : ndarray, shape (B, Hq, Nq)
         As :func:`cupyflash.flash_attention_forward` returns them for entry ``b`` against its first
         ``L_b`` keys (rows that see no key: ``o = 0, m = -inf, l = 0``); float32 (float64 for float64).
+        A plain tuple, not a :class:`cupyflash.ForwardResult`: there is no backward through a cache.
 
     Raises
     ------

@@ -605,6 +605,19 @@ def test_out_buffers_receive_the_results_and_are_returned(dtype, causal, q_shape
         np.testing.assert_array_equal(g, e)
 
 
+@pytest.mark.parametrize("kw", [{"sink": 0.5}, {"sink": np.float32(0.5)}, {"alibi_slopes": [0.1, 0.2, 0.3]}],
+                         ids=["float sink", "numpy scalar sink", "list of slopes"])
+def test_out_buffers_beside_a_sink_or_slopes_that_are_not_arrays(kw):
+    """A number or a list (converted by the call) shares no memory with an out buffer."""
+    q, k, v = random_array(Q_SHAPE), random_array(KV_SHAPE), random_array(KV_SHAPE)
+    o, m, l = flash_attention_forward(q, k, v, **kw)
+    out = nan_buffers((x.shape, FLOAT32) for x in (q, k, v))
+    got = flash_attention_backward(o, q, k, v, o, m, l, out=out, **kw)
+    assert all(g is b for g, b in zip(got, out))
+    for g, e in zip(got, flash_attention_backward(o, q, k, v, o, m, l, **kw)):
+        np.testing.assert_array_equal(g, e)
+
+
 def _bad_forward_out(fault, q):
     o, m, l = forward_buffers(FLOAT32)
     if fault == "not a tuple":
