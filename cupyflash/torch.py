@@ -408,7 +408,7 @@ def _lse(ml, plan: _Plan):
     return torch.log(l).add_(m)
 
 
-def _backward(ctx, do, *unused_dlse):
+def _backward(ctx, do):
     """dq, dk, dv (and the sink's, the bias's gradient) of ``_FlashAttention``."""
     q, k, v, o, ml, sink, bias = ctx.saved_tensors
     call, plan = ctx.call, ctx.plan
