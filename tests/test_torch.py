@@ -401,3 +401,44 @@ def test_gpu_modifiers_and_packed_sequences_match_the_reference():
     qn, kn, vn = to_numpy(qv).swapaxes(0, 1), *(numpy.repeat(to_numpy(x).swapaxes(0, 1), 2, axis=0) for x in (kv_, vv))
     o_ref, _, _ = reference.attention_varlen_forward(qn, kn, vn, cu.cpu().numpy(), cu.cpu().numpy(), causal=True)
     assert rel_err(to_numpy(ov), o_ref.swapaxes(0, 1)) <= 1e-5
+
+
+# ---------------------------------------------------------------------------
+# The benchmarks' CPU side
+
+def run_script(*argv):
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_the_training_benchmark_explains_itself_without_a_gpu():
+    done = run_script("benchmarks/train_step.py", "--help")
+    assert done.returncode == 0 and "--large" in done.stdout, done.stderr
+
+
+def test_the_training_benchmarks_model_gives_one_loss_with_either_attention():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import train_step
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    cfg = train_step.Config(batch=2, heads=2, seq=32, head_dim=16, layers=2)
+    torch.manual_seed(0)
+    state = train_step.torch_model(cfg, None).state_dict()
+    tokens = torch.randint(0, train_step.VOCAB, (2, cfg.seq + 1))
+    losses, grads = [], []
+    for attend in train_step.torch_attentions().values():
+        model = train_step.torch_model(cfg, attend)
+        model.load_state_dict(state)
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, train_step.VOCAB), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(model.blocks[0].qkv.weight.grad)
+    assert abs(losses[0] - losses[1]) < 1e-5
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+def test_the_host_cost_benchmark_runs_on_the_cpu():
+    done = run_script("benchmarks/torch_host_cost.py", "--calls", "40")
+    assert done.returncode == 0 and "forward + backward through autograd" in done.stdout, done.stdout + done.stderr
