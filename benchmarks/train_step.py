@@ -20,8 +20,8 @@ directly on CuPy arrays, and torch SDPA through autograd. "host" is the Python l
 (the time to queue it), "GPU" the CUDA-event time per call; the larger of the two bounds a model's
 throughput.
 
-Prints Markdown tables. Frameworks are arms of ``FRAMEWORKS``: a JAX arm (``cupyflash.jax`` against
-``jax.nn.dot_product_attention``) is one more entry there.
+Prints Markdown tables. The JAX twin is ``benchmarks/train_step_jax.py`` (``cupyflash.jax`` against
+``jax.nn.dot_product_attention``).
 """
 
 from __future__ import annotations
@@ -66,14 +66,12 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=40, help="timed training steps per arm (default 40)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first, which compile (default 5)")
     parser.add_argument("--calls", type=int, default=200, help="calls per figure of the per-call table (default 200)")
-    parser.add_argument("--framework", choices=sorted(FRAMEWORKS), default="torch",
-                        help="whose training loop and peer attention (default torch)")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
 
 # ---------------------------------------------------------------------------------------------------
-# The torch arm
+# The model, its training and one call
 
 def torch_model(cfg: Config, attend):
     """The byte-level transformer, its attention ``attend(q, k, v)`` on (B, N, H, D) tensors."""
@@ -248,7 +246,7 @@ class _LazyGlue:
 _DLPackGlue = _LazyGlue()
 
 
-def run_torch(cfg: Config, args) -> None:
+def run(cfg: Config, args) -> None:
     import cupy
     import torch
 
@@ -283,12 +281,9 @@ def run_torch(cfg: Config, args) -> None:
         print(f"| {name} | {host:.1f} | {gpu:.1f} |")
 
 
-FRAMEWORKS = {"torch": run_torch}
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
-    FRAMEWORKS[args.framework](LARGE if args.large else SMALL, args)
+    run(LARGE if args.large else SMALL, args)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ STATS_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32, tor
 EXTRA_DTYPES = {**DTYPES, torch.bool: numpy.dtype(numpy.bool_)}   # a mask is bool
 
 MAX_KEPT = 256   # plans and streams kept before their caches start over
+MAX_HEAD_DIM = 256   # cupyflash's; the gradient through lse adds a column to D (_gradients_through_lse)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -277,7 +278,8 @@ class _Plan:
         return tuple(shape), tuple(strides), self.view(shape, strides, query_side, dtype)
 
     def do_view(self, do) -> _View:
-        """The view of the output's gradient ``do``, of whatever strides autograd hands the backward."""
+        """The view of the output's gradient ``do`` (or of another tensor of o's shape), of whatever strides
+        autograd hands the backward."""
         key = do.stride()
         view = self._do_views.get(key)
         if view is None:
@@ -408,18 +410,16 @@ def _lse(ml, plan: _Plan):
     return torch.log(l).add_(m)
 
 
-def _backward(ctx, do):
-    """dq, dk, dv (and the sink's, the bias's gradient) of ``_FlashAttention``."""
-    q, k, v, o, ml, sink, bias = ctx.saved_tensors
-    call, plan = ctx.call, ctx.plan
+def _gradients(plan: _Plan, call: _Call, do, q, k, v, o, ml, sink, bias, bias_grad: bool):
+    """``(dq, dk, dv, dbias, dsink)`` (None where not asked or not given) of cupyflash's backward."""
     dq = torch.empty_strided(plan.o_shape, plan.o_strides, dtype=plan.dtype, device=plan.torch_device)
     dk = torch.empty_strided(plan.dk_shape, plan.dk_strides, dtype=plan.dtype, device=plan.torch_device)
     dv = torch.empty_strided(plan.dk_shape, plan.dk_strides, dtype=plan.dtype, device=plan.torch_device)
     array, device = plan.array, plan.device
+    o_view = plan.o if o.stride() == plan.o_strides else plan.do_view(o)   # the forward's o, or another
     args = (array(do, plan.do_view(do), device), array(q, plan.q, device), array(k, plan.k, device),
-            array(v, plan.v, device), array(o, plan.o, device), array(ml, plan.m, device), array(ml, plan.l, device))
+            array(v, plan.v, device), array(o, o_view, device), array(ml, plan.m, device), array(ml, plan.l, device))
     out = (array(dq, plan.o, device), array(dk, plan.dk, device), array(dv, plan.dk, device))
-    bias_grad = bias is not None and ctx.needs_input_grad[4]
     kw = {**call.keywords(plan, sink, bias), **call.backward_kw}
     if bias_grad:
         kw["bias_grad"] = True
@@ -428,7 +428,74 @@ def _backward(ctx, do):
         grads = run(*args, out=out, **kw)
     dbias = _as_tensor(grads[3], bias, plan) if bias_grad else None
     dsink = _as_tensor(grads[-1], sink, plan) if sink is not None else None
+    return dq, dk, dv, dbias, dsink
+
+
+def _backward(ctx, do, dlse=None):
+    """The gradients of ``_FlashAttention``'s inputs: q, k, v, the sink's and the bias's (None where not
+    given, or for the bias, not wanted), none for the settings; ``dlse`` the cotangent of ``lse``, if any."""
+    q, k, v, o, ml, sink, bias = ctx.saved_tensors
+    call, plan = ctx.call, ctx.plan
+    bias_grad = bias is not None and ctx.needs_input_grad[4]
+    if do is None:   # o unused: only lse reached the loss
+        do = torch.zeros_like(o)
+    if dlse is None:
+        dq, dk, dv, dbias, dsink = _gradients(plan, call, do, q, k, v, o, ml, sink, bias, bias_grad)
+    else:
+        dq, dk, dv, dbias, dsink = _gradients_through_lse(plan, call, do, dlse, q, k, v, o, ml, sink, bias, bias_grad)
     return dq, dk, dv, dsink, dbias, None
+
+
+def _gradients_through_lse(plan: _Plan, call: _Call, do, dlse, q, k, v, o, ml, sink, bias, bias_grad: bool):
+    """``_gradients`` with a cotangent ``g`` of ``lse`` too, by one backward over a head dim one wider.
+
+    ``d lse_i / d s_ij = P_ij``, so ``dS_ij = P_ij (dP_ij − D_i + g_i)`` with ``dP = dO Vᵀ`` and
+    ``D_i = rowsum(dO_i ∘ O_i)``: the backward computes exactly that from ``v' = [v, 1]``,
+    ``do' = [do, g]``, ``o' = [o, 0]`` and ``q' = [q, 0]``, ``k' = [k, 0]`` (``dP' = dP + g``, ``D' = D``,
+    the scores unchanged at the original scale). ``dq``, ``dk``, ``dv`` are the first D columns, ``dbias``
+    is right as it comes; a sink's ``d lse_i / d sink = P_sink,i = exp(sink − m_i) / l_i`` is added.
+    Costs copies of every tensor; ``g`` is rounded to the inputs' dtype.
+    """
+    D = plan.q.shape[-1]
+    if D + 1 > MAX_HEAD_DIM:
+        raise NotImplementedError(f"the gradient through lse needs a head dim D < {MAX_HEAD_DIM}, got D={D}")
+    if call.kw["dropout_p"]:
+        raise NotImplementedError("the gradient through lse with dropout: lse is that of the scores before "
+                                  "dropout, which the widened backward would drop")
+    g = dlse.permute(_inverse(plan.order[:-1]))[..., None]   # lse's (kernel order) in o's order, one column
+
+    def wide(x, column):
+        return torch.cat([x, column.to(x.dtype).expand(*x.shape[:-1], 1)], dim=-1)
+
+    zero, one = torch.zeros((), device=q.device), torch.ones((), device=q.device)
+    q2, k2, v2, o2, do2 = wide(q, zero), wide(k, zero), wide(v, one), wide(o, zero), wide(do, g)
+    scale = call.kw["softmax_scale"]
+    wide_call = _Call(call.layout, {**call.kw, "softmax_scale": D ** -0.5 if scale is None else scale}, call.varlen,
+                      call.alibi_slopes, call.mask, call.return_lse, call.backward_kw)
+    wide_plan = _plan(call.layout, q2, k2, v2)
+    dq, dk, dv, dbias, dsink = _gradients(wide_plan, wide_call, do2, q2, k2, v2, o2, ml, sink, bias, bias_grad)
+    if dsink is not None:
+        m, l = plan.stats_pair(ml)
+        p_sink = torch.exp(sink[..., None] - m) / l   # (batch..., H, Nq): the sink's share of each row
+        dsink = dsink + _sum_to((dlse * p_sink).sum(-1), sink.shape)
+    return dq[..., :D], dk[..., :D], dv[..., :D], dbias, dsink
+
+
+def _inverse(permutation) -> list:
+    """The axes that undo ``permutation``: ``x.permute(permutation).permute(_inverse(permutation))`` is ``x``."""
+    inverse = [0] * len(permutation)
+    for position, axis in enumerate(permutation):
+        inverse[axis] = position
+    return inverse
+
+
+def _sum_to(x, shape):
+    """``x`` summed over the dims along which ``shape`` broadcasts to it (leading ones, and size-1 ones)."""
+    lead = x.dim() - len(shape)
+    if lead:
+        x = x.sum(dim=tuple(range(lead)))
+    dims = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+    return x.sum(dim=dims, keepdim=True) if dims else x
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -440,15 +507,14 @@ class _FlashAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, o, ml, sink, bias)
         ctx.call, ctx.plan = call, plan
         if call.return_lse:
-            lse = _lse(ml, plan)
-            ctx.mark_non_differentiable(lse)
-            return o, lse
+            ctx.set_materialize_grads(False)   # an lse the loss does not use: None, the plain backward
+            return o, _lse(ml, plan)
         return o
 
     @staticmethod
-    def backward(ctx, do, *unused_dlse):
+    def backward(ctx, do, dlse=None):
         # under create_graph, gradients that raise if differentiated again; else the plain call
-        return (_backward_once if torch.is_grad_enabled() else _backward)(ctx, do)
+        return (_backward_once if torch.is_grad_enabled() else _backward)(ctx, do, dlse)
 
 
 _backward_once = torch.autograd.function.once_differentiable(_backward)
@@ -553,7 +619,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         'bhnd' (default): torch SDPA's ``(B, H, N, D)``. 'bnhd': FlashAttention's ``flash_attn_func``
         ``(B, N, H, D)``, read in place as the ``(B, H, N, D)`` view of the same memory.
     return_lse : bool, optional
-        Also return the rows' log-sum-exp (no gradient flows through it).
+        Also return the rows' log-sum-exp, differentiable: a loss that uses it (a z-loss, a merge of
+        partial attentions) adds ``g_i P_ij`` to ``dS`` (one backward over a head dim one wider:
+        ``D < 256``, no dropout; the cotangent ``g`` is rounded to the inputs' dtype).
     deterministic : bool, optional
         A bitwise-reproducible backward (slower).
     score_mod, score_mod_grad, mask_mod, mod_args : optional
@@ -571,7 +639,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         view of memory laid out as ``(B, H, Nq, D)`` (as torch SDPA's output after ``transpose(1, 2)``).
     lse : torch.Tensor, shape (B, H, Nq)
         With ``return_lse`` only: ``m + log(l)`` in float32 (float64 for float64 inputs), ``-inf`` for a
-        row that sees no key.
+        row that sees no key; in this (B, H, Nq) order for both layouts, as FlashAttention's.
 
     Raises
     ------

@@ -193,6 +193,45 @@ def test_gradients_pass_torch_gradcheck():
                                                                                 bias=bias), (q, k, v, sink, bias))
 
 
+@pytest.mark.parametrize("layout, kv_heads, modifiers", [("bhnd", 2, False), ("bnhd", 1, True), ("bhnd", 2, True)])
+def test_gradients_through_lse_pass_gradcheck(layout, kv_heads, modifiers):
+    """A loss of o and lse: the widened backward, the sink's extra term, both layouts, GQA."""
+    q, k, v, _ = random_qkv((2, 2, 5, 4), (2, kv_heads, 6, 4), layout=layout)
+    extras = ()
+    if modifiers:
+        extras = (torch.tensor([0.3, -0.2], dtype=torch.float64, requires_grad=True),
+                  torch.randn(2, 1, 5, 6, dtype=torch.float64, requires_grad=True))
+
+    def loss(q, k, v, *extras):
+        kw = dict(zip(("sink", "bias"), extras))
+        o, lse = flash_attention(q, k, v, causal=True, layout=layout, return_lse=True, softcap=3.0, **kw)
+        return o.square().sum() + (lse * torch.arange(lse.numel(), dtype=lse.dtype).view(lse.shape)).sum()
+
+    assert torch.autograd.gradcheck(loss, (q, k, v, *extras))
+    assert torch.autograd.gradcheck(lambda q, k, v: flash_attention(q, k, v, return_lse=True, layout=layout)[1].sum(),
+                                    (q, k, v))   # lse alone: o unused
+
+
+def test_gradients_through_lse_of_packed_sequences_pass_gradcheck():
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    q = torch.randn(7, 2, 4, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(7, 1, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+
+    def loss(q, k, v):
+        o, lse = flash_attention_varlen(q, k, v, cu, cu, 4, 4, causal=True, return_lse=True)
+        return o.sum() + lse.cos().sum()
+
+    assert torch.autograd.gradcheck(loss, (q, k, v))
+
+
+def test_gradients_through_lse_with_dropout_raise():
+    q, k, v, _ = random_qkv((1, 2, 5, 4), (1, 2, 5, 4))
+    o, lse = flash_attention(q, k, v, dropout_p=0.1, seed=1, return_lse=True)
+    torch.autograd.grad(o.sum(), (q,), retain_graph=True)   # o alone: fine
+    with pytest.raises(NotImplementedError, match="dropout"):
+        torch.autograd.grad(lse.sum(), (q,))
+
+
 def test_double_backward_raises_instead_of_a_wrong_answer():
     q, k, v, do = random_qkv((1, 2, 5, 4), (1, 2, 5, 4))
     dq, = torch.autograd.grad(flash_attention(q, k, v), (q,), do.requires_grad_(), create_graph=True)
@@ -373,6 +412,27 @@ def test_gpu_runs_on_the_current_stream_without_synchronising():
     want = reference_attention(q, k, v, do, causal=True)
     for name, got, ref in zip(("o", "dq", "dk", "dv"), (o, *grads), (want[0], *want[2:])):
         assert rel_err(to_numpy(got), ref) <= BWD_CEILING["bfloat16"], name
+
+
+@gpu_test
+@needs_torch_cuda
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_gpu_gradients_through_lse_match_the_cpu_path(layout):
+    """A loss of o and lse, with a sink: float32 on the GPU against the same call in float64 on the CPU (the
+    NumPy path, which gradcheck holds)."""
+    q, k, v, do = random_qkv((2, 4, 120, 64), (2, 2, 120, 64), torch.float32, "cuda", layout)
+    sink = torch.randn(4, device="cuda", requires_grad=True)
+    weights = torch.randn(2, 4, 120, device="cuda")
+
+    def grads(q, k, v, sink, weights, do):
+        o, lse = flash_attention(q, k, v, causal=True, sink=sink, layout=layout, return_lse=True)
+        return torch.autograd.grad((o * do).sum() + (lse * weights).sum(), (q, k, v, sink))
+
+    got = grads(q, k, v, sink, weights, do)
+    cpu = [x.detach().to("cpu", torch.float64).requires_grad_(x.requires_grad) for x in (q, k, v, sink, weights, do)]
+    want = grads(*cpu)
+    for name, g, w in zip(("dq", "dk", "dv", "dsink"), got, want):
+        assert rel_err(to_numpy(g), to_numpy(w)) <= 1e-4, name
 
 
 @gpu_test
