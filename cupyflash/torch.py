@@ -7,11 +7,12 @@
 The bridge, per call, and why it costs little host time:
 
 - **Views.** Each tensor is read by the kernels as a CuPy array built over its memory
-  (``cupy.ndarray`` on a ``cupy.cuda.UnownedMemory`` that holds the tensor): no DLPack capsule,
-  no copy. The layouts are such views: ``bnhd`` is the ``(B, H, N, D)`` view of a ``(B, N, H, D)``
-  tensor, GQA splits q's head axis into ``(H_kv, G)`` and gives k, v a broadcast axis of size 1
-  (cupyflash sums dK, dV over it). How each tensor is viewed is settled once per shape and strides
-  (``_Plan``, kept in ``_PLANS``).
+  (``cupy.ndarray`` on a ``cupy.cuda.UnownedMemory``): no DLPack capsule, no copy. The layouts are
+  such views: ``bnhd`` is the ``(B, H, N, D)`` view of a ``(B, N, H, D)`` tensor, GQA splits q's head
+  axis into ``(H_kv, G)`` and gives k, v a broadcast axis of size 1 (cupyflash sums dK, dV over it).
+  How each tensor is viewed is settled once per layout, shapes, strides, dtype and device (``_Plan``,
+  kept in ``_PLANS``); the arrays of q, k, v, o, m, l, do and the gradients are kept by address
+  (``_ARRAYS``, holding no tensor), the modifiers' made per call (holding theirs).
 - **Outputs.** ``o``, the statistics ``m``, ``l`` and the gradients are allocated by torch (its
   caching allocator) and passed to cupyflash as ``out=``.
 - **Streams.** The kernels run on torch's current stream of the tensors' device, through a
