@@ -327,19 +327,26 @@ def _extent(x) -> tuple[int, int]:
     cupy = sys.modules.get("cupy")   # not imported: no CuPy array exists
     if not (isinstance(x, numpy.ndarray) or (cupy is not None and isinstance(x, cupy.ndarray))) or x.size == 0:
         return 0, 0
-    base = x.ctypes.data if isinstance(x, numpy.ndarray) else x.data.ptr
-    reach = [s * (n - 1) for s, n in zip(x.strides, x.shape)]
-    return base + sum(r for r in reach if r < 0), base + sum(r for r in reach if r > 0) + x.itemsize
+    lo = hi = x.ctypes.data if isinstance(x, numpy.ndarray) else x.data.ptr
+    for s, n in zip(x.strides, x.shape):
+        if s > 0:
+            hi += s * (n - 1)
+        elif s < 0:
+            lo += s * (n - 1)
+    return lo, hi + x.itemsize
 
 
 def check_disjoint(out, names, inputs: dict):
-    """ValueError when an ``out`` array shares memory with another or with an input."""
-    arrays = [(f"out[{i}] ({n})", x) for i, (n, x) in enumerate(zip(names, out))]
-    extents = [(label, _extent(x)) for label, x in arrays + list(inputs.items())]
-    for i, (label, (lo, hi)) in enumerate(extents[: len(arrays)]):
-        for other, (other_lo, other_hi) in extents[i + 1:]:
-            if lo < other_hi and other_lo < hi:
-                raise ValueError(f"{label} overlaps {other} in memory")
+    """ValueError when an ``out`` array shares memory with another or with an input. (Run on every call
+    with ``out``, a kept plan's too: the labels are made only for the message.)"""
+    extents = [_extent(x) for x in out]
+    extents += [_extent(x) for x in inputs.values()]
+    for i in range(len(out)):
+        lo, hi = extents[i]
+        for j in range(i + 1, len(extents)):
+            if lo < extents[j][1] and extents[j][0] < hi:
+                labels = [f"out[{n}] ({name})" for n, name in enumerate(names)] + list(inputs)
+                raise ValueError(f"{labels[i]} overlaps {labels[j]} in memory")
 
 
 def check_out(out, names, shapes, dtypes, xp, device, inputs: dict) -> tuple:
