@@ -980,8 +980,9 @@ def call_key(arrays, flags):
     cupy = sys.modules.get("cupy")
     if cupy is None or any(type(x) is not cupy.ndarray for x in arrays):
         return None
+    # the flags by type and repr, which tell 1 from 1.0 and True (equal, and of one hash), in C loops
     return (tuple((x.shape, x.strides, x.dtype, x.data.ptr % VECTOR_BYTES, x.data.device_id) for x in arrays),
-            tuple((type(f), repr(f)) for f in flags), USE_WGMMA)
+            tuple(map(type, flags)), repr(flags), USE_WGMMA)
 
 
 def keep_plan(key, plan):
