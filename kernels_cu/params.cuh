@@ -210,6 +210,7 @@ struct FwdParams {
     int kv_splits;             // V2, Hopper: CTAs per Q tile, each over its run of the K/V tiles (Visits::split)
                                // into o_parts, m_parts, l_parts; 1: one CTA, into o, m, l
     int tile_rows;             // rows of a flagged Q tile (the main kernel's B_r), for the repair
+    unsigned uses;             // the switches the call uses (types.cuh: Uses)
     double scale;              // softmax_scale, as the accumulator type rounds it
 
     // where split `split` of a forward writes the rows from `row0` on: o, m, l, or its parts
@@ -270,6 +271,7 @@ struct BwdParams {
     int kv_atomic;             // several batch entries share a K/V head: dK, dV are sums
     int lse_stats;             // the main kernel reads lse2 (flash_bwd_sm90), else m_b, inv_l
     int tile_r, tile_c;        // the main kernel's B_r, B_c: the tiles of dq_flags, kv_flags
+    unsigned uses;             // the switches the call uses (types.cuh: Uses)
     double scale;
 };
 

@@ -145,6 +145,17 @@ __device__ __forceinline__ bool user_visible(long long b, long long q_idx, long 
 #endif
 }
 
+// A per-entry array of the call (ALiBi slopes, sink logits): one value per batch entry, element strides
+// along the three collapsed batch dims, 0 along a broadcast dim
+template <typename T>
+struct EntryArray {
+    T* ptr;
+    i64 s0, s1, s2;
+
+    // batch entry bi's value
+    __device__ __forceinline__ T at(BatchIndex bi) const { return ptr[batch_offset(bi, s0, s1, s2)]; }
+};
+
 // A per-pair array of the call (bias, mask, dbias), broadcastable to (batch..., Nq, Nk): element strides
 // along the three collapsed batch dims, the queries and the keys, 0 along a broadcast dim. With VARLEN
 // its rows and keys are the packed ones (total_q, total_k).
@@ -284,21 +295,21 @@ struct EntryMods {
     }
 };
 
-// What a call's modifiers read (params.cuh: FwdParams::mods, BwdParams::mods)
+// What a call's modifiers read (params.cuh: FwdParams::mods, BwdParams::mods): the members of each row
+// of cupyflash/_flags.py's FLAGS in table order (its `fields`; _params.py mirrors them from there), then
+// the batch offset and mod_args
 struct ScoreMods {
-    const acc_t* alibi;           // slopes, one per batch entry: collapsed batch strides, 0 along a broadcast dim
-    i64 alibi_s0, alibi_s1, alibi_s2;
-    const acc_t* sink;            // sink logits, one per batch entry, the same way
-    i64 sink_s0, sink_s1, sink_s2;
+    double softcap;                         // FLASH_SOFTCAP: c > 0
+    EntryArray<const acc_t> alibi;          // FLASH_ALIBI: slopes, one per batch entry
+    EntryArray<const acc_t> sink;           // FLASH_SINK: sink logits, one per batch entry
     PairArray<const elem_t> bias;           // FLASH_BIAS, in the inputs' dtype
-    PairArray<const unsigned char> keep;    // FLASH_MASK: bool, 1 = visible
     PairArray<acc_t> dbias;                 // FLASH_BIAS_GRAD: bias's shape (or the full one), zeroed
     int dbias_add;                          // EntryMods::dbias_add
+    PairArray<const unsigned char> keep;    // FLASH_MASK: bool, 1 = visible
     unsigned threshold;                     // FLASH_DROPOUT: round(p 2^32), a word below it drops its pair
-    double softcap;                         // c > 0
     double keep_scale;                      // FLASH_DROPOUT: 1 / (1 - p)
-    i64 batch0;                             // the flat batch index of the call's entry 0 (of a peeled piece)
     unsigned long long seed;                // FLASH_DROPOUT: the Philox key (written per call)
+    i64 batch0;                             // the flat batch index of the call's entry 0 (of a peeled piece)
     UserArgs user;                          // FLASH_USER_*: mod_args
 
     // the modifiers of batch entry bi (flat index `entry`) for its sequence of Nq queries and Nk keys, the
@@ -307,8 +318,8 @@ struct ScoreMods {
         EntryMods e;
         e.cap = (acc_t)softcap;
         e.inv_cap = SOFTCAP ? (acc_t)1 / e.cap : (acc_t)0;
-        e.slope = ALIBI ? alibi[batch_offset(bi, alibi_s0, alibi_s1, alibi_s2)] : (acc_t)0;
-        e.sink = SINK ? sink[batch_offset(bi, sink_s0, sink_s1, sink_s2)] : (acc_t)0;
+        e.slope = ALIBI ? alibi.at(bi) : (acc_t)0;
+        e.sink = SINK ? sink.at(bi) : (acc_t)0;
         e.off = Nk - Nq;
         e.Nq = Nq;
         e.Nk = Nk;

@@ -53,6 +53,22 @@ constexpr bool TF32_SPLITS = true;
 constexpr bool TF32_SPLITS = false;
 #endif
 
+// The run-time word `uses` of FwdParams and BwdParams (params.cuh): a bit per switch the call uses, in the
+// order of cupyflash/_flags.py's FLAGS (_params.layout_checks asserts each bit). A family that reads a
+// switch without compiling it in (its define FLASH_<NAME>) tests its bit.
+enum Uses : unsigned {
+    USES_SOFTCAP = 1u << 0,
+    USES_ALIBI = 1u << 1,
+    USES_SINK = 1u << 2,
+    USES_BIAS = 1u << 3,
+    USES_BIAS_GRAD = 1u << 4,
+    USES_MASK = 1u << 5,
+    USES_DROPOUT = 1u << 6,
+    USES_VARLEN = 1u << 7,
+    USES_PAGED = 1u << 8,
+    USES_ORDERED = 1u << 9,
+};
+
 #define POS_INF ((acc_t)__int_as_float(0x7f800000))
 #define NEG_INF (-POS_INF)
 
