@@ -99,8 +99,9 @@ FLAGS = (
     # s <- s - slope |i + off - j|, a slope per batch entry
     Flag("alibi", SCORED, SCORED, scores=True, fields=(("alibi", "entry"),), array="alibi_slopes", per="entry"),
     # one more key of logit sink and value zero, folded into the forward's final m_i, l_i: only the forwards
-    # read it (the backward's P = exp(S - lse) takes it through m, l; the repair reads m, l; dsink is CuPy's)
-    Flag("sink", FORWARD, FORWARD, fields=(("sink", "entry"),), array="sink", per="entry"),
+    # read it (the backward's P = exp(S - lse) takes it through m, l; the repair reads m, l; dsink is CuPy's),
+    # in their epilogues, once per row: a run-time word (params.cuh: has_sinks, sink_of)
+    Flag("sink", FORWARD, (), fields=(("sink", "entry"),), array="sink", per="entry"),
     # s <- s + bias_ij
     Flag("bias", SCORED, SCORED, pair_tiles=True, scores=True, fields=(("bias", "pair"),), array="bias", per="pair"),
     # the backward adds dS_ij into dbias_ij; the wide Hopper backward has no plain dS under a softcap

@@ -49,14 +49,15 @@ __device__ __forceinline__ void store_row_pair(elem_t* row, int col, int d, acc_
 // The epilogue of a warp's (16, 8*NT) O_i accumulator, first row r0, rows g and g+8 of each lane:
 // O_i = diag(l_i)^-1 O_i into o (Nq, D), m_i m_scale (m_i of the online softmax in units of
 // m_scale; -inf stays -inf) and l_i into m_out, l_out (Nq), with the attention sink folded in where
-// compiled in (SINK: `sink`, natural units; fold_sink), o scaled by o_scale (dropout's 1 / (1 - p)).
+// the call has sinks (`sinks`; `sink` its logit, natural units; fold_sink), o scaled by o_scale
+// (dropout's 1 / (1 - p)).
 // A row that saw no key (l_i = 0) gets O_i = 0, whatever 0 · NaN met in P~ V where a masked key's
 // value was not finite; NaN stays NaN.
 template <int NT>
 __device__ __forceinline__ void store_output_rows(elem_t* o, acc_t* m_out, acc_t* l_out, const acc_t (&O)[NT][4],
                                                   const acc_t (&m_i)[2], const acc_t (&l_i)[2], acc_t m_scale,
-                                                  int r0, int Nq, int D, acc_t sink = (acc_t)0,
-                                                  acc_t o_scale = (acc_t)1) {
+                                                  int r0, int Nq, int D, bool sinks = false,
+                                                  acc_t sink = (acc_t)0, acc_t o_scale = (acc_t)1) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
@@ -66,7 +67,7 @@ __device__ __forceinline__ void store_output_rows(elem_t* o, acc_t* m_out, acc_t
         const bool none = l_i[h] == (acc_t)0;
         acc_t m = m_i[h] == NEG_INF ? NEG_INF : m_i[h] * m_scale, l = l_i[h];
         acc_t inv_l = o_scale / l;   // inf where none: not used
-        if constexpr (SINK) inv_l *= fold_sink(m, l, sink);
+        if (sinks) inv_l *= fold_sink(m, l, sink);
 #pragma unroll
         for (int n = 0; n < NT; ++n)
             store_row_pair(o + (i64)row * D, n * 8 + 2 * t, D, none ? (acc_t)0 : O[n][2 * h] * inv_l,

@@ -168,6 +168,19 @@ __device__ __forceinline__ EntryMods mods_of(const Params& p, const Seq& sq) {
     return p.mods.at(sq.bi, sq.e, sq.q0, sq.k0, mask.Nq, mask.Nk);
 }
 
+// The attention sink, a run-time word (uses & USES_SINK): one more key per batch entry, of logit `sink`
+// and value zero, folded into the forward's final m_i, l_i (softmax.cuh: fold_sink; the backward's
+// P = exp(S - lse) needs nothing more). Only the forwards' epilogues read it, once per row, after the loop.
+template <class Params>
+__device__ __forceinline__ bool has_sinks(const Params& p) { return (p.uses & USES_SINK) != 0; }
+
+// the sink's logit of sequence sq's batch entry (natural units) for split `split` of its keys: split 0's,
+// the sink is one key (the others fold -inf, nothing)
+template <class Params>
+__device__ __forceinline__ acc_t sink_of(const Params& p, const Seq& sq, int split = 0) {
+    return split == 0 ? p.mods.sink.at(sq.bi) : NEG_INF;
+}
+
 // sequence sq's map head of mask_mod's tile map (without FLASH_USER_MASK: none, not read)
 template <class Params>
 __device__ __forceinline__ TileHead tiles_of(const Params& p, const Seq& sq) {

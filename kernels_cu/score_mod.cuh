@@ -38,9 +38,6 @@
 #ifndef FLASH_ALIBI
 #define FLASH_ALIBI 0
 #endif
-#ifndef FLASH_SINK
-#define FLASH_SINK 0
-#endif
 #ifndef FLASH_BIAS
 #define FLASH_BIAS 0
 #endif
@@ -78,9 +75,6 @@ constexpr bool CHAIN = SOFTCAP || USER_SCORE;              // the backward multi
 constexpr bool SCORE_MODS = SOFTCAP || ALIBI || BIAS || BOOL_MASK || USER_SCORE || USER_MASK;
 constexpr bool MODS_BUT_USER_MASK = SOFTCAP || ALIBI || BIAS || BOOL_MASK || USER_SCORE;
 constexpr bool DROPOUT = FLASH_DROPOUT != 0;
-// the attention sink: one more key per batch entry, of logit `sink` and value zero, folded into the
-// forward's final m_i, l_i (softmax.cuh: fold_sink); the backward's P = exp(S - lse) needs nothing more
-constexpr bool SINK = FLASH_SINK != 0;
 
 __device__ __forceinline__ acc_t tanh_acc(acc_t x) {
 #if FLASH_TENSOR_CORES
@@ -184,7 +178,6 @@ struct Pairs {
 struct EntryMods {
     acc_t cap, inv_cap;   // softcap c and 1 / c
     acc_t slope;          // ALiBi slope
-    acc_t sink;           // the sink's logit (natural units)
     int off;              // Nk - Nq
     int Nq, Nk;           // the sequence's lengths: pairs past them have no bias and are hidden
     Pairs<const elem_t> bias;
@@ -301,7 +294,7 @@ struct EntryMods {
 struct ScoreMods {
     double softcap;                         // FLASH_SOFTCAP: c > 0
     EntryArray<const acc_t> alibi;          // FLASH_ALIBI: slopes, one per batch entry
-    EntryArray<const acc_t> sink;           // FLASH_SINK: sink logits, one per batch entry
+    EntryArray<const acc_t> sink;           // uses & USES_SINK: sink logits, one per batch entry (params.cuh: sink_of)
     PairArray<const elem_t> bias;           // FLASH_BIAS, in the inputs' dtype
     PairArray<acc_t> dbias;                 // FLASH_BIAS_GRAD: bias's shape (or the full one), zeroed
     int dbias_add;                          // EntryMods::dbias_add
@@ -319,7 +312,6 @@ struct ScoreMods {
         e.cap = (acc_t)softcap;
         e.inv_cap = SOFTCAP ? (acc_t)1 / e.cap : (acc_t)0;
         e.slope = ALIBI ? alibi.at(bi) : (acc_t)0;
-        e.sink = SINK ? sink.at(bi) : (acc_t)0;
         e.off = Nk - Nq;
         e.Nq = Nq;
         e.Nk = Nk;
