@@ -165,8 +165,7 @@ def precompile(argv) -> int:
         print(error, file=sys.stderr)
         return 2
     for cfg in done:
-        variant = (f" precision={_tiles.PRECISION_OF[cfg.fp32_mma]}" if cfg.fp32_mma else "") + \
-                  (" deterministic" if cfg.ordered else "")
+        variant = f" precision={_tiles.PRECISION_OF[cfg.fp32_mma]}" if cfg.fp32_mma else ""
         print(f"{cfg.kernel} {cfg.dtype} D<={cfg.d_pad} tiles {cfg.block_r}x{cfg.block_c}{variant}")
     print(f"{len(done)} specialisations compiled or found in the cache in {time.perf_counter() - start:.1f} s")
     return 0

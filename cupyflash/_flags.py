@@ -116,8 +116,9 @@ FLAGS = (
     Flag("varlen", SCORED, SCORED),
     # keys in a paged K/V cache (params.cuh: Pages, KeyRows)
     Flag("paged", ("fwd_v2", "repair", "append"), ("fwd_v2", "repair", "append"), requires="varlen"),
-    # the backward's sums over CTAs added in grid order (deterministic=True)
-    Flag("ordered", BACKWARD, BACKWARD, plain=True),
+    # the backward's sums over CTAs added in grid order (deterministic=True): a uniform branch around each
+    # tile's adds into dQ_i and the dK_j, dV_j stores, a run-time word (params.cuh: ordered_sums)
+    Flag("ordered", BACKWARD, (), plain=True),
 )
 FLAG_NAMES = tuple(f.name for f in FLAGS)
 BY_NAME = {f.name: f for f in FLAGS}

@@ -973,6 +973,7 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
     params = Params(BWD, BWD_POINTERS,
                     q=_strides4(q, s_q), k=_strides4(k, s_k), v=_strides4(v, s_v), o=_strides4(o, s_o),
                     dO=_strides4(do, s_do), dq_acc=(*s_dq, D), dk=(*s_dk, D), dv=(*s_dv, D),
+                    dk_heads=[s // (k.shape[-2] * D) for s in s_dk], dv_heads=[s // (v.shape[-2] * D) for s in s_dv],
                     convert_elems=convert_elems, batch=(layout.sizes[1], layout.sizes[2], BH),
                     **_sequence_fields(geometry, packed, BH, rows_q, rows_k), tiles=tile_fields,
                     mods=mods.fields(layout, dbias is not None and dbias.add), D=D,

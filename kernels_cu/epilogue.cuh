@@ -89,11 +89,27 @@ struct KvTurns {
 
 __device__ __forceinline__ KvTurns kv_turns(const BwdParams& p, const Seq& sq, i64 tile, i64 tiles) {
     const BatchIndex bi = sq.bi;
-    const i64 head_elems = (i64)p.seqs.rows_k * p.D, n = p.seqs.n;
-    return {p.dk_turns + ((batch_offset(bi, p.dk.s0, p.dk.s1, p.dk.s2) / head_elems * n + sq.s) * tiles + tile),
-            p.dv_turns + ((batch_offset(bi, p.dv.s0, p.dv.s1, p.dv.s2) / head_elems * n + sq.s) * tiles + tile),
+    const i64 n = p.seqs.n;   // the heads from strides in heads: no 64-bit division beside dK_j, dV_j
+    return {p.dk_turns + ((batch_offset(bi, p.dk_heads[0], p.dk_heads[1], p.dk_heads[2]) * n + sq.s) * tiles + tile),
+            p.dv_turns + ((batch_offset(bi, p.dv_heads[0], p.dv_heads[1], p.dv_heads[2]) * n + sq.s) * tiles + tile),
             broadcast_rank(bi, p.batch.n1, p.batch.n2, p.dk.s0, p.dk.s1, p.dk.s2),
             broadcast_rank(bi, p.batch.n1, p.batch.n2, p.dv.s0, p.dv.s1, p.dv.s2)};
+}
+
+// One thread's part of an ordered store of dK_j and dV_j (kv_turns): wait for both turns before the
+// CTA's barrier, hand both on after the next. The counters are found again for the hand-on rather than
+// kept: the ordered sums are a run-time word (ordered_sums), and nothing of them should stay live beside
+// dK_j and dV_j in the kernels that do not order.
+__device__ __forceinline__ void wait_kv_turns(const BwdParams& p, const Seq& sq, i64 tile, i64 tiles) {
+    const KvTurns turns = kv_turns(p, sq, tile, tiles);
+    wait_turn(turns.dk, turns.dk_rank);
+    wait_turn(turns.dv, turns.dv_rank);
+}
+
+__device__ __forceinline__ void end_kv_turns(const BwdParams& p, const Seq& sq, i64 tile, i64 tiles) {
+    const KvTurns turns = kv_turns(p, sq, tile, tiles);
+    end_turn(turns.dk);
+    end_turn(turns.dv);
 }
 
 // scale x a warp's (16, 8*NT) accumulator tile G of dK_j or dV_j (`grad`: p.dk or p.dv; `sums`:

@@ -267,6 +267,8 @@ struct BwdParams {
     unsigned* dq_turns;        // (heads, T_r, n_chunks) zeroed, deterministic: turns of the adds into dQ_i
     unsigned* dk_turns;        // (K/V heads of k, n, T_c, n_chunks) zeroed, deterministic and kv_atomic
     unsigned* dv_turns;        // (K/V heads of v, n, T_c, n_chunks)
+    i64 dk_heads[3], dv_heads[3];   // deterministic and kv_atomic: the collapsed batch strides of dk, dv counted in
+                                    // heads (rows_k x D elements), the turns' head of a batch entry
     unsigned* dq_flags;        // (heads, T_r) zeroed, causal: dQ tiles for flash_bwd_repair
     unsigned* kv_flags;        // (heads, T_c) zeroed, causal: dK, dV tiles
     ZeroRange zero[ZERO_RANGES];   // what the comments call zeroed: the workspace's zeroed part, the
@@ -287,6 +289,10 @@ struct BwdParams {
     unsigned uses;             // the switches the call uses (types.cuh: Uses)
     double scale;
 };
+
+// The backward's sums over CTAs in grid order (deterministic=True; layout.cuh, "Ordered sums"), a run-time
+// word (uses & USES_ORDERED): a uniform branch around each tile's adds
+__device__ __forceinline__ bool ordered_sums(const BwdParams& p) { return (p.uses & USES_ORDERED) != 0; }
 
 // the most parts a MergeParams names one by one; more arrive stacked (PartSet::stride)
 constexpr int MERGE_POINTERS = 16;

@@ -10,15 +10,10 @@
 //   FLASH_BC      B_c, key rows per tile
 //   FLASH_WARPS   warps per CTA
 //   FLASH_DC      head-dim columns of one output chunk (divides FLASH_DP)
-//   FLASH_ORDERED the backward's sums in grid order (deterministic=True; layout.cuh, "Ordered sums")
 //   FLASH_SMEM_BYTES  the dynamic shared memory the host launches with; each kernel asserts its layout
 //   and the kernel's own (FLASH_Q_STAGES, FLASH_PRODUCER_REGS, FLASH_CONSUMER_REGS, FLASH_THREADS).
 
 #pragma once
-
-#ifndef FLASH_ORDERED
-#define FLASH_ORDERED 0
-#endif
 
 #define LOG2E 1.4426950408889634
 #define WARP_SIZE 32

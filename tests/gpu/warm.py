@@ -3,7 +3,7 @@ suite itself compiles nothing (compiling on first use, one at a time, takes most
 
     PYTHONPATH=$PWD python3 tests/gpu/warm.py [count] [--jobs 16] [--with bias,mask,dropout]
 
-The plain specialisations (every family, dtype, head-dim bucket, precision, ordered or not), each
+The plain specialisations (every family, dtype, head-dim bucket, precision), each
 score-modifier set the tests draw (softcap, ALiBi, sink, bias, mask, dbias, dropout) on every family, and
 packed sequences at the head dims tests/test_varlen.py, tests/test_bias_mask.py and tests/test_dropout.py
 use. ``count`` only prints how many there are; ``--with`` keeps those that compile in any of the modifiers
@@ -62,8 +62,7 @@ def specialisations() -> list:
             pads[key] = _varlen_pads(cfg.kernel, cfg.dtype)
         if cfg.d_pad in pads[key] or cfg.kernel == "repair":
             sets += [names + ("varlen",) for names in VARLEN_SETS]
-        # a deterministic backward keeps its flag (ordered) beside the modifiers
-        out += [_flagged(cfg, names + tuple(cfg.flags)) for names in sets]
+        out += [_flagged(cfg, names) for names in sets]
     return [cfg for cfg in dict.fromkeys(out) if cfg is not None]
 
 
