@@ -104,8 +104,9 @@ FLAGS = (
     Flag("sink", FORWARD, (), fields=(("sink", "entry"),), array="sink", per="entry"),
     # s <- s + bias_ij
     Flag("bias", SCORED, SCORED, pair_tiles=True, scores=True, fields=(("bias", "pair"),), array="bias", per="pair"),
-    # the backward adds dS_ij into dbias_ij; the wide Hopper backward has no plain dS under a softcap
-    Flag("bias_grad", BACKWARD, BACKWARD, requires="bias", excludes=(("bwd_sm90_wide", "softcap"),),
+    # the backward adds dS_ij into dbias_ij: in the bias kernels, a uniform branch per tile of dS (score_mod.cuh:
+    # EntryMods::writes_dbias), a run-time word; the wide Hopper backward has no plain dS under a softcap
+    Flag("bias_grad", BACKWARD, (), requires="bias", excludes=(("bwd_sm90_wide", "softcap"),),
          fields=(("dbias", "pair"), ("dbias_add", "i32"))),
     # s <- -inf where mask_ij is false
     Flag("mask", SCORED, SCORED, pair_tiles=True, scores=True, fields=(("keep", "pair"),), array="mask", per="pair"),

@@ -632,8 +632,9 @@ def modified_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConf
     """The flagged specialisations the compile test builds besides ``all_tile_configs``: every family,
     dtype and head-dim bucket with every flag it compiles in (each is an ``if constexpr`` block of its
     own, so this compiles every modifier, varlen and paged line of every kernel); where the family never
-    compiles two of them together (``Flag.excludes``), once without each. The ``plain`` flags (built by
-    ``all_tile_configs``) and the per-precision variants change nothing they touch and are not repeated."""
+    runs two flags together (``Flag.excludes``: the wide Hopper backward's dbias, whose lines compile only
+    without a softcap), once without each. The ``plain`` flags (built by ``all_tile_configs``) and the
+    per-precision variants change nothing they touch and are not repeated."""
     out = []
     for base in _base_configs(smem_limit, arch):
         if base.fp32_mma not in (0, FP32_PRODUCTS["highest"]):
@@ -642,7 +643,7 @@ def modified_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConf
         if not full:
             continue
         drops = [(f.name,) + tuple(other for family, other in f.excludes if family == base.kernel)
-                 for f in _flags.compiled_in(base.kernel) if any(family == base.kernel for family, _ in f.excludes)]
+                 for f in _flags.FLAGS if any(family == base.kernel for family, _ in f.excludes)]
         sets = [full] if not drops else [tuple(n for n in full if n != drop) for pair in drops for drop in pair]
-        out += [with_flags(base, names) for names in sets]
+        out += list(dict.fromkeys(with_flags(base, names) for names in sets))
     return out

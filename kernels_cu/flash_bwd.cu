@@ -214,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 P[n][e] *= keep_factor(mods, keep[DROPOUT ? n : 0], e) * dP[n][e] - s_D[n * 8 + 2 * t + e % 2];
-            if (BIAS_GRAD && c0 == 0) add_dbias_quad<true>(P[n], mods, mask, key0, q0, n);
+            if (c0 == 0) add_dbias_quad<true>(P[n], mods, mask, key0, q0, n);
             if constexpr (CHAIN)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) P[n][e] *= G[n][e];

@@ -74,8 +74,9 @@ enum Barrier : int { P_WRITTEN = 1, DS_WRITTEN = 2, DQ_WRITTEN = 3, ADDS_LANDED 
 
 static_assert(CONSUMERS == 2 && B_C == 64 && B_R == 64, "one producer warpgroup, two consumers sharing 64 keys");
 static_assert(DP % SW_COLS == 0 && DP > 128 && DP <= 256 && (STAGES == 1 || STAGES == 2), "tile shapes");
-// consumer 1 has dS = P o (dP - D) only as Pg o (dP - D) under a softcap: no dbias then (the host runs flash_bwd)
-static_assert(!(CHAIN && BIAS_GRAD), "dbias under a softcap or a score_mod: flash_bwd");
+// consumer 1 has dS = P o (dP - D) only as Pg o (dP - D) under a softcap or a score_mod: no dbias then (the
+// host runs flash_bwd for dbias under a chain: _flags.FLAGS, bias_grad's excludes)
+constexpr bool WRITES_DBIAS = BIAS && !CHAIN;
 static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * (65536 / NTHREADS / 8 * 8), "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
@@ -236,7 +237,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
                 X[nn][1] = ds(P.y, X[nn][1], Dv.y);
                 X[nn][2] = ds(P.z, X[nn][2], Dv.x);
                 X[nn][3] = ds(P.w, X[nn][3], Dv.y);
-                add_dbias_quad<true>(X[nn], mods, mask, key0, q0, nn);   // dS^T is d loss / d final score here
+                if constexpr (WRITES_DBIAS)   // dS^T is d loss / d final score here
+                    add_dbias_quad<true>(X[nn], mods, mask, key0, q0, nn);
             }
             frag_to_a(A, X);
             issue_grad(G, A, s_Qs);                    // dK_j += dS_ij^T Q_i (scaled at the end)

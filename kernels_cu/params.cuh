@@ -165,7 +165,7 @@ __device__ __forceinline__ const Mask& mask_of(const Params& p, const Seq& sq) {
 template <class Params>
 __device__ __forceinline__ EntryMods mods_of(const Params& p, const Seq& sq) {
     const Mask& mask = mask_of(p, sq);
-    return p.mods.at(sq.bi, sq.e, sq.q0, sq.k0, mask.Nq, mask.Nk);
+    return p.mods.at(sq.bi, sq.e, sq.q0, sq.k0, mask.Nq, mask.Nk, p.uses);
 }
 
 // The attention sink, a run-time word (uses & USES_SINK): one more key per batch entry, of logit `sink`

@@ -5,7 +5,7 @@
 //     softcap c:   s <- c tanh(s / c)            FLASH_SOFTCAP
 //     score_mod:   s <- score_mod(s, b, i, j)    FLASH_USER_SCORE (its text; FLASH_USER_GRAD its derivative)
 //     ALiBi slope: s <- s - slope |i + off - j|  FLASH_ALIBI
-//     bias:        s <- s + bias_ij              FLASH_BIAS (FLASH_BIAS_GRAD: the backward adds dS_ij to dbias_ij)
+//     bias:        s <- s + bias_ij              FLASH_BIAS (with dbias, uses & USES_BIAS_GRAD: the backward adds dS_ij to dbias_ij)
 //     mask:        s <- -inf where mask_ij false FLASH_MASK (the pair is hidden, as the band hides it)
 //     mask_mod:    s <- -inf where it is 0       FLASH_USER_MASK (its text)
 // then the band (mask.cuh). m_i, l_i are the statistics of the modified scores. Dropout (FLASH_DROPOUT)
@@ -41,9 +41,6 @@
 #ifndef FLASH_BIAS
 #define FLASH_BIAS 0
 #endif
-#ifndef FLASH_BIAS_GRAD
-#define FLASH_BIAS_GRAD 0
-#endif
 #ifndef FLASH_MASK
 #define FLASH_MASK 0
 #endif
@@ -68,7 +65,6 @@ constexpr bool USER_MASK = false;
 constexpr bool SOFTCAP = FLASH_SOFTCAP != 0;
 constexpr bool ALIBI = FLASH_ALIBI != 0;
 constexpr bool BIAS = FLASH_BIAS != 0;
-constexpr bool BIAS_GRAD = BIAS && FLASH_BIAS_GRAD != 0;   // the backward's dbias
 constexpr bool BOOL_MASK = FLASH_MASK != 0;
 constexpr bool HIDES = BOOL_MASK || USER_MASK;             // pairs hidden one by one, beyond the band
 constexpr bool CHAIN = SOFTCAP || USER_SCORE;              // the backward multiplies dS by ds'/ds
@@ -182,7 +178,7 @@ struct EntryMods {
     int Nq, Nk;           // the sequence's lengths: pairs past them have no bias and are hidden
     Pairs<const elem_t> bias;
     Pairs<const unsigned char> keep;   // the boolean mask, 1 = visible
-    Pairs<acc_t> dbias;
+    Pairs<acc_t> dbias;   // BIAS: where the call asks for dbias (uses & USES_BIAS_GRAD), else null
     bool dbias_add;       // several CTAs or lanes add into one dbias element (atomics), else one stores it
     // dropout: the batch entry's flat index b (two words), the sequence's first packed row and key,
     // the Philox key (the seed's two words), the threshold round(p 2^32) and 1 / (1 - p)
@@ -253,10 +249,13 @@ struct EntryMods {
         return s;
     }
 
+    // the backward writes dbias: a bias compiled in and dbias asked for (a run-time word: a uniform branch)
+    __device__ __forceinline__ bool writes_dbias() const { return BIAS && dbias.ptr != nullptr; }
+
     // dbias_ij gets dS_ij (d loss / d final score) of a pair the band leaves visible: the mask's hidden
-    // pairs and pairs past the lengths add nothing (dbias is zeroed first)
+    // pairs and pairs past the lengths add nothing (dbias is zeroed first); writes_dbias() holds
     __device__ __forceinline__ void add_dbias(int i, int j, acc_t ds) const {
-        if constexpr (BIAS_GRAD) {
+        if constexpr (BIAS) {
             if (i >= Nq || j >= Nk || hidden(i, j)) return;
             if (dbias_add) atomicAdd(&dbias(i, j), ds);
             else           dbias(i, j) = ds;
@@ -296,7 +295,7 @@ struct ScoreMods {
     EntryArray<const acc_t> alibi;          // FLASH_ALIBI: slopes, one per batch entry
     EntryArray<const acc_t> sink;           // uses & USES_SINK: sink logits, one per batch entry (params.cuh: sink_of)
     PairArray<const elem_t> bias;           // FLASH_BIAS, in the inputs' dtype
-    PairArray<acc_t> dbias;                 // FLASH_BIAS_GRAD: bias's shape (or the full one), zeroed
+    PairArray<acc_t> dbias;                 // uses & USES_BIAS_GRAD: bias's shape (or the full one), zeroed
     int dbias_add;                          // EntryMods::dbias_add
     PairArray<const unsigned char> keep;    // FLASH_MASK: bool, 1 = visible
     unsigned threshold;                     // FLASH_DROPOUT: round(p 2^32), a word below it drops its pair
@@ -306,8 +305,9 @@ struct ScoreMods {
     UserArgs user;                          // FLASH_USER_*: mod_args
 
     // the modifiers of batch entry bi (flat index `entry`) for its sequence of Nq queries and Nk keys, the
-    // first pair at (q0, k0) of the entry's (packed) rows and keys
-    __device__ __forceinline__ EntryMods at(BatchIndex bi, i64 entry, int q0, int k0, int Nq, int Nk) const {
+    // first pair at (q0, k0) of the entry's (packed) rows and keys, of a call that uses `uses` (types.cuh)
+    __device__ __forceinline__ EntryMods at(BatchIndex bi, i64 entry, int q0, int k0, int Nq, int Nk,
+                                            unsigned uses) const {
         EntryMods e;
         e.cap = (acc_t)softcap;
         e.inv_cap = SOFTCAP ? (acc_t)1 / e.cap : (acc_t)0;
@@ -317,7 +317,8 @@ struct ScoreMods {
         e.Nk = Nk;
         if constexpr (BIAS) e.bias = {bias.at(bi, q0, k0), (int)bias.si, (int)bias.sj};
         if constexpr (BOOL_MASK) e.keep = {keep.at(bi, q0, k0), (int)keep.si, (int)keep.sj};
-        if constexpr (BIAS_GRAD) e.dbias = {dbias.at(bi, q0, k0), (int)dbias.si, (int)dbias.sj};
+        if constexpr (BIAS)
+            e.dbias = {uses & USES_BIAS_GRAD ? dbias.at(bi, q0, k0) : nullptr, (int)dbias.si, (int)dbias.sj};
         e.dbias_add = dbias_add != 0;
         if constexpr (USER_SCORE || USER_MASK) {
             e.b = (long long)(batch0 + entry);
@@ -423,11 +424,11 @@ __device__ __forceinline__ acc_t keep_factor(const EntryMods& mods, unsigned bit
 }
 
 // dbias of the four elements ds of n-tile n of a warp's (16, 8 NT) tile of dS (rows r0 .., columns
-// c0 .. as in pair_at), d loss / d final score; pairs the band hides add nothing
+// c0 .. as in pair_at), d loss / d final score, where the call asks for it; pairs the band hides add nothing
 template <bool TRANSPOSED>
 __device__ __forceinline__ void add_dbias_quad(const acc_t (&ds)[4], const EntryMods& mods, const Mask& mask, int r0,
                                                int c0, int n) {
-    if constexpr (BIAS_GRAD)
+    if (mods.writes_dbias())
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             int i, j;

@@ -182,6 +182,13 @@ def test_the_compile_test_covers_every_flag_of_every_family_dtype_and_bucket():
                 key for key in plain if key[0] in flag.compiled}
     flagged = {kernel for kernel in _tiles.KERNELS if any(not f.plain for f in _flags.compiled_in(kernel))}
     assert {(c.kernel, c.dtype, c.d_pad) for c in configs} == {key for key in plain if key[0] in flagged}
+    # a flag's lines that compile only without another (Flag.excludes) are built too: with its requirement,
+    # without the other
+    for flag in _flags.FLAGS:
+        for family, other in flag.excludes:
+            built = {(c.dtype, c.d_pad) for c in configs if c.kernel == family and other not in c.flags
+                     and (flag.requires is None or flag.requires in c.flags)}
+            assert built == {(dtype, d_pad) for kernel, dtype, d_pad in plain if kernel == family}, flag.name
 
 
 # ---------------------------------------------------------------------------
