@@ -4,12 +4,13 @@ Every switch a call can turn on is one :class:`Flag`: the score modifiers (``sco
 backward's dbias, packed sequences, a paged K/V cache and the deterministic backward. From this table
 come
 
-* the flags of a :class:`~cupyflash._tiles.TileConfig` and its NVRTC defines ``-DFLASH_<NAME>=1``
-  (``_tiles.with_flags``): in the families a row's ``compiled`` names, where the switch is a
-  compile-time branch of the inner loop and each value is a specialisation of its own;
+* the flags of a :class:`~cupyflash._tiles.TileConfig` and its NVRTC defines (``_tiles.with_flags``):
+  in the families a row's ``compiled`` names the switch is a compile-time branch of the inner loop,
+  each value a specialisation of its own (``-DFLASH_<NAME>=1`` where on, no define where off);
 * the run-time word ``uses`` of the parameter structs (``params.cuh``: ``Uses``), a bit per row in
-  table order: every family that reads a row but does not compile it (``reads`` less ``compiled``)
-  tests its bit instead (``_params.layout_checks`` asserts the device's bits);
+  table order: every family that reads a row but does not compile it (``at_run_time``) is built with
+  ``-DFLASH_<NAME>=2`` (``AT_RUN_TIME``) and tests its bit instead (``_params.layout_checks`` asserts
+  the device's bits);
 * the members of the device's ``ScoreMods`` (``fields``, in table order; ``_params.SCORE_MODS``);
 * the call's array a row reads (``array``, ``per``): its check (``_checks.check_per_entry``,
   ``check_pairwise``), its place in the batch layout and in a kept plan's key, and the pointer a
@@ -24,6 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+# FLASH_<NAME> of a family that reads flag <name> at run time (types.cuh: FLASH_AT_RUN_TIME)
+AT_RUN_TIME = 2
 
 # Kernel families (``_tiles.KERNELS``) by what they do
 FORWARD = ("fwd_v1", "fwd_v2", "fwd_sm90")
@@ -83,6 +87,11 @@ class Flag:
         return f"FLASH_{self.name.upper()}"
 
     @property
+    def at_run_time(self) -> tuple:
+        """The families that read it from the run-time word: ``reads`` less ``compiled``."""
+        return tuple(f for f in self.reads if f not in self.compiled)
+
+    @property
     def bit(self) -> int:
         """Its bit of the run-time word ``uses``."""
         return 1 << FLAG_NAMES.index(self.name)
@@ -113,8 +122,11 @@ FLAGS = (
     # P's pairs dropped by a Philox keep set, the rest scaled by 1 / (1 - p)
     Flag("dropout", SCORED, SCORED, pair_tiles=True,
          fields=(("threshold", "u32"), ("keep_scale", "f64"), ("seed", "u64"))),
-    # packed variable-length sequences (params.cuh: Seqs), or a K/V cache's lengths
-    Flag("varlen", SCORED, SCORED),
+    # packed variable-length sequences (params.cuh: Seqs), or a K/V cache's lengths: where each CTA's sequence
+    # and its Mask come from, once per CTA (seq_of), a run-time word (params.cuh: packed_seqs) but in the
+    # Hopper kernels, whose producer warpgroup (24-40 registers) finds each tile's sequence: there the packed
+    # path and its Mask in registers spill every plain call (fwd_sm90 D64: 0 -> 164 bytes)
+    Flag("varlen", SCORED, ("fwd_sm90", "bwd_sm90", "bwd_sm90_wide")),
     # keys in a paged K/V cache (params.cuh: Pages, KeyRows)
     Flag("paged", ("fwd_v2", "repair", "append"), ("fwd_v2", "repair", "append"), requires="varlen"),
     # the backward's sums over CTAs added in grid order (deterministic=True): a uniform branch around each

@@ -265,7 +265,9 @@ class TileConfig:
         ]
         if self.dtype == "float32":
             out.append(f"-DFLASH_FP32_MMA={self.fp32_mma}")
-        out += [f"-D{_flags.BY_NAME[name].define}=1" for name in self.flags]
+        # the flags compiled in, and those the family reads at run time (types.cuh: FLASH_<NAME>)
+        out += [f"-D{flag.define}={1 if flag.name in self.flags else _flags.AT_RUN_TIME}" for flag in _flags.FLAGS
+                if flag.name in self.flags or self.kernel in flag.at_run_time]
         if self.user is not None:
             out += self.user.defines()
         if self.kernel in _STAGED:

@@ -884,7 +884,8 @@ def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: A
     Notes
     -----
     Every kernel of :func:`flash_attention_forward` takes packed sequences
-    (compiled with ``FLASH_VARLEN``): the grid covers the longest
+    (a run-time word of its parameters; the Hopper kernels compile them in,
+    ``FLASH_VARLEN``): the grid covers the longest
     sequence's tiles for every (batch entry, sequence) and each CTA works
     inside one sequence, so the cost follows each sequence's own pairs.
     NumPy inputs run the blocked CPU path one sequence at a time.

@@ -143,7 +143,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
         const int split = (int)(index % splits);
         const GridTile at = grid_tile_at(index / splits, heads, T_r, p.head_group);
         const Seq sq = seq_of(p, at.bh);
-        const Mask mask = VARLEN ? sq.mask : p.mask;
+        const Mask mask = mask_of(p, sq);
         const int i = (mask.Nq + B_R - 1) / B_R - 1 - at.tile;
         const Visits visits = i < 0 ? Visits{nullptr, 0, 0}
                                     : kv_visits<B_R, B_C>(mask, tiles_of(p, sq), i).split(split, (int)splits);
@@ -151,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
     };
     // the first tile from `index` on that is not past its sequence's rows (claiming more past those)
     auto first_work = [&](unsigned index) {
-        if constexpr (VARLEN)
+        if (packed_seqs(p))
             while (index < n_tiles && work_at(index).i < 0) index = gridDim.x + atomicAdd(p.tile_counter, 1u);
         return index;
     };

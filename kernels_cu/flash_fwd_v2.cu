@@ -81,8 +81,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
     const Seq sq = seq_of(p, w);
     const Mask& mask = mask_of(p, sq);
     const int Nq = mask.Nq, Nk = mask.Nk, D = p.D;
-    const int i = (VARLEN ? (Nq + B_R - 1) / B_R : T_r) - 1 - at.tile;   // heaviest causal tiles first
-    if (VARLEN && i < 0) return;                        // past a shorter sequence's rows
+    const int i = (Nq + B_R - 1) / B_R - 1 - at.tile;   // heaviest causal tiles first
+    if (i < 0) return;                                  // past a shorter (packed) sequence's rows
 
     const elem_t* q = sq.q_rows(p.q);
     const KeyRows<const elem_t> k = k_rows_of(p, sq);   // (Nk, D), PAGED: paged

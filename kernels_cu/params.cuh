@@ -18,14 +18,17 @@
 #include "score_mod.cuh"
 #include "types.cuh"
 
-// Packed variable-length sequences (flash_attention_varlen_*) compiled in
+// Packed variable-length sequences (flash_attention_varlen_*, a K/V cache's lengths): compiled in by the
+// Hopper kernels, whose producer warpgroup finds each tile's sequence on a few registers; read at run time,
+// uses & USES_VARLEN once per CTA (packed_seqs), by the others (types.cuh: FLASH_<NAME>)
 #ifndef FLASH_VARLEN
 #define FLASH_VARLEN 0
 #endif
-constexpr bool VARLEN = FLASH_VARLEN != 0;
+constexpr bool VARLEN = FLASH_VARLEN != 0;   // its code compiled in
+constexpr bool VARLEN_AT_RUN_TIME = FLASH_VARLEN == FLASH_AT_RUN_TIME;
 
-// Keys in a paged K/V cache (flash_attention_with_kvcache with a block table) compiled in (the forward's
-// with FLASH_VARLEN: Seqs::len_k)
+// Keys in a paged K/V cache (flash_attention_with_kvcache with a block table) compiled in (its lengths are
+// packed sequences' Seqs::len_k)
 #ifndef FLASH_PAGED
 #define FLASH_PAGED 0
 #endif
@@ -51,7 +54,7 @@ struct Batch {
     __device__ __forceinline__ BatchIndex split(i64 bh) const { return split_batch(bh, n1, n2); }
 };
 
-// The sequences of each batch entry and the work heads the grid walks. With VARLEN a batch entry's rows
+// The sequences of each batch entry and the work heads the grid walks. Packed (packed_seqs), a batch entry's rows
 // hold n packed sequences: sequence s is the query rows cu_q[s] .. cu_q[s+1] - 1 and the key rows
 // cu_k[s] .. cu_k[s+1] - 1, and sees only its own keys, under `band` with its own Nq, Nk (causal
 // and windows bottom-right per sequence). Null offsets make the entry's rows one sequence (n = 1:
@@ -59,19 +62,19 @@ struct Batch {
 // len_k[entry] + len_add (a K/V cache's valid lengths, the new keys appended; clamped to [0, rows_k]).
 // Work head w = e n + s is sequence s of batch entry e; the grid's tiles are those of the longest
 // sequence (the params' Mask.Nq, Mask.Nk), and a CTA past its own sequence's rows or keys has nothing
-// to do. Without VARLEN: one sequence, the params' Mask, n = 1.
+// to do. Not packed: one sequence, the params' Mask, n = 1.
 struct Seqs {
-    const int* cu_q;       // (n + 1) int32, VARLEN, or null
+    const int* cu_q;       // (n + 1) int32, packed, or null
     const int* cu_k;
-    const int* len_k;      // VARLEN: int32 per batch entry (broadcast over the batch dims), or null
+    const int* len_k;      // packed: int32 per batch entry (broadcast over the batch dims), or null
     i64 len_s0, len_s1, len_s2;   // its collapsed batch strides
     i64 heads;             // work heads: batch.count * n
     int n;                 // sequences per batch entry
     int rows_q, rows_k;    // a batch entry's rows of q (o, dO, m, l) and of k, v (a paged cache's: its capacity)
     int len_add;           // added to len_k
-    Band band;             // VARLEN: the visibility of every sequence
+    Band band;             // packed: the visibility of every sequence
 
-    // the keys of batch entry bi's one sequence under len_k (VARLEN, len_k given)
+    // the keys of batch entry bi's one sequence under len_k (packed, len_k given)
     __device__ __forceinline__ int keys_of(BatchIndex bi) const {
         return min(max(len_k[batch_offset(bi, len_s0, len_s1, len_s2)] + len_add, 0), rows_k);
     }
@@ -131,7 +134,7 @@ struct Seq {
     BatchIndex bi;         // the batch entry
     i64 e;                 // its flat index
     i64 row0;              // the sequence's first query row in the (BH, rows_q) outputs and statistics
-    int s;                 // the sequence (0 without VARLEN)
+    int s;                 // the sequence (0 when not packed)
     int q0, k0;            // its first rows in the entry's q (o, dO) and k (v) matrices
     Mask mask;             // its visibility; Nq, Nk its lengths
 
@@ -140,10 +143,16 @@ struct Seq {
     template <typename T> __device__ __forceinline__ T* k_rows(const Tensor<T>& t) const { return t.at(bi) + k0 * t.sn; }
 };
 
+// the call's rows are packed sequences (or a K/V cache's lengths cut its keys): VARLEN, or the run-time word
+template <class Params>
+__device__ __forceinline__ bool packed_seqs(const Params& p) {
+    return VARLEN && (!VARLEN_AT_RUN_TIME || (p.uses & USES_VARLEN) != 0);
+}
+
 // the sequence of work head w (FwdParams or BwdParams)
 template <class Params>
 __device__ __forceinline__ Seq seq_of(const Params& p, i64 w) {
-    if constexpr (!VARLEN) {
+    if (!packed_seqs(p)) {
         return {p.batch.split(w), w, w * p.mask.Nq, 0, 0, 0, p.mask};
     } else {
         const Seqs& sq = p.seqs;
@@ -157,9 +166,13 @@ __device__ __forceinline__ Seq seq_of(const Params& p, i64 w) {
     }
 }
 
-// sequence sq's Mask: without VARLEN the params' own, which the kernels then read from the constant bank
+// sequence sq's Mask: the params' own where the rows are not packed, which a kernel compiled without packed
+// sequences reads from the constant bank
 template <class Params>
-__device__ __forceinline__ const Mask& mask_of(const Params& p, const Seq& sq) { return VARLEN ? sq.mask : p.mask; }
+__device__ __forceinline__ const Mask& mask_of(const Params& p, const Seq& sq) {
+    if constexpr (VARLEN) return sq.mask;
+    else return p.mask;
+}
 
 // sequence sq's modifiers (score_mod.cuh)
 template <class Params>
@@ -211,7 +224,7 @@ struct FwdParams {
     acc_t* m_parts;            // (kv_splits, BH, rows_q)
     acc_t* l_parts;            // (kv_splits, BH, rows_q)
     Batch batch;
-    Mask mask;                 // without VARLEN the call's; with, Nq, Nk of the longest sequence
+    Mask mask;                 // the call's; packed, Nq, Nk of the longest sequence
     Seqs seqs;
     TileMap tiles;             // FLASH_USER_MASK: mask_mod's tile map at the main kernel's tiles (mask.cuh)
     ScoreMods mods;            // softcap, ALiBi slopes (score_mod.cuh; read where compiled in)

@@ -147,8 +147,8 @@ struct EntryArray {
 };
 
 // A per-pair array of the call (bias, mask, dbias), broadcastable to (batch..., Nq, Nk): element strides
-// along the three collapsed batch dims, the queries and the keys, 0 along a broadcast dim. With VARLEN
-// its rows and keys are the packed ones (total_q, total_k).
+// along the three collapsed batch dims, the queries and the keys, 0 along a broadcast dim. Over packed
+// sequences its rows and keys are the packed ones (total_q, total_k).
 template <typename T>
 struct PairArray {
     T* ptr;

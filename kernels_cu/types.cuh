@@ -11,10 +11,14 @@
 //   FLASH_WARPS   warps per CTA
 //   FLASH_DC      head-dim columns of one output chunk (divides FLASH_DP)
 //   FLASH_SMEM_BYTES  the dynamic shared memory the host launches with; each kernel asserts its layout
+//   FLASH_<NAME>  a switch of cupyflash/_flags.py's FLAGS: 1 compiled in, FLASH_AT_RUN_TIME where the
+//                 family reads it at run time (its code compiled in, each use testing the call's bit of
+//                 `uses`: Uses below), undefined (0) off
 //   and the kernel's own (FLASH_Q_STAGES, FLASH_PRODUCER_REGS, FLASH_CONSUMER_REGS, FLASH_THREADS).
 
 #pragma once
 
+#define FLASH_AT_RUN_TIME 2   // FLASH_<NAME>: read from the run-time word (cupyflash/_flags.py: AT_RUN_TIME)
 #define LOG2E 1.4426950408889634
 #define WARP_SIZE 32
 #define SMEM_PAD_BYTES 16   // one 16-byte row pad: ldmatrix and FMA reads hit distinct banks
