@@ -6,8 +6,9 @@ same blocked algorithm runs in NumPy, and the demo says so.
 
 ``info``: versions (cupyflash, NumPy, ml_dtypes, CuPy, CUDA runtime, driver,
 NVRTC), each GPU and which kernels run on it, where the kernel sources and
-CuPy's kernel cache are, and how many specialisations this GPU can use. Without
-CuPy or a GPU it says so and exits 0.
+CuPy's kernel cache are, how many specialisations this GPU can use without
+modifiers and how many can exist on it with them (``_tiles.specialisation_count``;
+for sm_90 where no GPU is found). Without CuPy or a GPU it says so and exits 0.
 
 ``precompile``: compile specialisations for this GPU into CuPy's kernel cache
 now (``cupyflash.precompile``), e.g. when a container image is built on a GPU
@@ -98,6 +99,13 @@ def _cuda_version(number: int) -> str:
     return f"{number // 1000}.{number % 1000 // 10}"
 
 
+def _can_exist(smem: int, arch: str) -> str:
+    """How many specialisations can exist on a device of ``arch`` with ``smem`` bytes of shared memory per block."""
+    return (f"{_tiles.specialisation_count(smem, arch)} specialisations can exist on {arch} with {smem // 1024} KB "
+            f"of shared memory per block (families x dtypes x head-dim buckets x precisions x compile-time flag "
+            f"sets; user expressions aside)")
+
+
 def info() -> int:
     print(f"cupyflash {cupyflash.__version__} at {Path(cupyflash.__file__).resolve().parent}")
     print(f"numpy {numpy.__version__}, ml_dtypes {ml_dtypes.__version__}")
@@ -106,6 +114,7 @@ def info() -> int:
         import cupy
     except ImportError:
         print(f"CuPy: not installed, so only the NumPy path runs; for the GPU kernels: {_compile.install_hint()}")
+        print(f"on an H100/H200: {_can_exist(_tiles.SM90_SMEM_BLOCK, 'sm_90')}")
         return 0
     from cupy_backends.cuda.libs import nvrtc
 
@@ -124,6 +133,7 @@ def info() -> int:
         count, why = 0, f" ({error})"
     if count == 0:
         print(f"no CUDA GPU found{why}: the NumPy path runs")
+        print(f"on an H100/H200: {_can_exist(_tiles.SM90_SMEM_BLOCK, 'sm_90')}")
         return 0
     print(f"CUDA runtime {runtime}, driver {driver}")
     for device_id in range(count):
@@ -136,8 +146,8 @@ def info() -> int:
             configs = _tiles.all_tile_configs(smem, f"sm_{capability}")
             print(f"GPU {device_id}: {name}, compute capability {capability[:-1]}.{capability[-1]}, "
                   f"{device.attributes['MultiProcessorCount']} SMs, {smem // 1024} KB shared memory per block; "
-                  f"{hopper}; {len(configs)} specialisations, compiled on first use "
-                  f"(or by `python -m cupyflash precompile`)")
+                  f"{hopper}; {len(configs)} specialisations without modifiers, compiled on first use "
+                  f"(or by `python -m cupyflash precompile`); {_can_exist(smem, f'sm_{capability}')}")
     return 0
 
 
@@ -155,8 +165,7 @@ def precompile(argv) -> int:
         print(error, file=sys.stderr)
         return 2
     for cfg in done:
-        variant = (f" precision={_tiles.PRECISION_OF[cfg.fp32_mma]}" if cfg.fp32_mma else "") + \
-                  (" deterministic" if cfg.ordered else "")
+        variant = f" precision={_tiles.PRECISION_OF[cfg.fp32_mma]}" if cfg.fp32_mma else ""
         print(f"{cfg.kernel} {cfg.dtype} D<={cfg.d_pad} tiles {cfg.block_r}x{cfg.block_c}{variant}")
     print(f"{len(done)} specialisations compiled or found in the cache in {time.perf_counter() - start:.1f} s")
     return 0

@@ -201,7 +201,7 @@ def precompile(kernels=None, dtypes=None, head_dims=None, workers=None) -> list[
             return True
         for d in head_dims:
             try:
-                if choose_tiles(cfg.kernel, d, cfg.dtype, smem) == replace(cfg, ordered=False, fp32_mma=0):
+                if choose_tiles(cfg.kernel, d, cfg.dtype, smem) == replace(cfg, flags=(), fp32_mma=0):
                     return True
             except ValueError:   # that kernel does not take this head dim here
                 continue

@@ -19,18 +19,19 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy
 
+from . import _flags
 from ._compile import get_kernels
 from ._expr import UserCode
 from ._mask import MaskGeometry
 from ._params import BWD, FWD, ZERO_RANGES, Params
 from ._philox import keep_threshold
-from ._tiles import (KERNELS, TileConfig, accumulator_dtype, auto_forward, choose_tiles, with_mods, with_precision,
-                     with_paged, with_user, with_varlen)
+from ._tiles import (KERNELS, TileConfig, accumulator_dtype, auto_forward, choose_tiles, with_flags, with_precision,
+                     with_user)
 
 MAX_BATCH_DIMS = 3  # collapsed batch dims a kernel indexes (layout.cuh: split_batch)
 VECTOR_BYTES = 16   # width of the vectorised tile loads
@@ -39,14 +40,20 @@ MAX_GRID_X = 2**31 - 1
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """Collapsed batch dims ``sizes`` = (n0, n1, n2) and, per tensor, its element strides along them."""
+    """Collapsed batch dims ``sizes`` = (n0, n1, n2) and, per tensor, its element strides along them;
+    ``names`` (where given) names the tensors: ``of(name)`` is one's strides."""
 
     sizes: tuple[int, int, int]
     strides: tuple[tuple[int, int, int], ...]
+    names: tuple = ()
 
     @property
     def count(self) -> int:
         return self.sizes[0] * self.sizes[1] * self.sizes[2]
+
+    def of(self, name: str) -> tuple[int, int, int]:
+        """The strides of tensor ``name``."""
+        return self.strides[self.names.index(name)]
 
 
 def element_strides(x) -> tuple[int, ...]:
@@ -72,7 +79,7 @@ def contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def collapse_batch(batch_shape, tensor_strides) -> BatchLayout | None:
+def collapse_batch(batch_shape, tensor_strides, names=()) -> BatchLayout | None:
     """Merge batch dims until at most ``MAX_BATCH_DIMS`` remain.
 
     Parameters
@@ -81,6 +88,8 @@ def collapse_batch(batch_shape, tensor_strides) -> BatchLayout | None:
         Broadcast batch shape.
     tensor_strides : sequence of tuple of int
         Each tensor's strides along ``batch_shape`` (from ``batch_strides``).
+    names : sequence of str, optional
+        The tensors' names (``BatchLayout.of``).
 
     Returns
     -------
@@ -102,7 +111,7 @@ def collapse_batch(batch_shape, tensor_strides) -> BatchLayout | None:
         merged.insert(0, (1, [0] * len(tensor_strides)))
     sizes = tuple(n for n, _ in merged)
     per_tensor = tuple(tuple(merged[a][1][t] for a in range(MAX_BATCH_DIMS)) for t in range(len(tensor_strides)))
-    return BatchLayout(sizes, per_tensor)
+    return BatchLayout(sizes, per_tensor, tuple(names))
 
 
 @dataclass(frozen=True)
@@ -193,14 +202,17 @@ def backward_kernel(schedule: str, dtype, head_dim: int, scale: float = 1.0, mod
     dbias under a softcap or a score_mod for ``head_dim`` > 128 (the wide kernel has no plain dS there).
     """
     if schedule != "v1" and _hopper(dtype):
-        scored = mods is not None and (mods.alibi or mods.bias or mods.mask or mods.softcap is not None
-                                       or mods.user is not None)
+        on = mods.on if mods is not None else frozenset()
+        scored = any(_flags.BY_NAME[name].scores for name in on) or (mods is not None and mods.user is not None)
         if scored and numpy.float32(scale) == 0:
             return "bwd"
         if head_dim <= KERNELS["bwd_sm90"].max_head_dim:
             return "bwd_sm90"
-        chained = mods is not None and (mods.softcap is not None or (mods.user is not None and mods.user.score))
-        if not (chained and mods.bias_grad):
+        # the pairs the wide kernel never takes together (Flag.excludes), and dbias under a score_mod, whose
+        # ds'/ds it cannot take either
+        excluded = any(family == "bwd_sm90_wide" and other in on
+                       for name in on for family, other in _flags.BY_NAME[name].excludes)
+        if not excluded and not (mods is not None and mods.user is not None and mods.user.score and "bias_grad" in on):
             return "bwd_sm90_wide"
     return "bwd"
 
@@ -367,39 +379,36 @@ def _launch_grid(n: int) -> int:
 
 @dataclass(frozen=True)
 class Mods:
-    """The modifiers of a call (``score_mod.cuh``): the softcap (None: none), whether ALiBi slopes,
-    sink logits, a bias and a boolean mask come, and a backward's dbias. Their arrays follow the
-    call's tensors in its batch layout, in that order (slopes, sinks, bias, mask, dbias), and its
-    call; ``pairs`` holds the query and key strides of bias, mask and dbias (``pair_strides``)."""
+    """The modifiers of a call: the rows of ``_flags.FLAGS`` it uses among the score modifiers and dbias
+    (``on``), the softcap c, dropout's p, the query and key strides of each per-pair array (``pairs``:
+    (flag, (si, sj)) of the bias, the mask, dbias; ``pair_strides``), and the user expressions. A
+    plan's batch layout names each array by its flag (``BatchLayout.of``); the call brings them by
+    flag too (``ForwardPlan``, ``BackwardPlan``)."""
 
+    on: frozenset = frozenset()
     softcap: float | None = None
-    alibi: bool = False
-    sink: bool = False
-    bias: bool = False
-    mask: bool = False
-    bias_grad: bool = False
-    pairs: tuple = ((0, 0), (0, 0), (0, 0))
     dropout: float = 0.0      # p; the seed comes with each call
+    pairs: tuple = ()
     batch0: int = 0           # the flat batch index of entry 0 (a peeled piece's), dropout's counter
     user: UserCode | None = None   # the user expressions compiled in
     user_slots: tuple = (0,) * 8   # ... and the call's mod_args (UserArgs: addresses, numbers' bits)
 
-    def config(self, cfg: TileConfig) -> TileConfig:
-        """``cfg`` with these modifiers compiled in."""
-        return with_user(with_mods(cfg, self.softcap is not None, self.alibi, self.sink, self.bias, self.mask,
-                                   self.bias_grad, self.dropout > 0), self.user)
-
-    def fields(self, layout: "BatchLayout", dbias_add: bool = False) -> tuple:
-        """``ScoreMods`` but its pointers and seed: the collapsed batch strides of the per-entry and
-        per-pair arrays (the layout's last tensors), the pairs' strides, ``dbias_add``, dropout's
-        threshold, the softcap, dropout's 1 / (1 - p), the batch offset and the mod_args slots."""
-        given = (self.alibi, self.sink, self.bias, self.mask, self.bias_grad)
-        extra = list(layout.strides[len(layout.strides) - sum(given):])
-        alibi, sink, bias, mask, dbias = (extra.pop(0) if g else (0, 0, 0) for g in given)
-        pairs = tuple((0, *b, *ij) for b, ij in zip((bias, mask, dbias), self.pairs))
-        return (0, *alibi, 0, *sink, *pairs, int(dbias_add), int(keep_threshold(self.dropout)),
-                0.0 if self.softcap is None else float(self.softcap), 1.0 / (1.0 - self.dropout), self.batch0, 0,
-                (self.user_slots,))
+    def fields(self, layout: "BatchLayout", dbias_add: bool = False) -> dict:
+        """``ScoreMods`` but its pointers and seed, by member: each array's collapsed batch strides (the
+        layout's tensor of its flag's name) and, per pair, its query and key strides; ``dbias_add``;
+        dropout's threshold and 1 / (1 - p); the softcap; the batch offset and the mod_args slots."""
+        pairs = dict(self.pairs)
+        out = {"softcap": 0.0 if self.softcap is None else float(self.softcap), "dbias_add": int(dbias_add),
+               "threshold": int(keep_threshold(self.dropout)), "keep_scale": 1.0 / (1.0 - self.dropout),
+               "batch0": self.batch0, "user": {"slot": self.user_slots}}
+        for flag in _flags.FLAGS:
+            if flag.name not in self.on or not flag.fields or flag.fields[0][1] not in ("entry", "pair"):
+                continue
+            member, kind = flag.fields[0]
+            out[member] = dict(zip(("s0", "s1", "s2"), layout.of(flag.name)))
+            if kind == "pair":
+                out[member].update(zip(("si", "sj"), pairs[flag.name]))
+        return out
 
 
 PLAIN = Mods()
@@ -447,9 +456,17 @@ def _grid_lengths(packed, rows_q: int, rows_k: int, entries: int) -> tuple[int, 
     return packed.max_q, packed.max_k, entries * packed.n
 
 
-def _variant(cfg: TileConfig, mods: Mods, packed) -> TileConfig:
-    """``cfg`` with a call's modifiers and, with ``packed`` sequences, varlen (and a paged cache) compiled in."""
-    return with_paged(with_varlen(mods.config(cfg), packed is not None), packed is not None and packed.paged)
+def call_flags(mods: Mods, packed=None, deterministic: bool = False) -> frozenset:
+    """The rows of ``_flags.FLAGS`` a call uses: its modifiers, packed sequences (and a paged cache), the
+    deterministic backward."""
+    layout = {"varlen": packed is not None, "paged": packed is not None and packed.paged, "ordered": deterministic}
+    return mods.on | {name for name, used in layout.items() if used}
+
+
+def _variant(cfg: TileConfig, mods: Mods, flags: frozenset) -> TileConfig:
+    """``cfg`` with those of a call's ``flags`` (``call_flags``) that its family compiles in, and its user
+    expressions."""
+    return with_user(with_flags(cfg, flags), mods.user)
 
 
 def _sequence_fields(geometry: MaskGeometry, packed, heads: int, rows_q: int, rows_k: int,
@@ -491,7 +508,7 @@ def _masked_pairs(geometry: MaskGeometry, packed=None, mods: Mods = None) -> boo
     has masked pairs (a causal mask or a window that bounds some row); of packed sequences, which may
     be of any lengths, wherever a causal mask or a window applies; under a boolean mask or a mask_mod
     always."""
-    if mods is not None and (mods.mask or (mods.user is not None and mods.user.mask is not None)):
+    if mods is not None and ("mask" in mods.on or (mods.user is not None and mods.user.mask is not None)):
         return True
     if packed is not None:
         return geometry.causal or geometry.left is not None or geometry.right is not None
@@ -589,13 +606,12 @@ class ForwardPlan:
     tile_map: TileMapPlan | None = None   # mask_mod's, written before the main kernel where the call must
     merge: tuple | None = None   # split-KV: (Launch of flash_merge, its MergeParams), after the main kernel
 
-    def __call__(self, q, k, v, out=None, alibi=None, sink=None, cu_q=None, cu_k=None, bias=None, mask=None,
-                 seed=0, lens=None, table=None):
-        """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given; ``alibi``, ``sink``
-        the slopes and sink logits (with ``Mods.alibi``, ``Mods.sink``) as laid out for the plan;
-        ``cu_q``, ``cu_k`` the int32 offsets of packed sequences (with ``Packed``); ``bias``, ``mask``
-        the per-pair arrays (with ``Mods.bias``, ``Mods.mask``); ``seed`` dropout's (with ``Mods.dropout``);
-        ``lens``, ``table`` a cache's int32 lengths and page table (with ``Packed.cache``)."""
+    def __call__(self, q, k, v, out=None, arrays=None, offsets=(None, None), seed=0, lens=None, table=None):
+        """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given; ``arrays`` the
+        modifiers' arrays by flag (``_flags.call_arrays``: ALiBi slopes, sink logits, bias, mask; those of
+        ``Mods.on``) as laid out for the plan; ``offsets`` the int32 offsets of packed sequences (with
+        ``Packed``); ``seed`` dropout's (with ``Mods.dropout``); ``lens``, ``table`` a cache's int32
+        lengths and page table (with ``Packed.cache``)."""
         with _on_device(self.device):
             stream, alloc = call_stream()
             if out is None:   # the outputs and the workspace in one allocation from CuPy's pool
@@ -610,10 +626,14 @@ class ForwardPlan:
                 parts = self.given.pointers(base)[3:]
             o_run = alloc(self.o_run) if self.o_run else None
             tiles, tile_memory, fresh_map = self.tile_map.locate(alloc, stream) if self.tile_map else (0, None, False)
-            struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, m.data.ptr,
-                                                l.data.ptr, o_run.ptr if o_run else 0, *parts, _address(alibi),
-                                                _address(sink), _address(cu_q), _address(cu_k), _address(bias),
-                                                _address(mask), seed, tiles, _address(lens), _address(table)))
+            pointers = {"q.ptr": q.data.ptr, "k.ptr": k.data.ptr, "v.ptr": v.data.ptr, "o": o.data.ptr,
+                        "m": m.data.ptr, "l": l.data.ptr, "o_run": o_run.ptr if o_run else 0,
+                        "seqs.cu_q": _address(offsets[0]), "seqs.cu_k": _address(offsets[1]), "mods.seed": seed,
+                        "tiles.base": tiles, "seqs.len_k": _address(lens), "pages.table": _address(table)}
+            pointers.update(zip(FWD_PARTS, parts))
+            if arrays:
+                pointers.update((_flags.BY_NAME[name].pointer, x.data.ptr) for name, x in arrays.items())
+            struct, address = self.params.pack(pointers)
             for step in (self.tile_map.launches if fresh_map else ()) + self.launches[:1]:
                 step(stream, address)
             if self.merge is not None:   # the splits' parts into o, m, l, before the repair reads them
@@ -625,16 +645,19 @@ class ForwardPlan:
         return o, m, l
 
 
-FWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o", "m", "l", "o_run", "o_parts", "m_parts", "l_parts", "tile_counter",
-                "repair_flags", "mods.alibi",
-                "mods.sink", "seqs.cu_q", "seqs.cu_k", "mods.bias.ptr", "mods.keep.ptr", "mods.seed", "tiles.base",
-                "seqs.len_k", "pages.table")
+# the workspace parts of a forward after o, m, l, in ForwardPlan.fresh (and .given) order
+FWD_PARTS = ("o_parts", "m_parts", "l_parts", "tile_counter", "repair_flags")
+# the pointers a forward call writes: inputs, outputs, workspace parts, packed sequences' offsets, dropout's
+# seed, the tile map, a cache's lengths and page table, the modifiers' arrays (_flags.Flag.pointer)
+FWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o", "m", "l", "o_run", *FWD_PARTS, "seqs.cu_q", "seqs.cu_k", "mods.seed",
+                "tiles.base", "seqs.len_k", "pages.table", *(f.pointer for f in _flags.ARRAY_FLAGS))
 
 
-def _repair(head_dim: int, dtype, flags: int, mods: Mods, packed=None):
+def _repair(head_dim: int, dtype, flags: int, mods: Mods, used: frozenset):
     """``flash_repair.cu``'s kernels and the grid over ``flags`` flags: a CTA per flag, at most four
-    per SM, each reading its share of the flags in blocks of its threads."""
-    cfg = _variant(device_tiles("repair", head_dim, dtype), mods, packed)
+    per SM, each reading its share of the flags in blocks of its threads; ``used`` the call's flags
+    (``call_flags``)."""
+    cfg = _variant(device_tiles("repair", head_dim, dtype), mods, used)
     return get_kernels(cfg), min(flags, 4 * current_limits().sms)
 
 
@@ -658,8 +681,8 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
                  layout: BatchLayout, mods: Mods = PLAIN, packed: Packed | None = None, stats_shape=None,
                  kv_splits: int | None = 1):
     """The ``schedule`` ('v1' or 'v2') forward of validated inputs ``q, k, v`` as a ``ForwardPlan``;
-    ``layout.strides`` holds q, k, v, with a cache its lengths (and a paged one's table), then, with
-    ALiBi, the slopes, with a sink, the sink logits. With ``packed`` sequences the rows of q and k are
+    ``layout`` names q, k, v, with a cache its lengths ``lens`` (and a paged one's ``table``), and the
+    modifiers' arrays by flag (``Mods``; a per-entry array as a batch of 1 x 1 matrices). With ``packed`` sequences the rows of q and k are
     theirs, and a CTA's tiles those of one sequence; a paged cache runs V2's portable kernel, the one
     that reads pages.
     ``stats_shape``: the shape of m and l the plan returns (default ``(*batch_shape, rows)``; a folded
@@ -672,7 +695,8 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
     Nq, Nk, heads = _grid_lengths(packed, rows_q, rows_k, BH)
     acc = accumulator_dtype(q.dtype)
     family = "fwd_v2" if packed is not None and packed.paged else forward_kernel(schedule, q.dtype, scale)
-    cfg = _variant(with_precision(device_tiles(family, D, q.dtype), precision), mods, packed)
+    used = call_flags(mods, packed)
+    cfg = _variant(with_precision(device_tiles(family, D, q.dtype), precision), mods, used)
     kernel = get_kernels(cfg)[cfg.spec.entries[0]]
     T_r, T_c = -(-Nq // cfg.block_r), -(-Nk // cfg.block_c)
     limits = current_limits()
@@ -696,18 +720,20 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
     flags = heads * T_r if _masked_pairs(geometry, packed, mods) else 0
     launches = [launch(kernel, grid, cfg.threads, cfg.smem_bytes)]
     if flags:
-        kernels, repair_grid = _repair(D, q.dtype, flags, mods, packed)
+        kernels, repair_grid = _repair(D, q.dtype, flags, mods, used)
         launches.append(launch(kernels["flash_fwd_repair"], repair_grid, KERNELS_THREADS["repair"]))
     tile_map, tile_fields = tile_map_plan(cfg, get_kernels(cfg), mods, geometry, packed, heads, Nq, Nk)
-    # a cache's lengths and page table follow q, k, v in the layout
-    cached = layout.strides[3:3 + 1 + packed.paged] if packed is not None and packed.cache is not None else ()
+    # a cache's lengths and page table, named in the layout
+    cached = packed is not None and packed.cache is not None
     params = Params(FWD, FWD_POINTERS,
-                    q=_strides4(q, layout.strides[0]), k=_strides4(k, layout.strides[1]),
-                    v=_strides4(v, layout.strides[2]), batch=(layout.sizes[1], layout.sizes[2], BH),
-                    **_sequence_fields(geometry, packed, BH, rows_q, rows_k, *cached[:1]), tiles=tile_fields,
-                    mods=mods.fields(layout), pages=_page_fields(packed, *cached[1:]), D=D,
+                    q=_strides4(q, layout.of("q")), k=_strides4(k, layout.of("k")), v=_strides4(v, layout.of("v")),
+                    batch=(layout.sizes[1], layout.sizes[2], BH),
+                    **_sequence_fields(geometry, packed, BH, rows_q, rows_k, *((layout.of("lens"),) if cached else ())),
+                    tiles=tile_fields, mods=mods.fields(layout),
+                    pages=_page_fields(packed, *((layout.of("table"),) if cached and packed.paged else ())), D=D,
                     vec=int(_vector_ok((q, k, v), D)), head_group=head_group(heads, 2 * Nk * D * q.itemsize),
-                    n_splits=n_splits, kv_splits=kv_splits, tile_rows=cfg.block_r, scale=float(acc.type(scale)))
+                    n_splits=n_splits, kv_splits=kv_splits, tile_rows=cfg.block_r, uses=_flags.uses_word(used),
+                    scale=float(acc.type(scale)))
     stats_shape = tuple(stats_shape or (*batch_shape, rows_q))
     outputs = (((*stats_shape, D), q.dtype), (stats_shape, acc), (stats_shape, acc))
     rows = BH * rows_q
@@ -753,7 +779,7 @@ def append_plan(k, v, k_new, v_new, layout: BatchLayout, cache: Cache, capacity:
     the lengths and (paged) the table. A call packs k, v, k_new, v_new, the lengths and the table."""
     from ._params import APPEND
 
-    cfg = with_paged(device_tiles("append", 1, k.dtype), cache.paged)
+    cfg = with_flags(device_tiles("append", 1, k.dtype), ("paged",) if cache.paged else ())
     D, n_new = k.shape[-1], k_new.shape[-2]
     vec = _vector_ok((k, v, k_new, v_new), D)
     packed = Packed(1, 0, capacity, cache)
@@ -773,14 +799,16 @@ def append_plan(k, v, k_new, v_new, layout: BatchLayout, cache: Cache, capacity:
 BWD_PARTS = ("m_b", "inv_l", "lse2", "Dsum", "dq_acc.ptr", "dk_acc", "dv_acc", "dq_turns", "dk_turns", "dv_turns",
              "dq_flags", "kv_flags")
 BWD_SUMS = 4
-# the pointers a backward call writes: inputs, gradients, workspace parts, the modifiers' arrays, the ranges
-# flash_bwd_prep zeroes (last: a call passes only the ranges it has)
-BWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o.ptr", "dO.ptr", "m", "l", "dq", "dk.ptr", "dv.ptr", *BWD_PARTS,
-                "mods.alibi", "mods.sink", "seqs.cu_q", "seqs.cu_k", "mods.bias.ptr", "mods.keep.ptr",
-                "mods.dbias.ptr", "mods.seed", "tiles.base", *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)))
 # flash_bwd_prep's zero ranges (BwdParams.zero): the workspace's zeroed part, dbias, then the gradients
 # that are the sums themselves
 ZERO_DBIAS = 1
+ZERO_SUMS = 2
+ZERO_SUM_POINTERS = tuple(f"zero[{i}].ptr" for i in range(ZERO_SUMS, ZERO_RANGES))
+# the pointers a backward call writes: inputs, gradients, workspace parts, packed sequences' offsets, dbias,
+# dropout's seed, the tile map, the ranges flash_bwd_prep zeroes, the modifiers' arrays (_flags.Flag.pointer)
+BWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o.ptr", "dO.ptr", "m", "l", "dq", "dk.ptr", "dv.ptr", *BWD_PARTS,
+                "seqs.cu_q", "seqs.cu_k", "mods.dbias.ptr", "mods.seed", "tiles.base",
+                *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)), *(f.pointer for f in _flags.ARRAY_FLAGS))
 
 
 @dataclass(frozen=True)
@@ -837,8 +865,7 @@ class BackwardPlan:
     dbias: DbiasBuffer | None = None   # with bias_grad; flash_bwd_prep zeroes it (BwdParams.zero[ZERO_DBIAS])
     tile_map: TileMapPlan | None = None   # mask_mod's, written before the main kernel where the call must
 
-    def __call__(self, do, q, k, v, o, m, l, out=None, alibi=None, sink=None, cu_q=None, cu_k=None, bias=None,
-                 mask=None, seed=0):
+    def __call__(self, do, q, k, v, o, m, l, out=None, arrays=None, offsets=(None, None), seed=0):
         """``(dq, dk, dv)`` and, with ``dbias``, dbias (of the accumulator dtype and the bias's
         shape); the modifiers' arrays and the seed as in ``ForwardPlan``."""
         with _on_device(self.device):
@@ -863,11 +890,16 @@ class BackwardPlan:
             sums = (dq, dk, dv)[:self.sums]
             parts[BWD_SUMS:BWD_SUMS + self.sums] = sums   # the gradients of the accumulator dtype are the sums
             tiles, tile_memory, fresh_map = self.tile_map.locate(alloc, stream) if self.tile_map else (0, None, False)
-            struct, address = self.params.pack((q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, do.data.ptr,
-                                                m.data.ptr, l.data.ptr, dq, dk, dv, *parts, _address(alibi),
-                                                _address(sink), _address(cu_q), _address(cu_k), _address(bias),
-                                                _address(mask), _address(dbias), seed, tiles,
-                                                base + self.workspace.zero_from, _address(dbias), *sums))
+            pointers = {"q.ptr": q.data.ptr, "k.ptr": k.data.ptr, "v.ptr": v.data.ptr, "o.ptr": o.data.ptr,
+                        "dO.ptr": do.data.ptr, "m": m.data.ptr, "l": l.data.ptr, "dq": dq, "dk.ptr": dk, "dv.ptr": dv,
+                        "seqs.cu_q": _address(offsets[0]), "seqs.cu_k": _address(offsets[1]),
+                        "mods.dbias.ptr": _address(dbias), "mods.seed": seed, "tiles.base": tiles,
+                        "zero[0].ptr": base + self.workspace.zero_from, f"zero[{ZERO_DBIAS}].ptr": _address(dbias)}
+            pointers.update(zip(BWD_PARTS, parts))
+            pointers.update(zip(ZERO_SUM_POINTERS, sums))
+            if arrays:
+                pointers.update((_flags.BY_NAME[name].pointer, x.data.ptr) for name, x in arrays.items())
+            struct, address = self.params.pack(pointers)
             for step in (self.tile_map.launches if fresh_map else ()) + self.launches:
                 step(stream, address)
         if dbias is None:
@@ -885,9 +917,9 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
     """The backward of ``schedule`` for validated inputs as a ``BackwardPlan``; ``grad_shapes`` the
     shapes of the dq, dk, dv it returns (default q's, k's, v's; a folded call's, ``_fold``, the caller's).
 
-    ``layout.strides`` holds, in order, q, k, v, o, do, the contiguous own-shape layouts of
-    dq, dk, dv and, with ALiBi, the slopes, with a sink, the sink logits, then the bias, the mask
-    and dbias's buffer (``dbias``, with ``mods.bias_grad``). ``packed`` as in ``forward_plan``.
+    ``layout`` names q, k, v, o, do, the contiguous own-shape layouts of dq, dk, dv (``dq``, ``dk``,
+    ``dv``), the modifiers' arrays by flag as in ``forward_plan`` and dbias's buffer (``bias_grad``, with
+    ``dbias``). ``packed`` as in ``forward_plan``.
     """
     rows_q, D = q.shape[-2:]
     rows_k = packed.max_k if packed is not None and packed.paged else k.shape[-2]   # a paged cache's capacity
@@ -896,10 +928,12 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
     n_seqs = heads // BH
     acc = accumulator_dtype(q.dtype)
     prep = get_kernels(device_tiles("bwd_prep", D, q.dtype))
-    main_cfg = _variant(replace(with_precision(device_tiles(backward_kernel(schedule, q.dtype, D, scale, mods), D,
-                                                            q.dtype), precision), ordered=deterministic), mods, packed)
+    used = call_flags(mods, packed, deterministic)
+    main_cfg = _variant(with_precision(device_tiles(backward_kernel(schedule, q.dtype, D, scale, mods), D, q.dtype),
+                                       precision), mods, used)
     main = get_kernels(main_cfg)[main_cfg.spec.entries[0]]
-    s_q, s_k, s_v, s_o, s_do, s_dq, s_dk, s_dv = layout.strides[:8]
+    s_q, s_k, s_v, s_o, s_do, s_dq, s_dk, s_dv = (layout.of(name) for name in ("q", "k", "v", "o", "do", "dq", "dk",
+                                                                               "dv"))
     lse_stats = main_cfg.kernel in ("bwd_sm90", "bwd_sm90_wide")
     rows = BH * rows_q
     # dK, dV are stored directly unless several batch entries share one K/V head
@@ -939,13 +973,14 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
     params = Params(BWD, BWD_POINTERS,
                     q=_strides4(q, s_q), k=_strides4(k, s_k), v=_strides4(v, s_v), o=_strides4(o, s_o),
                     dO=_strides4(do, s_do), dq_acc=(*s_dq, D), dk=(*s_dk, D), dv=(*s_dv, D),
+                    dk_heads=[s // (k.shape[-2] * D) for s in s_dk], dv_heads=[s // (v.shape[-2] * D) for s in s_dv],
                     convert_elems=convert_elems, batch=(layout.sizes[1], layout.sizes[2], BH),
                     **_sequence_fields(geometry, packed, BH, rows_q, rows_k), tiles=tile_fields,
                     mods=mods.fields(layout, dbias is not None and dbias.add), D=D,
                     vec=int(_vector_ok((q, k, v, do), D)),
                     prep_vec=int(_vector_ok((o, do), D)), head_group=group, kv_atomic=int(kv_atomic),
                     lse_stats=int(lse_stats), tile_r=main_cfg.block_r, tile_c=main_cfg.block_c,
-                    zero=[(0, n) for n in zero_words], scale=float(acc.type(scale)))
+                    uses=_flags.uses_word(used), zero=[(0, n) for n in zero_words], scale=float(acc.type(scale)))
     prep_cfg = device_tiles("bwd_prep", D, q.dtype)
     # a CTA per prep_cfg.block_r rows, and enough CTAs to zero at PREP_ZERO_WORDS words a thread
     prep_grid = max(-(-rows // prep_cfg.block_r),
@@ -953,7 +988,7 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
     launches = [launch(prep["flash_bwd_prep"], prep_grid, prep_cfg.threads),
                 launch(main, heads * T_c * n_chunks, main_cfg.threads, main_cfg.smem_bytes)]
     if masked:
-        kernels, repair_grid = _repair(D, q.dtype, heads * (T_r + T_c), mods, packed)
+        kernels, repair_grid = _repair(D, q.dtype, heads * (T_r + T_c), mods, used)
         launches.append(launch(kernels["flash_bwd_repair"], repair_grid, KERNELS_THREADS["repair"]))
     if converted:
         launches.append(launch(prep["flash_convert"], convert_grid, convert_threads))

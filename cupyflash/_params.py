@@ -21,6 +21,8 @@ import ctypes
 
 import numpy
 
+from ._flags import FLAGS
+
 _ptr, _i64, _i32, _f64 = numpy.uint64, numpy.int64, numpy.int32, numpy.float64
 
 
@@ -47,16 +49,18 @@ TILE_MAP = _struct([("base", _ptr), ("head_bytes", _i64), ("T_r", _i32), ("T_c",
 # PairArray<T> (score_mod.cuh): a per-pair array (bias, mask, dbias): pointer, collapsed batch strides,
 # the query and key strides (elements, 0 along a broadcast dim)
 PAIR_ARRAY = _struct([("ptr", _ptr), ("s0", _i64), ("s1", _i64), ("s2", _i64), ("si", _i64), ("sj", _i64)])
+# EntryArray<T> (score_mod.cuh): a per-entry array (ALiBi slopes, sink logits): pointer, collapsed batch strides
+ENTRY_ARRAY = _struct([("ptr", _ptr), ("s0", _i64), ("s1", _i64), ("s2", _i64)])
 # UserArgs (score_mod.cuh): mod_args, each slot an array's address or a number's bits
 USER_ARGS = _struct([("slot", numpy.uint64, (8,))])
-# ScoreMods (score_mod.cuh): ALiBi slopes and sink logits (pointer, collapsed batch strides), the per-pair
-# arrays, the softcap, dropout's threshold, scale, batch offset and seed (the seed written per call), and
-# the user expressions' mod_args (UserArgs: eight 64-bit slots)
-SCORE_MODS = _struct([("alibi", _ptr), ("alibi_s0", _i64), ("alibi_s1", _i64), ("alibi_s2", _i64),
-                      ("sink", _ptr), ("sink_s0", _i64), ("sink_s1", _i64), ("sink_s2", _i64),
-                      ("bias", PAIR_ARRAY), ("keep", PAIR_ARRAY), ("dbias", PAIR_ARRAY), ("dbias_add", _i32),
-                      ("threshold", numpy.uint32), ("softcap", _f64), ("keep_scale", _f64), ("batch0", _i64),
-                      ("seed", numpy.uint64), ("user", USER_ARGS)])
+# the type codes of _flags.Flag.fields
+FIELD_TYPES = {"entry": ENTRY_ARRAY, "pair": PAIR_ARRAY, "i32": _i32, "u32": numpy.uint32, "f64": _f64,
+               "u64": numpy.uint64}
+# ScoreMods (score_mod.cuh): the members of each row of _flags.FLAGS in table order (softcap, the ALiBi
+# slopes, the sink logits, the bias, dbias, the mask, dropout's threshold, scale and seed), then the flat
+# batch index of the call's entry 0 and the user expressions' mod_args (UserArgs: eight 64-bit slots)
+SCORE_MODS = _struct([(name, FIELD_TYPES[code]) for flag in FLAGS for name, code in flag.fields]
+                     + [("batch0", _i64), ("user", USER_ARGS)])
 # ZeroRange: 4-byte words flash_bwd_prep zeroes (the workspace, up to three sums, dbias)
 ZERO_RANGE = _struct([("ptr", _ptr), ("words", _i64)])
 ZERO_RANGES = 5
@@ -67,7 +71,7 @@ FWD = _struct([
     ("o_parts", _ptr), ("m_parts", _ptr), ("l_parts", _ptr),
     ("batch", BATCH), ("mask", MASK), ("seqs", SEQS), ("tiles", TILE_MAP), ("mods", SCORE_MODS), ("pages", PAGES),
     ("D", _i32), ("vec", _i32), ("head_group", _i32), ("n_splits", _i32), ("kv_splits", _i32), ("tile_rows", _i32),
-    ("scale", _f64),
+    ("uses", numpy.uint32), ("scale", _f64),
 ])
 
 BWD = _struct([
@@ -75,12 +79,13 @@ BWD = _struct([
     ("dq_acc", TENSOR), ("dk", TENSOR), ("dv", TENSOR),
     ("dk_acc", _ptr), ("dv_acc", _ptr), ("dq", _ptr), ("m", _ptr), ("l", _ptr),
     ("m_b", _ptr), ("inv_l", _ptr), ("lse2", _ptr), ("Dsum", _ptr),
-    ("dq_turns", _ptr), ("dk_turns", _ptr), ("dv_turns", _ptr), ("dq_flags", _ptr), ("kv_flags", _ptr),
+    ("dq_turns", _ptr), ("dk_turns", _ptr), ("dv_turns", _ptr), ("dk_heads", _i64, (3,)), ("dv_heads", _i64, (3,)),
+    ("dq_flags", _ptr), ("kv_flags", _ptr),
     ("zero", ZERO_RANGE, (ZERO_RANGES,)),
     ("convert_elems", _i64, (3,)),
     ("batch", BATCH), ("mask", MASK), ("seqs", SEQS), ("tiles", TILE_MAP), ("mods", SCORE_MODS),
     ("D", _i32), ("vec", _i32), ("prep_vec", _i32), ("head_group", _i32), ("kv_atomic", _i32), ("lse_stats", _i32),
-    ("tile_r", _i32), ("tile_c", _i32),
+    ("tile_r", _i32), ("tile_c", _i32), ("uses", numpy.uint32),
     ("scale", _f64),
 ])
 
@@ -122,6 +127,8 @@ def layout_checks() -> str:
         for member, offset in _members(dtype):
             lines.append(f'static_assert(__builtin_offsetof({struct}, {member}) == {offset}, '
                          f'"{struct}.{member}: offset differs from _params.py");')
+    lines += [f'static_assert(USES_{flag.name.upper()} == {flag.bit}u, "Uses: the bit of {flag.name} differs from '
+              f'_flags.FLAGS");' for flag in FLAGS]
     return "\n".join(lines) + "\n"
 
 
@@ -158,18 +165,32 @@ def pointer_word(dtype: numpy.dtype, field: str) -> int:
     return offset // 8
 
 
+def _by_name(dtype: numpy.dtype, value):
+    """``value`` for a field of ``dtype`` as NumPy assigns it: a struct given as a dict of its members by
+    name (nested dicts alike; members not named are 0) becomes the tuple of its members, in order."""
+    if dtype.names is None or not isinstance(value, dict):
+        return value
+    unknown = set(value) - set(dtype.names)
+    if unknown:
+        raise KeyError(f"no member {', '.join(sorted(unknown))} in {dtype.names}")
+    return tuple(_by_name(dtype.fields[n][0], value[n]) if n in value else numpy.zeros((), dtype.fields[n][0])[()]
+                 for n in dtype.names)
+
+
 class Params:
     """One parameter struct of a plan: everything but the pointers filled once, the pointers per call.
 
     Parameters
     ----------
     dtype : numpy.dtype
-        ``FWD`` or ``BWD``.
+        ``FWD``, ``BWD``, ``MERGE`` or ``APPEND``.
     pointers : sequence of str
-        The pointer fields a call writes, in the order :meth:`pack` takes them.
+        The pointer fields a call may write (``'q.ptr'``, ``'mods.bias.ptr'``; :meth:`pack` takes them by
+        name).
     **values
-        Field values; a tensor field takes a tuple ``(s0, s1, s2, sn)`` of strides (its pointer is
-        one of ``pointers``), a struct field a tuple of its members.
+        Field values by name; a tensor field takes a tuple ``(s0, s1, s2, sn)`` of strides (its pointer is
+        one of ``pointers``), a struct field a dict of its members by name (nested alike, members left
+        out are 0) or a tuple of them.
 
     Notes
     -----
@@ -184,18 +205,24 @@ class Params:
         for name, value in values.items():
             if dtype.fields[name][0] == TENSOR:
                 value = (0, *value)
-            filled[name] = value
+            filled[name] = _by_name(dtype.fields[name][0], value)
         self.template = b"\0" * 8 + filled.tobytes()
-        self.words = tuple(1 + pointer_word(dtype, f) for f in pointers)
+        self.words = {f: 1 + pointer_word(dtype, f) for f in pointers}
         self._array = ctypes.c_uint64 * (1 + dtype.itemsize // 8)
 
     def pack(self, pointers):
-        """``(buffer, address)``: the struct with ``pointers`` (device addresses, 0 for none) written
-        after its argument word; ``address`` is the ``kernel_params`` of a launch (``Launch``), valid
-        while ``buffer`` lives."""
+        """``(buffer, address)``: the struct with ``pointers`` written after its argument word: a dict
+        {field: device address, 0 for none} of fields the plan named, or a sequence of addresses in the
+        order it named them (a merge's parts, whose fields the plan lists); ``address`` is the
+        ``kernel_params`` of a launch (``Launch``), valid while ``buffer`` lives."""
         buffer = self._array.from_buffer_copy(self.template)
         address = ctypes.addressof(buffer)
         buffer[0] = address + 8
-        for word, pointer in zip(self.words, pointers):
-            buffer[word] = pointer
+        words = self.words
+        if isinstance(pointers, dict):
+            for field, pointer in pointers.items():
+                buffer[words[field]] = pointer
+        else:
+            for word, pointer in zip(words.values(), pointers):
+                buffer[word] = pointer
         return buffer, address

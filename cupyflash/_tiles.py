@@ -44,9 +44,12 @@ How tiles are chosen (``choose_tiles``):
   bytes of a row, any head dim (one module per dtype, and one per dtype for a paged cache).
 * The warp-specialised kernels split the register file between producer and consumers in one
   place, :attr:`TileConfig.registers`.
-* The modifiers (``score_mod.cuh``: softcap, ALiBi, sink), packed variable-length sequences
-  (``params.cuh``: Seqs) and a paged K/V cache (``params.cuh``: Pages) are compile-time flags of a
-  specialisation (``with_mods``, ``with_varlen``, ``with_paged``) and change no tile size.
+* The switches a call turns on (the score modifiers of ``score_mod.cuh``, dbias, packed
+  variable-length sequences, a paged K/V cache, the deterministic backward) are the rows of
+  ``_flags.FLAGS``: compile-time flags of a specialisation in the families a row compiles
+  (``with_flags``), a bit of the run-time word ``uses`` elsewhere. They change no tile size but the
+  Hopper forward's B_c under per-pair work (``PAIR_BLOCK_C``). ``specialisation_count`` counts the
+  specialisations that can exist.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from typing import Callable, Optional
 
 import numpy
 
+from . import _flags
 from ._expr import UserCode
 
 HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
@@ -166,23 +170,12 @@ class TileConfig:
         Warps per CTA.
     d_chunk : int
         Head-dim columns of one output chunk (``DC``).
-    ordered : bool
-        A backward whose sums over CTAs are added in grid order (``deterministic=True``); its own
-        specialisation, so that the default backward carries none of it.
     fp32_mma : int
         float32 products (``mma_sm80.cuh``): 0 exact FMA, 1 3xTF32, 2 one TF32 product on the
         tensor cores (``with_precision``).
-    softcap, alibi, sink, bias, mask : bool
-        The modifiers compiled in (``score_mod.cuh``, ``with_mods``); a plain call's kernel has
-        none.
-    bias_grad : bool
-        A backward with ``bias`` that also writes dbias.
-    dropout : bool
-        Dropout on P (``score_mod.cuh``, ``philox.cuh``).
-    varlen : bool
-        Packed variable-length sequences (``params.cuh``: Seqs, ``with_varlen``).
-    paged : bool
-        Keys in a paged K/V cache (``params.cuh``: Pages, ``with_paged``).
+    flags : tuple of str
+        The switches compiled in (rows of ``_flags.FLAGS``, in table order; ``with_flags``); a plain
+        call's kernel has none. ``cfg.<name>`` says whether flag ``<name>`` is compiled in.
     user : _expr.UserCode or None
         User expressions (score_mod, score_mod_grad, mask_mod) compiled in (``with_user``).
     """
@@ -194,18 +187,14 @@ class TileConfig:
     block_c: int
     warps: int
     d_chunk: int
-    ordered: bool = False
     fp32_mma: int = 0
-    softcap: bool = False
-    alibi: bool = False
-    sink: bool = False
-    bias: bool = False
-    bias_grad: bool = False
-    mask: bool = False
-    dropout: bool = False
-    varlen: bool = False
-    paged: bool = False
+    flags: tuple = ()
     user: Optional[UserCode] = None
+
+    def __getattr__(self, name: str):
+        if name in _flags.BY_NAME:   # cfg.bias: the bias compiled in
+            return name in self.flags
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     @property
     def spec(self) -> "KernelSpec":
@@ -273,11 +262,12 @@ class TileConfig:
             f"-DFLASH_WARPS={self.warps}",
             f"-DFLASH_DC={self.d_chunk}",
             f"-DFLASH_SMEM_BYTES={self.smem_bytes}",
-            f"-DFLASH_ORDERED={int(self.ordered)}",
         ]
         if self.dtype == "float32":
             out.append(f"-DFLASH_FP32_MMA={self.fp32_mma}")
-        out += [f"-DFLASH_{name.upper()}=1" for name in (*SCORE_MODS, "varlen", "paged") if getattr(self, name)]
+        # the flags compiled in, and those the family reads at run time (types.cuh: FLASH_<NAME>)
+        out += [f"-D{flag.define}={1 if flag.name in self.flags else _flags.AT_RUN_TIME}" for flag in _flags.FLAGS
+                if flag.name in self.flags or self.kernel in flag.at_run_time]
         if self.user is not None:
             out += self.user.defines()
         if self.kernel in _STAGED:
@@ -436,10 +426,9 @@ class KernelSpec:
     tiles: Callable                # (family, head dim, dtype name, shared memory) -> TileConfig or None
     smem: Callable                 # TileConfig -> dynamic shared-memory bytes
     min_head_dim: int = 1          # the smallest head dim it takes (the wide Hopper backward: 129)
-    ordered: bool = False          # comes in a deterministic (grid-ordered sums) variant too
     any_head_dim: bool = False     # one specialisation per dtype serves every head dim
     fp32_products: bool = False    # its float32 products follow ``precision`` (FP32_PRODUCTS)
-    score_mods: bool = True        # computes scores, so compiles in the score modifiers (SCORE_MODS) and varlen
+    score_mods: bool = True        # computes scores, so takes the score modifiers (_flags.SCORED)
 
 
 ALL_DTYPES = tuple(DTYPE_CODES)
@@ -453,12 +442,12 @@ KERNELS = {
     "bwd_prep": KernelSpec("flash_bwd_prep.cu", ("flash_bwd_prep", "flash_convert"), ("BwdParams",) * 2, None,
                            ALL_DTYPES, MAX_HEAD_DIM, _bwd_prep_tiles, _no_smem, any_head_dim=True, score_mods=False),
     "bwd": KernelSpec("flash_bwd.cu", ("flash_bwd",), ("BwdParams",), None, ALL_DTYPES, MAX_HEAD_DIM,
-                      _bwd_tiles, _bwd_bytes, ordered=True, fp32_products=True),
+                      _bwd_tiles, _bwd_bytes, fp32_products=True),
     "bwd_sm90": KernelSpec("flash_bwd_sm90.cu", ("flash_bwd_sm90",), ("BwdParams",), "sm_90a", SIXTEEN_BIT,
-                           BWD_SM90_MAX_HEAD_DIM, _bwd_sm90_tiles, _bwd_sm90_bytes, ordered=True),
+                           BWD_SM90_MAX_HEAD_DIM, _bwd_sm90_tiles, _bwd_sm90_bytes),
     "bwd_sm90_wide": KernelSpec("flash_bwd_sm90_wide.cu", ("flash_bwd_sm90_wide",), ("BwdParams",), "sm_90a",
                                 SIXTEEN_BIT, MAX_HEAD_DIM, _bwd_sm90_wide_tiles, _bwd_sm90_wide_bytes,
-                                min_head_dim=BWD_SM90_MAX_HEAD_DIM + 1, ordered=True),
+                                min_head_dim=BWD_SM90_MAX_HEAD_DIM + 1),
     "repair": KernelSpec("flash_repair.cu", ("flash_fwd_repair", "flash_bwd_repair"), ("FwdParams", "BwdParams"),
                          None, ALL_DTYPES, MAX_HEAD_DIM, _repair_tiles, _no_smem),
     "merge": KernelSpec("flash_merge.cu", ("flash_merge",), ("MergeParams",), None, ALL_DTYPES, MAX_HEAD_DIM,
@@ -467,9 +456,7 @@ KERNELS = {
                          _append_tiles, _no_smem, any_head_dim=True, score_mods=False),
 }
 
-# the kernels that read (or write) a paged K/V cache (TileConfig.paged): the portable V2 forward, its
-# repair and the append
-PAGED_KERNELS = ("fwd_v2", "repair", "append")
+assert {k for k, spec in KERNELS.items() if spec.score_mods} == set(_flags.SCORED)
 
 
 # float32 products of each ``precision`` (TileConfig.fp32_mma, mma_sm80.cuh): "highest" 3xTF32 on
@@ -480,31 +467,39 @@ PRECISION_OF = {code: name for name, code in FP32_PRODUCTS.items()}
 
 
 # the main kernels, which visit the tiles of mask_mod's tile map, and the kernels that write it (tile_map.cuh)
-TILE_MAP_KERNELS = ("fwd_v1", "fwd_v2", "fwd_sm90", "bwd", "bwd_sm90", "bwd_sm90_wide")
+TILE_MAP_KERNELS = _flags.MAIN
 TILE_MAP_ENTRIES = ("flash_tile_map", "flash_tile_lists")
 
-# the modifiers (score_mod.cuh) a kernel can compile in, TileConfig fields of the same names: the score
-# modifiers, the attention sink, the bias (and the backward's dbias) and the boolean mask; every family
-# takes them but bwd_prep, which computes no score
-SCORE_MODS = ("softcap", "alibi", "sink", "bias", "bias_grad", "mask", "dropout")
-# the main backward kernels, the only ones that write dbias
-DBIAS_KERNELS = ("bwd", "bwd_sm90", "bwd_sm90_wide")
-# K/V tile rows of the Hopper forward that reads a bias or a mask, or draws dropout's keep set: each
-# consumer thread loads (or draws) one value per score it holds, and at B_c = 128 (D <= 128) that
-# spills hundreds of bytes (NVRTC 13)
+# K/V tile rows of the Hopper forward that reads a bias or a mask, or draws dropout's keep set (the flags
+# with ``pair_tiles``): each consumer thread loads (or draws) one value per score it holds, and at
+# B_c = 128 (D <= 128) that spills hundreds of bytes (NVRTC 13)
 PAIR_BLOCK_C = {"fwd_sm90": 64}
 
 
-def with_mods(cfg: TileConfig, softcap: bool, alibi: bool, sink: bool = False, bias: bool = False,
-              mask: bool = False, bias_grad: bool = False, dropout: bool = False) -> TileConfig:
-    """``cfg`` (a plain one) with the modifiers compiled in (or not); ``bias_grad`` (with ``bias``) only in
-    the main backward kernels, the others ignore it. With a bias, a mask or dropout the Hopper forward
-    takes smaller K/V tiles (``PAIR_BLOCK_C``)."""
-    if not cfg.spec.score_mods:
-        return cfg
-    block_c = min(cfg.block_c, PAIR_BLOCK_C.get(cfg.kernel, cfg.block_c)) if bias or mask or dropout else cfg.block_c
-    return replace(cfg, softcap=softcap, alibi=alibi, sink=sink, bias=bias, mask=mask,
-                   bias_grad=bias and bias_grad and cfg.kernel in DBIAS_KERNELS, dropout=dropout, block_c=block_c)
+def _flag_sets(kernel: str, names) -> tuple:
+    """The flags among ``names`` that ``kernel``'s family compiles in, in table order: those whose
+    requirement is there too (or not compiled in this family). Raises ValueError for a pair the family
+    never compiles together (``Flag.excludes``)."""
+    names = set(names)
+    compiled = {f.name for f in _flags.compiled_in(kernel)}
+    on = tuple(f.name for f in _flags.compiled_in(kernel)
+               if f.name in names and (f.requires is None or f.requires in names or f.requires not in compiled))
+    for name in on:
+        for family, other in _flags.BY_NAME[name].excludes:
+            if family == kernel and other in on:
+                raise ValueError(f"{kernel} does not compile {name} with {other}")
+    return on
+
+
+def with_flags(cfg: TileConfig, names) -> TileConfig:
+    """``cfg`` with the flags among ``names`` (``_flags.FLAGS``) that its family compiles in, and no
+    others: those it reads at run time and those it does not read are left to the run-time word. With
+    per-pair work (a bias, a mask, dropout) the Hopper forward takes smaller K/V tiles (``PAIR_BLOCK_C``)."""
+    on = _flag_sets(cfg.kernel, names)
+    block_c = cfg.block_c
+    if any(_flags.BY_NAME[name].pair_tiles for name in on):
+        block_c = min(block_c, PAIR_BLOCK_C.get(cfg.kernel, block_c))
+    return replace(cfg, flags=on, block_c=block_c)
 
 
 def with_user(cfg: TileConfig, user: Optional[UserCode]) -> TileConfig:
@@ -517,20 +512,6 @@ def with_user(cfg: TileConfig, user: Optional[UserCode]) -> TileConfig:
     if user.score is not None:
         block_c = min(block_c, PAIR_BLOCK_C.get(cfg.kernel, block_c))
     return replace(cfg, user=user, block_c=block_c)
-
-
-def with_varlen(cfg: TileConfig, varlen: bool) -> TileConfig:
-    """``cfg`` for packed variable-length sequences (or not)."""
-    return replace(cfg, varlen=varlen) if cfg.spec.score_mods else cfg
-
-
-def with_paged(cfg: TileConfig, paged: bool) -> TileConfig:
-    """``cfg`` reading a paged K/V cache (or not); a family that cannot (``PAGED_KERNELS``) raises."""
-    if not paged:
-        return cfg
-    if cfg.kernel not in PAGED_KERNELS:
-        raise ValueError(f"{cfg.kernel} does not read a paged cache; {', '.join(PAGED_KERNELS)} do")
-    return replace(cfg, paged=True)
 
 
 def with_precision(cfg: TileConfig, precision: str) -> TileConfig:
@@ -580,20 +561,13 @@ def runs_on(spec: KernelSpec, arch: str) -> bool:
     return spec.arch is None or spec.arch.startswith(arch)
 
 
-def all_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
-    """Every specialisation the library can launch on a device of ``arch`` with ``smem_limit``.
-
-    V1 always fits; a V2 forward whose double-buffered tiles do not fit (float64 with D > 192
-    below 167 KB) is left out: that call runs V1. Architecture-specific kernels are listed for
-    their architecture's family only, for the dtypes and head dims they take; buckets that share
-    a padded head dim give one configuration; the kernels with ``ordered`` variants come ordered
-    (``deterministic=True``) and not, and those whose float32 products follow ``precision`` in
-    one variant per precision.
-    """
-    configs = []
+def _base_configs(smem_limit: int, arch: str):
+    """(family, TileConfig) of every family that runs on ``arch``, dtype it takes and padded head dim, in one
+    variant per precision, no flag compiled in."""
     for kernel, spec in KERNELS.items():
         if not runs_on(spec, arch):
             continue
+        seen = []
         for dtype in spec.dtypes:
             for bucket in (HEAD_DIM_BUCKETS[:1] if spec.any_head_dim else HEAD_DIM_BUCKETS):
                 if not spec.min_head_dim <= bucket <= spec.max_head_dim:
@@ -603,31 +577,75 @@ def all_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
                     if kernel in ("fwd_v1", "bwd"):   # the portable kernels serve every call
                         raise ValueError(f"no {kernel} tiles fit {smem_limit} bytes (D={bucket}, {dtype})")
                     continue
-                precisions = [with_precision(cfg, p) for p in PRECISIONS]
-                for base in dict.fromkeys(precisions):
-                    for variant in (base, replace(base, ordered=True)) if spec.ordered else (base,):
-                        if variant not in configs:
-                            configs.append(variant)
+                for base in (with_precision(cfg, p) for p in PRECISIONS):
+                    if base not in seen:
+                        seen.append(base)
+                        yield base
+
+
+def _subsets(names):
+    """Every subset of ``names`` (a tuple), the empty one first."""
+    for mask in range(1 << len(names)):
+        yield tuple(name for i, name in enumerate(names) if mask >> i & 1)
+
+
+def all_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
+    """Every specialisation the library can launch on a device of ``arch`` with ``smem_limit`` for a call
+    without modifiers.
+
+    V1 always fits; a V2 forward whose double-buffered tiles do not fit (float64 with D > 192
+    below 167 KB) is left out: that call runs V1. Architecture-specific kernels are listed for
+    their architecture's family only, for the dtypes and head dims they take; buckets that share
+    a padded head dim give one configuration; the families that compile a ``plain`` flag (one a call
+    without modifiers may take, ``_flags.Flag.plain``) come with and without it, and those whose
+    float32 products follow ``precision`` in one variant per precision.
+    """
+    configs = []
+    for base in _base_configs(smem_limit, arch):
+        plain = tuple(f.name for f in _flags.compiled_in(base.kernel) if f.plain)
+        configs += [with_flags(base, names) for names in _subsets(plain)]
     return configs
 
 
-def modified_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
-    """The modifier specialisations the compile test builds besides ``all_tile_configs``: every family
-    that takes modifiers, at every dtype and head-dim bucket, with all of them and varlen compiled in
-    (each is an ``if constexpr`` block of its own, so this compiles every modifier and varlen line of
-    every kernel), and the families that read a paged cache with it too. The ordered and
-    per-precision variants change nothing they touch and are not repeated. The wide Hopper backward
-    takes no dbias under a softcap: it is built both ways."""
+def family_flag_sets(kernel: str) -> list[tuple]:
+    """Every set of flags ``kernel``'s family compiles, each once: the subsets of its compiled flags that
+    ``with_flags`` keeps as they are (requirements met, no excluded pair)."""
+    compiled = tuple(f.name for f in _flags.compiled_in(kernel))
     out = []
-    for cfg in all_tile_configs(smem_limit, arch):
-        if cfg.kernel == "append":
-            out.append(with_paged(cfg, True))
-        if cfg.spec.score_mods and not cfg.ordered and cfg.fp32_mma in (0, FP32_PRODUCTS["highest"]):
-            if cfg.kernel == "bwd_sm90_wide":
-                out.append(with_varlen(with_mods(cfg, True, True, True, True, True, False, True), True))
-                out.append(with_varlen(with_mods(cfg, False, True, True, True, True, True, True), True))
-            else:
-                out.append(with_varlen(with_mods(cfg, True, True, True, True, True, True, True), True))
-            if cfg.kernel in PAGED_KERNELS:
-                out.append(with_paged(out[-1], True))
+    for names in _subsets(compiled):
+        try:
+            if _flag_sets(kernel, names) == names:
+                out.append(names)
+        except ValueError:   # a pair the family never compiles together
+            continue
+    return out
+
+
+def specialisation_count(smem_limit: int = SM90_SMEM_BLOCK, arch: str = "sm_90") -> int:
+    """How many distinct specialisations can exist on a device of ``arch`` with ``smem_limit`` bytes of
+    shared memory, user expressions aside: every family, dtype, padded head dim and precision
+    (``all_tile_configs`` without its flags) times the sets of flags the family compiles
+    (``family_flag_sets``). Each is a compile of its own, 0.5-3 s, the first time a call needs it."""
+    sets = {kernel: len(family_flag_sets(kernel)) for kernel in KERNELS}
+    return sum(sets[base.kernel] for base in _base_configs(smem_limit, arch))
+
+
+def modified_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
+    """The flagged specialisations the compile test builds besides ``all_tile_configs``: every family,
+    dtype and head-dim bucket with every flag it compiles in (each is an ``if constexpr`` block of its
+    own, so this compiles every modifier, varlen and paged line of every kernel); where the family never
+    runs two flags together (``Flag.excludes``: the wide Hopper backward's dbias, whose lines compile only
+    without a softcap), once without each. The ``plain`` flags (built by ``all_tile_configs``) and the
+    per-precision variants change nothing they touch and are not repeated."""
+    out = []
+    for base in _base_configs(smem_limit, arch):
+        if base.fp32_mma not in (0, FP32_PRODUCTS["highest"]):
+            continue
+        full = tuple(f.name for f in _flags.compiled_in(base.kernel) if not f.plain)
+        if not full:
+            continue
+        drops = [(f.name,) + tuple(other for family, other in f.excludes if family == base.kernel)
+                 for f in _flags.FLAGS if any(family == base.kernel for family, _ in f.excludes)]
+        sets = [full] if not drops else [tuple(n for n in full if n != drop) for pair in drops for drop in pair]
+        out += list(dict.fromkeys(with_flags(base, names) for names in sets))
     return out

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Optional, Union
 import numpy
 
 from . import _launch, blocked
+from ._flags import ARRAY_FLAGS, BY_NAME, call_arrays
 from ._expr import GPU_ARRAY_TYPES, MAX_ARGS, user_code, user_mods
 from ._fold import fold_of, foldable, keeps_the_gpu_busy
 from ._numpy_ops import unbroadcast
@@ -325,30 +326,31 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
     mod_args)."""
     dropout = check_dropout(dropout_p, seed)
     expressions = user_mods(*user)
-    inputs = _with_entries({"q": q, "k": k, "v": v}, alibi_slopes, sink, bias, mask)
-    flags = (causal, softmax_scale, window, softcap, schedule, precision, dropout[0],
-             *_entries_given(alibi_slopes, sink, bias, mask), *user[:3], num_splits, _mod_args_key(user[3]))
+    arrays = call_arrays(alibi_slopes=alibi_slopes, sink=sink, bias=bias, mask=mask)
+    inputs = _with_arrays({"q": q, "k": k, "v": v}, arrays)
+    flags = (causal, softmax_scale, window, softcap, schedule, precision, dropout[0], tuple(arrays), *user[:3],
+             num_splits, _mod_args_key(user[3]))
     offsets, flags = _with_offsets(inputs, flags, varlen)
     plan, key = _kept_plan(inputs, out, FORWARD_OUTPUTS, flags, _plan_keepable(varlen) and flags[-1] is not None)
     if plan is not None:
-        return plan(q, k, v, out, alibi_slopes, sink, *offsets, bias, mask, dropout[1])
+        return plan(q, k, v, out, arrays, offsets, dropout[1])
     prob = with_softcap(check_forward(q, k, v, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
     num_splits = check_splits(num_splits, schedule)
     gpu_user, _kept_alive = _gpu_user(expressions, prob, q)
-    slopes, sinks, biases, masks, key = _checked_mods(prob, q, key, alibi_slopes, sink, bias, mask)
+    arrays, key = _checked_mods(prob, q, key, arrays)
     seqs, key = _seqlens(varlen, prob, q, key)
     acc = accumulator_dtype(prob.dtype)
     stats = (*prob.batch_shape, prob.Nq)
     if out is not None:
         out = check_out(out, FORWARD_OUTPUTS, ((*stats, prob.D), stats, stats), (prob.dtype, acc, acc), prob.xp,
                         _device_id(q, prob), {"q": q, "k": k, "v": v})
-    fold_ok = foldable(prob, (slopes, sinks, biases, masks, expressions, seqs), dropout[0])
+    fold_ok = foldable(prob, (*arrays.values(), expressions, seqs), dropout[0])
     if prob.xp is numpy:
         kw = dict(causal=prob.causal, softmax_scale=prob.scale, window=prob.window, softcap=prob.softcap,
-                  alibi_slopes=slopes, sink=sinks, bias=biases, mask=masks, dropout_p=dropout[0], seed=dropout[1],
-                  score_mod=user[0], mask_mod=user[2], mod_args=user[3])
+                  **_by_argument(arrays), dropout_p=dropout[0], seed=dropout[1], score_mod=user[0], mask_mod=user[2],
+                  mod_args=user[3])
         if seqs is not None:
             return _into(out, blocked.varlen_forward(q, k, v, seqs.cu_q, seqs.cu_k, **kw))
         fold = fold_of(prob.batch_shape, q, k, v) if fold_ok else None
@@ -364,8 +366,8 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
                 out = (cupy.empty((*stats, prob.D), prob.dtype), cupy.empty(stats, acc), cupy.empty(stats, acc))
             for x, value in zip(out, (0, -numpy.inf, 0)):
                 x.fill(value)
-            if sinks is not None and prob.Nq:
-                out[1][...] = cupy.broadcast_to(sinks, prob.batch_shape)[..., None]
+            if "sink" in arrays and prob.Nq:
+                out[1][...] = cupy.broadcast_to(arrays["sink"], prob.batch_shape)[..., None]
                 out[2][...] = cupy.where(out[1] == -numpy.inf, 0, cupy.exp(out[1] - out[1]))
             return out
         ready, key = _kernel_ready((q, k, v), key)
@@ -378,11 +380,11 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
         fold = _gpu_fold(prob, ready, (), kernel, busy_rule=num_splits == 1) if fold_ok else None
         if fold is not None:
             fprob = fold.problem(prob)
-            return _forward_gpu(fold.rows(ready[0]), *(fold.keys(x) for x in ready[1:]), None, None,
+            return _forward_gpu(fold.rows(ready[0]), *(fold.keys(x) for x in ready[1:]), {},
                                 fprob.batch_shape, fprob, schedule, precision, key, out, stats_shape=stats,
                                 kv_splits=num_splits)
-        return _forward_gpu(*ready, slopes, sinks, prob.batch_shape, prob, schedule, precision, key, out,
-                            *_packed(seqs), pairs=(biases, masks), dropout=dropout, user=gpu_user, kv_splits=num_splits)
+        return _forward_gpu(*ready, arrays, prob.batch_shape, prob, schedule, precision, key, out, *_packed(seqs),
+                            dropout=dropout, user=gpu_user, kv_splits=num_splits)
 
 
 def _gpu_fold(prob, inputs, rows_like, kernel: str, backward: bool = False, busy_rule: bool = True):
@@ -478,31 +480,31 @@ def _packed(seqs) -> tuple:
     return _launch.Packed(seqs.n, seqs.max_q, seqs.max_k), (seqs.cu_q, seqs.cu_k)
 
 
-def _entries_given(alibi_slopes, sink, bias, mask) -> tuple:
-    """Which per-entry and per-pair arrays a call has, for its plan's key: arrays of one layout key
-    alike."""
-    return (alibi_slopes is not None, sink is not None, bias is not None, mask is not None)
-
-
-def _with_entries(inputs: dict, alibi_slopes, sink, bias, mask) -> dict:
-    """``inputs`` and the per-entry and per-pair arrays that are given (they key a kept plan too)."""
-    for name, x in (("alibi_slopes", alibi_slopes), ("sink", sink), ("bias", bias), ("mask", mask)):
-        if x is not None:
-            inputs[name] = x
+def _with_arrays(inputs: dict, arrays: dict) -> dict:
+    """``inputs`` and the modifiers' arrays given (``_flags.call_arrays``), by their arguments' names (they
+    key a kept plan too)."""
+    inputs.update((BY_NAME[name].array, x) for name, x in arrays.items())
     return inputs
 
 
-def _checked_mods(prob, q, key, alibi_slopes, sink, bias, mask):
-    """``(slopes, sinks, bias, mask, key)``: the modifiers' arrays as the kernels or the NumPy path read
-    them (``check_per_entry``, ``check_pairwise``), and ``key``, or None where one was converted (a like
-    call converts it again, so no plan is kept)."""
+def _by_argument(arrays: dict) -> dict:
+    """The modifiers' arrays as keyword arguments of the NumPy path (``alibi_slopes=...``; None where
+    not given)."""
+    return {flag.array: arrays.get(flag.name) for flag in ARRAY_FLAGS}
+
+
+def _checked_mods(prob, q, key, arrays: dict):
+    """``(arrays, key)``: the modifiers' arrays (by flag, ``_flags.call_arrays``) as the kernels or the
+    NumPy path read them (``check_per_entry``, ``check_pairwise`` by the flag's ``per``), and ``key``,
+    or None where one was converted (a like call converts it again, so no plan is kept)."""
     device = _device_id(q, prob)
-    given = (alibi_slopes, sink, bias, mask)
-    checked = (check_per_entry("alibi_slopes", alibi_slopes, prob, device), check_per_entry("sink", sink, prob, device),
-               check_pairwise("bias", bias, prob, device), check_pairwise("mask", mask, prob, device))
-    if any(c is not g for c, g in zip(checked, given)):
-        key = None
-    return (*checked, key)
+    checked = {}
+    for name, x in arrays.items():
+        flag = BY_NAME[name]
+        checked[name] = (check_per_entry if flag.per == "entry" else check_pairwise)(flag.array, x, prob, device)
+        if checked[name] is not x:
+            key = None
+    return checked, key
 
 
 def _kept_plan(inputs: dict, out, names, flags, keepable=True):
@@ -559,60 +561,63 @@ def _empty(prob) -> bool:
     return prob.Nq == 0 or prob.Nk == 0 or 0 in prob.batch_shape
 
 
-def _mods(prob, slopes, sinks, bias=None, mask=None, dbias=None, dropout_p=0.0, batch0=0, user=None) -> "_launch.Mods":
-    """The ``_launch.Mods`` of a call's validated modifiers (``dbias``: its ``_launch.DbiasBuffer``;
-    ``batch0`` the flat batch index of a peeled piece's first entry; ``user`` as ``_gpu_user`` gives it)."""
-    pairs = tuple(_launch.pair_strides(x) if x is not None else (0, 0) for x in (bias, mask))
-    pairs += (dbias.pair_strides if dbias is not None else (0, 0),)
-    return _launch.Mods(prob.softcap, slopes is not None, sinks is not None, bias is not None, mask is not None,
-                        dbias is not None, pairs, dropout_p, batch0, *(user or (None, (0,) * MAX_ARGS)))
+def _mods(prob, arrays: dict, dbias=None, dropout_p=0.0, batch0=0, user=None) -> "_launch.Mods":
+    """The ``_launch.Mods`` of a call's validated modifiers: its arrays by flag, the softcap and dropout
+    (``dbias``: its ``_launch.DbiasBuffer``; ``batch0`` the flat batch index of a peeled piece's first
+    entry; ``user`` as ``_gpu_user`` gives it)."""
+    on = set(arrays) | {name for name, used in (("softcap", prob.softcap is not None), ("dropout", dropout_p > 0),
+                                                ("bias_grad", dbias is not None)) if used}
+    pairs = [(name, _launch.pair_strides(x)) for name, x in arrays.items() if BY_NAME[name].per == "pair"]
+    if dbias is not None:
+        pairs.append(("bias_grad", dbias.pair_strides))
+    return _launch.Mods(frozenset(on), prob.softcap, dropout_p, tuple(pairs), batch0,
+                        *(user or (None, (0,) * MAX_ARGS)))
 
 
-def _present(*arrays) -> tuple:
-    return tuple(x for x in arrays if x is not None)
+def _laid_out(arrays: dict) -> dict:
+    """The modifiers' arrays as they lay out over the batch dims: a per-entry array (ALiBi slopes, sinks)
+    as a batch of 1 x 1 matrices, so that it lays out as the tensors do."""
+    return {name: x.reshape(*x.shape, 1, 1) if BY_NAME[name].per == "entry" else x for name, x in arrays.items()}
 
 
-def _as_matrices(*per_entry):
-    """The per-entry arrays given (ALiBi slopes, sinks) as batches of 1 x 1 matrices, so that they lay
-    out as the tensors do (``_launch.Mods.fields`` reads them last, in this order)."""
-    return tuple(x.reshape(*x.shape, 1, 1) for x in per_entry if x is not None)
+def _leading_arrays(arrays: dict, index: int, nb: int) -> dict:
+    """Entry ``index`` of each modifier array along the leading batch dim (``_leading_entries`` of a
+    per-entry one, ``_take_leading`` of a per-pair one)."""
+    return {name: (_leading_entries if BY_NAME[name].per == "entry" else _take_leading)(x, index, nb)
+            for name, x in arrays.items()}
 
 
 def _batch_strides(arrays, batch_shape):
     return [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch_shape) for x in arrays]
 
 
-def _forward_gpu(q, k, v, slopes, sinks, batch_shape, prob, schedule, precision, key=None, out=None, packed=None,
-                 offsets=(None, None), pairs=(None, None), dropout=(0.0, 0), batch0=0, user=None, stats_shape=None,
-                 kv_splits=1, cached=()):
-    """Plan and run; a single launch's plan is kept under ``key`` (``_call_key``) for like calls. With
-    ``packed`` sequences (``_launch.Packed``) ``offsets`` are their device offsets; ``pairs`` the bias
-    and the mask (None where not given); ``dropout`` its ``(p, seed)``; ``batch0`` the flat batch index
+def _forward_gpu(q, k, v, arrays, batch_shape, prob, schedule, precision, key=None, out=None, packed=None,
+                 offsets=(None, None), dropout=(0.0, 0), batch0=0, user=None, stats_shape=None, kv_splits=1, cached=()):
+    """Plan and run; a single launch's plan is kept under ``key`` (``_call_key``) for like calls. ``arrays``
+    the modifiers' arrays by flag (``_checked_mods``). With ``packed`` sequences (``_launch.Packed``)
+    ``offsets`` are their device offsets; ``dropout`` its ``(p, seed)``; ``batch0`` the flat batch index
     of the first entry (of a peeled piece); ``user`` the expressions (``_gpu_user``); ``stats_shape`` the
     shape of the m, l returned (a folded call's: the caller's; o's is it and D); ``kv_splits`` split-KV's
     count (None: chosen by the plan); ``cached`` a cache's lengths and page table (with ``packed.cache``;
-    laid out as the batch dims, as ``_as_matrices`` lays out slopes)."""
+    laid out as the batch dims, as ``_laid_out`` lays out slopes)."""
     nb = len(batch_shape)
-    layout = _launch.collapse_batch(batch_shape, _batch_strides((q, k, v, *cached, *_as_matrices(slopes, sinks),
-                                                                 *_present(*pairs)), batch_shape))
+    named = {"q": q, "k": k, "v": v, **dict(zip(("lens", "table"), cached)), **_laid_out(arrays)}
+    layout = _launch.collapse_batch(batch_shape, _batch_strides(named.values(), batch_shape), tuple(named))
     if layout is not None:
         plan = _launch.forward_plan(q, k, v, schedule=schedule, precision=precision, geometry=prob.geometry,
                                     scale=prob.scale, batch_shape=batch_shape, layout=layout,
-                                    mods=_mods(prob, slopes, sinks, *pairs, dropout_p=dropout[0], batch0=batch0,
-                                               user=user),
+                                    mods=_mods(prob, arrays, dropout_p=dropout[0], batch0=batch0, user=user),
                                     packed=packed, stats_shape=stats_shape, kv_splits=kv_splits)
         _launch.keep_plan(key, plan)
-        return plan(q, k, v, out, slopes, sinks, *offsets, *pairs, dropout[1], *cached)
+        return plan(q, k, v, out, arrays, offsets, dropout[1], *cached)
     assert not cached, "a cache's batch dims (B, K/V heads, group) always collapse"
     # more than three batch dims that cannot be merged: peel the leading one
     import cupy
 
     _refuse_while_capturing("more than three batch dims that cannot be merged are computed piece by piece")
 
-    parts = [_forward_gpu(*(_take_leading(x, i, nb) for x in (q, k, v)),
-                          *(_leading_entries(x, i, nb) for x in (slopes, sinks)), batch_shape[1:], prob, schedule,
-                          precision, packed=packed, offsets=offsets,
-                          pairs=tuple(_take_leading(x, i, nb) for x in pairs), dropout=dropout,
+    parts = [_forward_gpu(*(_take_leading(x, i, nb) for x in (q, k, v)), _leading_arrays(arrays, i, nb),
+                          batch_shape[1:], prob, schedule, precision, packed=packed, offsets=offsets, dropout=dropout,
                           batch0=batch0 + i * math.prod(batch_shape[1:]), user=user, kv_splits=kv_splits)
              for i in range(batch_shape[0])]
     results = [cupy.stack([p[n] for p in parts]) for n in range(3)]
@@ -768,14 +773,15 @@ def _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, soft
     """dq, dk, dv (dbias, dsink where asked) of ``_backward``'s call."""
     dropout = check_dropout(dropout_p, seed)
     expressions = user_mods(*user, backward=True)
-    inputs = _with_entries({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}, alibi_slopes, sink, bias, mask)
+    arrays = call_arrays(alibi_slopes=alibi_slopes, sink=sink, bias=bias, mask=mask)
+    inputs = _with_arrays({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}, arrays)
     flags = (causal, softmax_scale, window, softcap, schedule, precision, deterministic, bias_grad, dropout[0],
-             *_entries_given(alibi_slopes, sink, bias, mask), *user[:3], _mod_args_key(user[3]))
+             tuple(arrays), *user[:3], _mod_args_key(user[3]))
     offsets, flags = _with_offsets(inputs, flags, varlen)
     plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS, flags, _plan_keepable(varlen) and flags[-1] is not None)
     if plan is not None:
-        return _with_sink_grad(plan(do, q, k, v, o, m, l, out, alibi_slopes, sink, *offsets, bias, mask,
-                                    dropout[1]), do, o, m, l, sink)
+        return _with_sink_grad(plan(do, q, k, v, o, m, l, out, arrays, offsets, dropout[1]), do, o, m, l,
+                               arrays.get("sink"))
     prob = with_softcap(check_backward(do, q, k, v, o, m, l, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
@@ -784,17 +790,16 @@ def _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, soft
     if bias_grad and bias is None:
         raise ValueError("bias_grad=True needs a bias")
     gpu_user, _kept_alive = _gpu_user(expressions, prob, q)
-    slopes, sinks, biases, masks, key = _checked_mods(prob, q, key, alibi_slopes, sink, bias, mask)
+    arrays, key = _checked_mods(prob, q, key, arrays)
     seqs, key = _seqlens(varlen, prob, q, key)
     if out is not None:
         out = check_out(out, BACKWARD_OUTPUTS, (q.shape, k.shape, v.shape), (prob.dtype,) * 3, prob.xp,
                         _device_id(q, prob), inputs)
-    fold_ok = foldable(prob, (slopes, sinks, biases, masks, expressions, seqs), dropout[0])
+    fold_ok = foldable(prob, (*arrays.values(), expressions, seqs), dropout[0])
     if prob.xp is numpy:
         kw = dict(causal=prob.causal, softmax_scale=prob.scale, window=prob.window, softcap=prob.softcap,
-                  alibi_slopes=slopes, sink=sinks, bias=biases, mask=masks, bias_grad=bias_grad,
-                  dropout_p=dropout[0], seed=dropout[1], score_mod=user[0], score_mod_grad=user[1], mask_mod=user[2],
-                  mod_args=user[3])
+                  **_by_argument(arrays), bias_grad=bias_grad, dropout_p=dropout[0], seed=dropout[1],
+                  score_mod=user[0], score_mod_grad=user[1], mask_mod=user[2], mod_args=user[3])
         fold = fold_of(prob.batch_shape, q, k, v, do, o) if fold_ok else None
         if seqs is not None:
             grads = blocked.varlen_backward(do, q, k, v, o, m, l, seqs.cu_q, seqs.cu_k, **kw)
@@ -814,8 +819,8 @@ def _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, soft
             for x in out:
                 x.fill(0)
             if bias_grad:
-                out = (*out, cupy.zeros(biases.shape, m.dtype))
-            return _with_sink_grad(out, do, o, m, l, sinks)
+                out = (*out, cupy.zeros(arrays["bias"].shape, m.dtype))
+            return _with_sink_grad(out, do, o, m, l, arrays.get("sink"))
         ready, key = _kernel_ready((do, q, k, v, o), key)
         kernel = _launch.backward_kernel(schedule, prob.dtype, prob.D, prob.scale)
         fold = _gpu_fold(prob, ready[1:4], (ready[0], ready[4]), kernel, backward=True) if fold_ok else None
@@ -823,13 +828,12 @@ def _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, soft
             fprob = fold.problem(prob)
             do_f, q_f, k_f, v_f, o_f = fold.rows(ready[0]), fold.rows(ready[1]), *map(fold.keys, ready[2:4]), \
                 fold.rows(ready[4])
-            return _backward_gpu(do_f, q_f, k_f, v_f, o_f, fold.stats(m), fold.stats(l), None, None,
+            return _backward_gpu(do_f, q_f, k_f, v_f, o_f, fold.stats(m), fold.stats(l), {},
                                  fprob.batch_shape, fprob, schedule, precision, deterministic, key, out,
                                  grad_shapes=(q.shape, k.shape, v.shape))
-        grads = _backward_gpu(*ready, m, l, slopes, sinks, prob.batch_shape, prob, schedule, precision, deterministic,
-                              key, out, *_packed(seqs), pairs=(biases, masks), bias_grad=bias_grad, dropout=dropout,
-                              user=gpu_user)
-        return _with_sink_grad(grads, do, o, m, l, sinks)
+        grads = _backward_gpu(*ready, m, l, arrays, prob.batch_shape, prob, schedule, precision, deterministic, key,
+                              out, *_packed(seqs), bias_grad=bias_grad, dropout=dropout, user=gpu_user)
+        return _with_sink_grad(grads, do, o, m, l, arrays.get("sink"))
 
 
 def _with_sink_grad(grads, do, o, m, l, sinks):
@@ -848,44 +852,46 @@ def _with_sink_grad(grads, do, o, m, l, sinks):
     return (*grads, unbroadcast(-(P_sink * D).sum(axis=-1), sinks.shape))
 
 
-def _backward_gpu(do, q, k, v, o, m, l, slopes, sinks, batch_shape, prob, schedule, precision, deterministic,
-                  key=None, out=None, packed=None, offsets=(None, None), pairs=(None, None), bias_grad=False, dropout=(0.0, 0),
-                  batch0=0, user=None, grad_shapes=None):
-    """Plan and run; a single plan is kept under ``key`` (``_call_key``) for like calls; ``packed``,
-    ``offsets``, ``pairs``, ``dropout``, ``batch0``, ``user`` as in ``_forward_gpu``; ``bias_grad``: dbias
+def _backward_gpu(do, q, k, v, o, m, l, arrays, batch_shape, prob, schedule, precision, deterministic, key=None,
+                  out=None, packed=None, offsets=(None, None), bias_grad=False, dropout=(0.0, 0), batch0=0, user=None,
+                  grad_shapes=None):
+    """Plan and run; a single plan is kept under ``key`` (``_call_key``) for like calls; ``arrays``,
+    ``packed``, ``offsets``, ``dropout``, ``batch0``, ``user`` as in ``_forward_gpu``; ``bias_grad``: dbias
     too (after dv); ``grad_shapes`` the shapes of the dq, dk, dv returned (a folded call's: the caller's)."""
     nb = len(batch_shape)
     own = [_launch.contiguous_strides(x.shape)[:-2] for x in (q, k, v)]
+    laid = _laid_out(arrays)
+    names = ["q", "k", "v", "o", "do", "dq", "dk", "dv", *laid]
     strides = _batch_strides((q, k, v, o, do), batch_shape)
     strides += [_launch.batch_strides(x.shape, s, batch_shape) for x, s in zip((q, k, v), own)]
-    strides += _batch_strides((*_as_matrices(slopes, sinks), *_present(*pairs)), batch_shape)
+    strides += _batch_strides(laid.values(), batch_shape)
     dbias = None
     if bias_grad:
-        dbias = _launch.dbias_buffer(pairs[0].shape, batch_shape, q.shape[-2], k.shape[-2], deterministic)
+        dbias = _launch.dbias_buffer(arrays["bias"].shape, batch_shape, q.shape[-2], k.shape[-2], deterministic)
         if dbias.to is not None:
             _refuse_while_capturing("a deterministic dbias of a broadcast bias is summed")
         strides.append(_launch.batch_strides(dbias.shape, _launch.contiguous_strides(dbias.shape)[:-2], batch_shape))
-    layout = _launch.collapse_batch(batch_shape, strides)
+        names.append("bias_grad")
+    layout = _launch.collapse_batch(batch_shape, strides, names)
     if layout is not None:
         plan = _launch.backward_plan(do, q, k, v, o, schedule=schedule, precision=precision, geometry=prob.geometry,
                                      scale=prob.scale, deterministic=deterministic, layout=layout,
-                                     mods=_mods(prob, slopes, sinks, *pairs, dbias, dropout[0], batch0, user),
+                                     mods=_mods(prob, arrays, dbias, dropout[0], batch0, user),
                                      packed=packed, dbias=dbias, grad_shapes=grad_shapes)
         _launch.keep_plan(key, plan)
-        return plan(do, q, k, v, o, m, l, out, slopes, sinks, *offsets, *pairs, dropout[1])
+        return plan(do, q, k, v, o, m, l, out, arrays, offsets, dropout[1])
     # peel the leading batch dim; a gradient is summed where its input broadcast along it
     import cupy
 
     _refuse_while_capturing("more than three batch dims that cannot be merged are computed piece by piece")
 
     parts = [_backward_gpu(do[i], *(_take_leading(x, i, nb) for x in (q, k, v)), o[i], m[i], l[i],
-                           *(_leading_entries(x, i, nb) for x in (slopes, sinks)), batch_shape[1:], prob, schedule,
-                           precision, deterministic, packed=packed, offsets=offsets,
-                           pairs=tuple(_take_leading(x, i, nb) for x in pairs), bias_grad=bias_grad,
-                           dropout=dropout, batch0=batch0 + i * math.prod(batch_shape[1:]), user=user)
+                           _leading_arrays(arrays, i, nb), batch_shape[1:], prob, schedule, precision, deterministic,
+                           packed=packed, offsets=offsets, bias_grad=bias_grad, dropout=dropout,
+                           batch0=batch0 + i * math.prod(batch_shape[1:]), user=user)
              for i in range(batch_shape[0])]
     grads = []
-    for n, x in enumerate((q, k, v, pairs[0]) if bias_grad else (q, k, v)):
+    for n, x in enumerate((q, k, v, arrays["bias"]) if bias_grad else (q, k, v)):
         g = [p[n] for p in parts]
         if x.ndim - 2 < nb:
             grads.append(sum(g[1:], g[0]))
@@ -1002,7 +1008,8 @@ def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: A
     Notes
     -----
     Every kernel of :func:`flash_attention_forward` takes packed sequences
-    (compiled with ``FLASH_VARLEN``): the grid covers the longest
+    (a run-time word of its parameters; the Hopper kernels compile them in,
+    ``FLASH_VARLEN``): the grid covers the longest
     sequence's tiles for every (batch entry, sequence) and each CTA works
     inside one sequence, so the cost follows each sequence's own pairs.
     NumPy inputs run the blocked CPU path one sequence at a time.

@@ -23,6 +23,7 @@ import numpy
 
 from . import _launch
 from ._checks import _cupy, array_module, check_disjoint, check_forward, check_out, check_splits, with_softcap
+from ._flags import call_arrays
 from ._fold import Fold, fold_of, foldable
 from ._tiles import accumulator_dtype
 from .api import FORWARD_OUTPUTS, _checked_mods, _device_id, _forward_gpu, _into, flash_attention_forward
@@ -115,7 +116,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     table = _check_table(block_table, k_cache.shape[0], xp, device) if paged else None
     if lens is not cache_seqlens or table is not block_table:   # converted: a like call converts again
         key = None
-    slopes = _checked_mods(prob, q, None, _grouped(alibi_slopes, B, Hq, Hkv), None, None, None)[0]
+    slopes = _checked_mods(prob, q, None, call_arrays(alibi_slopes=_grouped(alibi_slopes, B, Hq, Hkv)))[0].get("alibi")
     acc = accumulator_dtype(prob.dtype)
     stats = (B, Hq, Nq)
     if out is not None:
@@ -141,7 +142,7 @@ class CachePlan:
         if self.append is not None:
             with q.device:
                 _append(self.append, k_cache, v_cache, k, v, lens, table)
-        return self.forward(q, k_cache, v_cache, out, None, None, None, None, None, None, 0, lens, table)
+        return self.forward(q, k_cache, v_cache, out, None, (None, None), 0, lens, table)
 
 
 def _append(plan, k_cache, v_cache, k, v, lens, table):
@@ -353,12 +354,12 @@ def _gpu(q5, k5, v5, k, v, lens, table, prob, slopes, stats, out, num_splits, ca
         plan_key = None if key is None else ("kvcache",) + key
         if fold is not None:
             fprob = fold.problem(prob)
-            result = _forward_gpu(fold.rows(q5), fold.keys(k5), fold.keys(v5), None, None, fprob.batch_shape, fprob,
+            result = _forward_gpu(fold.rows(q5), fold.keys(k5), fold.keys(v5), {}, fprob.batch_shape, fprob,
                                   schedule, "highest", plan_key, out, packed, stats_shape=stats, kv_splits=num_splits,
                                   cached=tuple(fold.keys(x) for x in cached))
         else:
-            result = _forward_gpu(q5, k5, v5, slopes, None, batch_shape, prob, schedule, "highest", plan_key, out,
-                                  packed, stats_shape=stats, kv_splits=num_splits, cached=cached)
+            result = _forward_gpu(q5, k5, v5, call_arrays(alibi_slopes=slopes), batch_shape, prob, schedule, "highest",
+                                  plan_key, out, packed, stats_shape=stats, kv_splits=num_splits, cached=cached)
     forward = _launch.PLANS.get(plan_key) if plan_key is not None else None
     if forward is not None:
         if len(_KEPT) >= MAX_KEPT:

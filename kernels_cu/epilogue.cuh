@@ -49,14 +49,15 @@ __device__ __forceinline__ void store_row_pair(elem_t* row, int col, int d, acc_
 // The epilogue of a warp's (16, 8*NT) O_i accumulator, first row r0, rows g and g+8 of each lane:
 // O_i = diag(l_i)^-1 O_i into o (Nq, D), m_i m_scale (m_i of the online softmax in units of
 // m_scale; -inf stays -inf) and l_i into m_out, l_out (Nq), with the attention sink folded in where
-// compiled in (SINK: `sink`, natural units; fold_sink), o scaled by o_scale (dropout's 1 / (1 - p)).
+// the call has sinks (`sinks`; `sink` its logit, natural units; fold_sink), o scaled by o_scale
+// (dropout's 1 / (1 - p)).
 // A row that saw no key (l_i = 0) gets O_i = 0, whatever 0 · NaN met in P~ V where a masked key's
 // value was not finite; NaN stays NaN.
 template <int NT>
 __device__ __forceinline__ void store_output_rows(elem_t* o, acc_t* m_out, acc_t* l_out, const acc_t (&O)[NT][4],
                                                   const acc_t (&m_i)[2], const acc_t (&l_i)[2], acc_t m_scale,
-                                                  int r0, int Nq, int D, acc_t sink = (acc_t)0,
-                                                  acc_t o_scale = (acc_t)1) {
+                                                  int r0, int Nq, int D, bool sinks = false,
+                                                  acc_t sink = (acc_t)0, acc_t o_scale = (acc_t)1) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
@@ -66,7 +67,7 @@ __device__ __forceinline__ void store_output_rows(elem_t* o, acc_t* m_out, acc_t
         const bool none = l_i[h] == (acc_t)0;
         acc_t m = m_i[h] == NEG_INF ? NEG_INF : m_i[h] * m_scale, l = l_i[h];
         acc_t inv_l = o_scale / l;   // inf where none: not used
-        if constexpr (SINK) inv_l *= fold_sink(m, l, sink);
+        if (sinks) inv_l *= fold_sink(m, l, sink);
 #pragma unroll
         for (int n = 0; n < NT; ++n)
             store_row_pair(o + (i64)row * D, n * 8 + 2 * t, D, none ? (acc_t)0 : O[n][2 * h] * inv_l,
@@ -88,11 +89,27 @@ struct KvTurns {
 
 __device__ __forceinline__ KvTurns kv_turns(const BwdParams& p, const Seq& sq, i64 tile, i64 tiles) {
     const BatchIndex bi = sq.bi;
-    const i64 head_elems = (i64)p.seqs.rows_k * p.D, n = p.seqs.n;
-    return {p.dk_turns + ((batch_offset(bi, p.dk.s0, p.dk.s1, p.dk.s2) / head_elems * n + sq.s) * tiles + tile),
-            p.dv_turns + ((batch_offset(bi, p.dv.s0, p.dv.s1, p.dv.s2) / head_elems * n + sq.s) * tiles + tile),
+    const i64 n = p.seqs.n;   // the heads from strides in heads: no 64-bit division beside dK_j, dV_j
+    return {p.dk_turns + ((batch_offset(bi, p.dk_heads[0], p.dk_heads[1], p.dk_heads[2]) * n + sq.s) * tiles + tile),
+            p.dv_turns + ((batch_offset(bi, p.dv_heads[0], p.dv_heads[1], p.dv_heads[2]) * n + sq.s) * tiles + tile),
             broadcast_rank(bi, p.batch.n1, p.batch.n2, p.dk.s0, p.dk.s1, p.dk.s2),
             broadcast_rank(bi, p.batch.n1, p.batch.n2, p.dv.s0, p.dv.s1, p.dv.s2)};
+}
+
+// One thread's part of an ordered store of dK_j and dV_j (kv_turns): wait for both turns before the
+// CTA's barrier, hand both on after the next. The counters are found again for the hand-on rather than
+// kept: the ordered sums are a run-time word (ordered_sums), and nothing of them should stay live beside
+// dK_j and dV_j in the kernels that do not order.
+__device__ __forceinline__ void wait_kv_turns(const BwdParams& p, const Seq& sq, i64 tile, i64 tiles) {
+    const KvTurns turns = kv_turns(p, sq, tile, tiles);
+    wait_turn(turns.dk, turns.dk_rank);
+    wait_turn(turns.dv, turns.dv_rank);
+}
+
+__device__ __forceinline__ void end_kv_turns(const BwdParams& p, const Seq& sq, i64 tile, i64 tiles) {
+    const KvTurns turns = kv_turns(p, sq, tile, tiles);
+    end_turn(turns.dk);
+    end_turn(turns.dv);
 }
 
 // scale x a warp's (16, 8*NT) accumulator tile G of dK_j or dV_j (`grad`: p.dk or p.dv; `sums`:

@@ -44,7 +44,6 @@ constexpr int B_C = FLASH_BC;
 constexpr int DC = FLASH_DC;
 constexpr int NWARPS = FLASH_WARPS;
 constexpr int NTHREADS = NWARPS * WARP_SIZE;
-constexpr bool ORDERED = FLASH_ORDERED;
 constexpr int QKV_PITCH = DP + PAD;
 constexpr int DS_PITCH = B_R + PAD;
 constexpr int SMEM_BYTES = ((2 * B_C + 2 * B_R) * QKV_PITCH + B_C * DS_PITCH) * (int)sizeof(elem_t)
@@ -98,6 +97,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
 
     const int D = p.D;
     const bool vec = p.vec != 0, kv_atomic = p.kv_atomic != 0;
+    const bool ordered = ordered_sums(p);               // deterministic: the sums in grid order
     const acc_t scale = (acc_t)p.scale;
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;
@@ -214,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
 #pragma unroll
             for (int e = 0; e < 4; ++e)
                 P[n][e] *= keep_factor(mods, keep[DROPOUT ? n : 0], e) * dP[n][e] - s_D[n * 8 + 2 * t + e % 2];
-            if (BIAS_GRAD && c0 == 0) add_dbias_quad<true>(P[n], mods, mask, key0, q0, n);
+            if (c0 == 0) add_dbias_quad<true>(P[n], mods, mask, key0, q0, n);
             if constexpr (CHAIN)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) P[n][e] *= G[n][e];
@@ -227,9 +227,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
         if (plain) warp_mma<DC / 8, B_R, false, true, B_PLAIN>(dK, s_dSw, DS_PITCH, s_Q + c0, QKV_PITCH);
         else       warp_mma<DC / 8, B_R, false, true>(dK, s_dSw, DS_PITCH, s_Q + c0, QKV_PITCH);
         // tile j adds the term of dQ_i of its rank among the K/V tiles Q tile i visits: every one before it
-        // reaches it too
-        unsigned* dq_turn = ORDERED ? p.dq_turns + ((w * T_r + i) * n_chunks + c0 / DC) : nullptr;
-        if (ORDERED && tid == 0) wait_turn(dq_turn, kv_visits<B_R, B_C>(mask, tiles, i).rank(j));
+        // reaches it too (the counter dq_turn(i), found where it is used)
+        auto dq_turn = [&](int i) { return p.dq_turns + ((w * T_r + i) * n_chunks + c0 / DC); };
+        if (ordered && tid == 0) wait_turn(dq_turn(i), kv_visits<B_R, B_C>(mask, tiles, i).rank(j));
         __syncthreads();   // every warp's rows of dS^T are in SRAM
 
         // dQ_i += scale dS_ij K_j                                          (B_R, DC) over the warps
@@ -251,29 +251,22 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
                         atomicAdd(dq_acc + (i64)row * D + col, scale * dQ[n][e]);
                 }
         }
-        if (ORDERED) {
+        if (ordered) {
             __syncthreads();
-            if (tid == 0) end_turn(dq_turn);
+            if (tid == 0) end_turn(dq_turn(i));
         }
     }
 
     // dK_j, dV_j from registers to HBM; sums over the batch entries that share a K/V head in rank order
-    KvTurns turns{};
-    if (ORDERED && kv_atomic) {
-        turns = kv_turns(p, sq, (i64)j * n_chunks + c0 / DC, (i64)T_c * n_chunks);
-        if (tid == 0) {
-            wait_turn(turns.dk, turns.dk_rank);
-            wait_turn(turns.dv, turns.dv_rank);
-        }
+    const i64 kv_tile = (i64)j * n_chunks + c0 / DC, kv_tiles = (i64)T_c * n_chunks;
+    if (ordered && kv_atomic) {
+        if (tid == 0) wait_kv_turns(p, sq, kv_tile, kv_tiles);
         __syncthreads();
     }
     store_dkv_rows(p, sq, dK, dV, key0, c0, scale);
-    if (ORDERED && kv_atomic) {
+    if (ordered && kv_atomic) {
         __syncthreads();
-        if (tid == 0) {
-            end_turn(turns.dk);
-            end_turn(turns.dv);
-        }
+        if (tid == 0) end_kv_turns(p, sq, kv_tile, kv_tiles);
     }
 }
 

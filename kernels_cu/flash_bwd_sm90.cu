@@ -58,7 +58,6 @@ constexpr int NTHREADS = FLASH_WARPS * WARP_SIZE;
 constexpr int WG_THREADS = BWD_WG_THREADS;
 constexpr int CONSUMERS = NTHREADS / WG_THREADS - 1;
 constexpr int STAGES = 2;
-constexpr bool ORDERED = FLASH_ORDERED;
 constexpr int TILE_KV = B_C * DP, TILE_Q = B_R * DP, TILE_DS = B_C * B_R;   // elements
 constexpr int DQ_PITCH = DP + 4;                   // floats: rows 16 bytes apart in banks
 constexpr int N_BARRIERS = 1 + 2 * STAGES;
@@ -149,6 +148,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
 
     const int D = p.D;
     const bool kv_atomic = p.kv_atomic != 0;
+    const bool ordered = ordered_sums(p);              // deterministic: the sums in grid order
     const int tid = threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid / WG_THREADS, 0);   // from lane 0: the compiler sees it warp-uniform
     const int T_r = (p.mask.Nq + B_R - 1) / B_R, T_c = (p.mask.Nk + B_C - 1) / B_C;   // the grid's tiles per head
@@ -272,9 +272,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
             wgmma_pin_a(dSf);
             fence_proxy_async();
             // tile j adds the term of dQ_i of its rank among the K/V tiles Q tile i visits: every one before
-            // it reaches it too
-            unsigned* dq_turn = ORDERED ? p.dq_turns + (w * T_r + i) : nullptr;
-            if (ORDERED && ctid == 0) wait_turn(dq_turn, kv_visits<B_R, B_C>(mask, tiles, i).rank(j));
+            // it reaches it too (the counter p.dq_turns[w T_r + i], found where it is used)
+            if (ordered && ctid == 0) wait_turn(p.dq_turns + (w * T_r + i), kv_visits<B_R, B_C>(mask, tiles, i).rank(j));
             named_barrier_sync(DQ_WRITTEN, CONSUMERS * WG_THREADS);   // s_dQ holds dQ_i
 
             // dQ_i into the workspace: a bulk add per row (rows of 16-byte multiples), else float atomics;
@@ -288,13 +287,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
                     if (st[e / D] != POS_INF)
                         atomicAdd(dq_acc + (i64)(q0 + e / D) * D + e % D, s_dQ[(e / D) * DQ_PITCH + e % D]);
             }   // s_dQ is rewritten only after the next step's first barrier
-            if (ORDERED) {
+            if (ordered) {
                 if (D % 4 == 0 && ctid < rows) {
                     bulk_wait();
                     fence_proxy_async_global();
                 }
                 named_barrier_sync(ADDS_LANDED, CONSUMERS * WG_THREADS);   // every add of dQ_i has landed
-                if (ctid == 0) end_turn(dq_turn);
+                if (ctid == 0) end_turn(p.dq_turns + (w * T_r + i));
             }
             mbar_arrive(&q_empty[s]);                     // Q_i, dO_i, statistics and dS^T are free
         }
@@ -302,22 +301,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
         if (ctid < B_R) bulk_wait();                       // every bulk add of this thread has landed
 
         // dK_j, dV_j from registers to HBM; sums over the batch entries that share a K/V head in rank order
-        KvTurns turns{};
-        if (ORDERED && kv_atomic) {
-            turns = kv_turns(p, sq, j, T_c);
-            if (ctid == 0) {
-                wait_turn(turns.dk, turns.dk_rank);
-                wait_turn(turns.dv, turns.dv_rank);
-            }
+        if (ordered && kv_atomic) {
+            if (ctid == 0) wait_kv_turns(p, sq, j, T_c);
             named_barrier_sync(ADDS_LANDED, CONSUMERS * WG_THREADS);
         }
         store_dkv_rows(p, sq, dK, dV, key0, 0, scale);
-        if (ORDERED && kv_atomic) {
+        if (ordered && kv_atomic) {
             named_barrier_sync(ADDS_LANDED, CONSUMERS * WG_THREADS);
-            if (ctid == 0) {
-                end_turn(turns.dk);
-                end_turn(turns.dv);
-            }
+            if (ctid == 0) end_kv_turns(p, sq, j, T_c);
         }
     }
 }

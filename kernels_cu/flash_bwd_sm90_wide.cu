@@ -57,7 +57,6 @@ constexpr int WG_THREADS = BWD_WG_THREADS;
 constexpr int CONSUMERS = NTHREADS / WG_THREADS - 1;
 constexpr int CONSUMER_THREADS = CONSUMERS * WG_THREADS;
 constexpr int STAGES = FLASH_Q_STAGES;
-constexpr bool ORDERED = FLASH_ORDERED;
 constexpr int TILE_KV = B_C * DP, TILE_Q = B_R * DP, TILE_DS = B_C * B_R;   // elements
 constexpr int DQ_PITCH = DP + 4;                   // floats: rows 16 bytes apart in banks
 constexpr int N_BARRIERS = 1 + 2 * STAGES;
@@ -75,8 +74,9 @@ enum Barrier : int { P_WRITTEN = 1, DS_WRITTEN = 2, DQ_WRITTEN = 3, ADDS_LANDED 
 
 static_assert(CONSUMERS == 2 && B_C == 64 && B_R == 64, "one producer warpgroup, two consumers sharing 64 keys");
 static_assert(DP % SW_COLS == 0 && DP > 128 && DP <= 256 && (STAGES == 1 || STAGES == 2), "tile shapes");
-// consumer 1 has dS = P o (dP - D) only as Pg o (dP - D) under a softcap: no dbias then (the host runs flash_bwd)
-static_assert(!(CHAIN && BIAS_GRAD), "dbias under a softcap or a score_mod: flash_bwd");
+// consumer 1 has dS = P o (dP - D) only as Pg o (dP - D) under a softcap or a score_mod: no dbias then (the
+// host runs flash_bwd for dbias under a chain: _flags.FLAGS, bias_grad's excludes)
+constexpr bool WRITES_DBIAS = BIAS && !CHAIN;
 static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * (65536 / NTHREADS / 8 * 8), "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 
@@ -150,6 +150,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
 
     const int D = p.D;
     const bool kv_atomic = p.kv_atomic != 0;
+    const bool ordered = ordered_sums(p);              // deterministic: the sums in grid order
     const int tid = threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid / WG_THREADS, 0);   // from lane 0: the compiler sees it warp-uniform
     const int T_r = (p.mask.Nq + B_R - 1) / B_R, T_c = (p.mask.Nk + B_C - 1) / B_C;   // the grid's tiles per head
@@ -236,7 +237,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
                 X[nn][1] = ds(P.y, X[nn][1], Dv.y);
                 X[nn][2] = ds(P.z, X[nn][2], Dv.x);
                 X[nn][3] = ds(P.w, X[nn][3], Dv.y);
-                add_dbias_quad<true>(X[nn], mods, mask, key0, q0, nn);   // dS^T is d loss / d final score here
+                if constexpr (WRITES_DBIAS)   // dS^T is d loss / d final score here
+                    add_dbias_quad<true>(X[nn], mods, mask, key0, q0, nn);
             }
             frag_to_a(A, X);
             issue_grad(G, A, s_Qs);                    // dK_j += dS_ij^T Q_i (scaled at the end)
@@ -284,9 +286,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
         }
         fence_proxy_async();
         // tile j adds the term of dQ_i of its rank among the K/V tiles Q tile i visits: every one before it
-        // reaches it too
-        unsigned* dq_turn = ORDERED ? p.dq_turns + (w * T_r + i) : nullptr;
-        if (ORDERED && ctid == 0) wait_turn(dq_turn, kv_visits<B_R, B_C>(mask, tiles, i).rank(j));
+        // reaches it too (the counter p.dq_turns[w T_r + i], found where it is used)
+        if (ordered && ctid == 0) wait_turn(p.dq_turns + (w * T_r + i), kv_visits<B_R, B_C>(mask, tiles, i).rank(j));
         named_barrier_sync(DQ_WRITTEN, CONSUMER_THREADS);   // s_dQ holds dQ_i
 
         // dQ_i into the workspace: a bulk add per row (rows of 16-byte multiples), else float atomics
@@ -296,31 +297,31 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
             for (int col = ctid / B_R; col < D; col += CONSUMER_THREADS / B_R)
                 atomicAdd(dq_acc + (i64)(q0 + row) * D + col, s_dQ[row * DQ_PITCH + col]);
         }   // s_dQ is rewritten only after the next step's second barrier
-        if (ORDERED) {
+        if (ordered) {
             if (D % 4 == 0 && ctid < B_R && row_adds) {
                 bulk_wait();
                 fence_proxy_async_global();
             }
             named_barrier_sync(ADDS_LANDED, CONSUMER_THREADS);   // every add of dQ_i has landed
-            if (ctid == 0) end_turn(dq_turn);
+            if (ctid == 0) end_turn(p.dq_turns + (w * T_r + i));
         }
     }
     if (ctid < B_R) bulk_wait();                       // every bulk add of this thread has landed
 
     // dV_j (c = 0), dK_j (c = 1) from registers to HBM; sums over the batch entries that share a K/V
-    // head in rank order
-    unsigned* turn = nullptr;
-    if (ORDERED && kv_atomic) {
-        const KvTurns turns = kv_turns(p, sq, j, T_c);
-        turn = c == 0 ? turns.dv : turns.dk;
-        if (wtid == 0) wait_turn(turn, c == 0 ? turns.dv_rank : turns.dk_rank);
+    // head in rank order (the counter found again to hand the turn on, not kept beside G)
+    if (ordered && kv_atomic) {
+        if (wtid == 0) {
+            const KvTurns turns = kv_turns(p, sq, j, T_c);
+            wait_turn(c == 0 ? turns.dv : turns.dk, c == 0 ? turns.dv_rank : turns.dk_rank);
+        }
         named_barrier_sync(GRAD_TURN + c, WG_THREADS);
     }
     if (c == 0) store_kv_grad_rows(p, p.dv, p.dv_acc, sq, G, key0, (acc_t)1);
     else        store_kv_grad_rows(p, p.dk, p.dk_acc, sq, G, key0, scale);
-    if (ORDERED && kv_atomic) {
+    if (ordered && kv_atomic) {
         named_barrier_sync(GRAD_TURN + c, WG_THREADS);
-        if (wtid == 0) end_turn(turn);
+        if (wtid == 0) end_turn(c == 0 ? kv_turns(p, sq, j, T_c).dv : kv_turns(p, sq, j, T_c).dk);
     }
 }
 

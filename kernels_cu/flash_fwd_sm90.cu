@@ -143,7 +143,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
         const int split = (int)(index % splits);
         const GridTile at = grid_tile_at(index / splits, heads, T_r, p.head_group);
         const Seq sq = seq_of(p, at.bh);
-        const Mask mask = VARLEN ? sq.mask : p.mask;
+        const Mask mask = mask_of(p, sq);
         const int i = (mask.Nq + B_R - 1) / B_R - 1 - at.tile;
         const Visits visits = i < 0 ? Visits{nullptr, 0, 0}
                                     : kv_visits<B_R, B_C>(mask, tiles_of(p, sq), i).split(split, (int)splits);
@@ -151,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
     };
     // the first tile from `index` on that is not past its sequence's rows (claiming more past those)
     auto first_work = [&](unsigned index) {
-        if constexpr (VARLEN)
+        if (packed_seqs(p))
             while (index < n_tiles && work_at(index).i < 0) index = gridDim.x + atomicAdd(p.tile_counter, 1u);
         return index;
     };
@@ -393,11 +393,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             }
             for (int j = my_stop > 0 ? my_stop + 1 : 0; j <= j_stop; ++j) idle_step(j);
 
-            // O_i = diag(l_i)^-1 O_i (the sink folded in: split 0's, it is one key); write O_i, m_i (in
-            // natural units), l_i to HBM, or to the split's part
-            const i64 row0 = seq_of(p, w.w).row0;
-            store_output_rows(p.o_at(w.split, row0), p.m_at(w.split, row0), p.l_at(w.split, row0), O, m_i, l_i, unit,
-                              r0, Nq, D, w.split == 0 ? entry.sink : NEG_INF,
+            // O_i = diag(l_i)^-1 O_i (the sink folded in where the call has sinks: sink_of); write O_i, m_i
+            // (in natural units), l_i to HBM, or to the split's part
+            const Seq sq = seq_of(p, w.w);
+            const bool sinks = has_sinks(p);
+            store_output_rows(p.o_at(w.split, sq.row0), p.m_at(w.split, sq.row0), p.l_at(w.split, sq.row0), O, m_i,
+                              l_i, unit, r0, Nq, D, sinks, sinks ? sink_of(p, sq, w.split) : (acc_t)0,
                               DROPOUT ? entry.keep_scale : (acc_t)1);
             kv += j_stop;
         }

@@ -88,6 +88,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
     acc_t* l_run = p.l + sq.row0;
     EntryMods mods = mods_of(p, sq);
     const TileHead tiles = tiles_of(p, sq);
+    const bool sinks = has_sinks(p);
+    const acc_t sink = sinks ? sink_of(p, sq) : (acc_t)0;
 
     const int T_r = (Nq + B_R - 1) / B_R;
     if (split >= T_r) return;
@@ -170,7 +172,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
             __syncwarp();
 
             // O_i^new = diag(l_i^new)^-1 (diag(e^(m_i - m_i^new) l_i) O_i + P~_ij V_j), DC columns at a time
-            // At the warp's last step the sink, where compiled in, is folded into m_i^new, l_i^new (fold_sink)
+            // At the warp's last step the sink, where the call has sinks, is folded into m_i^new, l_i^new (fold_sink)
             const bool last = j == j_last;
             acc_t inv_l[2], keep[2], pv_scale[2];   // pv_scale: of P~_ij V_j (dropout's 1 / (1 - p) too)
             bool none[2];                                 // no key so far
@@ -179,8 +181,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
                 none[h] = l_new[h] == (acc_t)0;
                 inv_l[h] = none[h] ? (acc_t)0 : (acc_t)1 / l_new[h];
                 keep[h] = alpha[h] * l_i[h] * inv_l[h];
-                if (SINK && last) {
-                    const acc_t folded = fold_sink(m_new[h], l_new[h], mods.sink);
+                if (sinks && last) {
+                    const acc_t folded = fold_sink(m_new[h], l_new[h], sink);
                     inv_l[h] *= folded;
                     keep[h] *= folded;
                 }

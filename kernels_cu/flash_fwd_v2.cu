@@ -81,8 +81,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
     const Seq sq = seq_of(p, w);
     const Mask& mask = mask_of(p, sq);
     const int Nq = mask.Nq, Nk = mask.Nk, D = p.D;
-    const int i = (VARLEN ? (Nq + B_R - 1) / B_R : T_r) - 1 - at.tile;   // heaviest causal tiles first
-    if (VARLEN && i < 0) return;                        // past a shorter sequence's rows
+    const int i = (Nq + B_R - 1) / B_R - 1 - at.tile;   // heaviest causal tiles first
+    if (i < 0) return;                                  // past a shorter (packed) sequence's rows
 
     const elem_t* q = sq.q_rows(p.q);
     const KeyRows<const elem_t> k = k_rows_of(p, sq);   // (Nk, D), PAGED: paged
@@ -189,10 +189,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
         __syncthreads();   // every warp is done with this stage before it is refilled
     }
 
-    // O_i = diag(l_i)^-1 O_i (the sink folded in, SINK: split 0's, it is one key); write O_i, m_i, l_i
+    // O_i = diag(l_i)^-1 O_i (the sink folded in where the call has sinks: sink_of); write O_i, m_i, l_i
     // to HBM, or to the split's part
+    const bool sinks = has_sinks(p);
     store_output_rows(p.o_at(split, sq.row0), p.m_at(split, sq.row0), p.l_at(split, sq.row0), O, m_i, l_i, (acc_t)1,
-                      r0, Nq, D, split == 0 ? mods.sink : NEG_INF, DROPOUT ? mods.keep_scale : (acc_t)1);
+                      r0, Nq, D, sinks, sinks ? sink_of(p, sq, split) : (acc_t)0,
+                      DROPOUT ? mods.keep_scale : (acc_t)1);
 }
 
 #ifdef FLASH_USER_MASK

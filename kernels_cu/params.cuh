@@ -18,18 +18,23 @@
 #include "score_mod.cuh"
 #include "types.cuh"
 
-// Packed variable-length sequences (flash_attention_varlen_*) compiled in
+// Packed variable-length sequences (flash_attention_varlen_*, a K/V cache's lengths): compiled in by the
+// Hopper kernels, whose producer warpgroup finds each tile's sequence on a few registers; read at run time,
+// uses & USES_VARLEN once per CTA (packed_seqs), by the others (types.cuh: FLASH_<NAME>)
 #ifndef FLASH_VARLEN
 #define FLASH_VARLEN 0
 #endif
-constexpr bool VARLEN = FLASH_VARLEN != 0;
+constexpr bool VARLEN = FLASH_VARLEN != 0;   // its code compiled in
+constexpr bool VARLEN_AT_RUN_TIME = FLASH_VARLEN == FLASH_AT_RUN_TIME;
 
-// Keys in a paged K/V cache (flash_attention_with_kvcache with a block table) compiled in (the forward's
-// with FLASH_VARLEN: Seqs::len_k)
+// Keys in a paged K/V cache (flash_attention_with_kvcache with a block table; its lengths are packed
+// sequences' Seqs::len_k): compiled in by flash_fwd_v2 and flash_append, whose loops find every row
+// through the table; read at run time by the repair (a table given: paged; KeyRows::paged)
 #ifndef FLASH_PAGED
 #define FLASH_PAGED 0
 #endif
-constexpr bool PAGED = FLASH_PAGED != 0;
+constexpr bool PAGED = FLASH_PAGED != 0;   // its code compiled in
+constexpr bool PAGED_AT_RUN_TIME = FLASH_PAGED == FLASH_AT_RUN_TIME;
 
 // A tensor of the call as the kernels read it: base pointer, element strides along the three
 // collapsed batch dims (0 along a broadcast one) and of a row. The head dim is contiguous.
@@ -51,7 +56,7 @@ struct Batch {
     __device__ __forceinline__ BatchIndex split(i64 bh) const { return split_batch(bh, n1, n2); }
 };
 
-// The sequences of each batch entry and the work heads the grid walks. With VARLEN a batch entry's rows
+// The sequences of each batch entry and the work heads the grid walks. Packed (packed_seqs), a batch entry's rows
 // hold n packed sequences: sequence s is the query rows cu_q[s] .. cu_q[s+1] - 1 and the key rows
 // cu_k[s] .. cu_k[s+1] - 1, and sees only its own keys, under `band` with its own Nq, Nk (causal
 // and windows bottom-right per sequence). Null offsets make the entry's rows one sequence (n = 1:
@@ -59,19 +64,19 @@ struct Batch {
 // len_k[entry] + len_add (a K/V cache's valid lengths, the new keys appended; clamped to [0, rows_k]).
 // Work head w = e n + s is sequence s of batch entry e; the grid's tiles are those of the longest
 // sequence (the params' Mask.Nq, Mask.Nk), and a CTA past its own sequence's rows or keys has nothing
-// to do. Without VARLEN: one sequence, the params' Mask, n = 1.
+// to do. Not packed: one sequence, the params' Mask, n = 1.
 struct Seqs {
-    const int* cu_q;       // (n + 1) int32, VARLEN, or null
+    const int* cu_q;       // (n + 1) int32, packed, or null
     const int* cu_k;
-    const int* len_k;      // VARLEN: int32 per batch entry (broadcast over the batch dims), or null
+    const int* len_k;      // packed: int32 per batch entry (broadcast over the batch dims), or null
     i64 len_s0, len_s1, len_s2;   // its collapsed batch strides
     i64 heads;             // work heads: batch.count * n
     int n;                 // sequences per batch entry
     int rows_q, rows_k;    // a batch entry's rows of q (o, dO, m, l) and of k, v (a paged cache's: its capacity)
     int len_add;           // added to len_k
-    Band band;             // VARLEN: the visibility of every sequence
+    Band band;             // packed: the visibility of every sequence
 
-    // the keys of batch entry bi's one sequence under len_k (VARLEN, len_k given)
+    // the keys of batch entry bi's one sequence under len_k (packed, len_k given)
     __device__ __forceinline__ int keys_of(BatchIndex bi) const {
         return min(max(len_k[batch_offset(bi, len_s0, len_s1, len_s2)] + len_add, 0), rows_k);
     }
@@ -90,21 +95,23 @@ struct KeyRows {
     int size, count;       // PAGED: rows per page, pages in the cache
     int first;             // PAGED: the key of row 0
 
+    // the rows are a paged cache's (read at run time: a table given)
+    __device__ __forceinline__ bool paged() const { return PAGED && (!PAGED_AT_RUN_TIME || table != nullptr); }
+
     __device__ __forceinline__ T* row(int j) const {
-        if constexpr (PAGED) {
+        if (paged()) {
             j += first;
             const int at = min((unsigned)table[j / size], (unsigned)(count - 1));
             return base + (i64)at * page + (i64)(j % size) * sn;
-        } else {
-            return base + (i64)j * sn;
         }
+        return base + (i64)j * sn;
     }
 
     // the rows from key `k0` on (a tile's): row r of the result is row k0 + r of these
     __device__ __forceinline__ KeyRows from(int k0) const {
         KeyRows r = *this;
-        if constexpr (PAGED) r.first += k0;
-        else r.base += (i64)k0 * sn;
+        if (paged()) r.first += k0;
+        else         r.base += (i64)k0 * sn;
         return r;
     }
 };
@@ -118,10 +125,13 @@ struct Pages {
     int size;              // rows per page
     int count;             // pages in the cache
 
+    // the cache is paged (read at run time: a table given)
+    __device__ __forceinline__ bool paged() const { return PAGED && (!PAGED_AT_RUN_TIME || table != nullptr); }
+
     // batch entry bi's rows of tensor t (k or v; `page` its elements between pages), from key row k0
     template <typename T>
     __device__ __forceinline__ KeyRows<T> rows(const Tensor<T>& t, i64 page, BatchIndex bi, int k0) const {
-        if constexpr (PAGED) return {t.at(bi), t.sn, table + batch_offset(bi, s0, s1, s2), page, size, count, k0};
+        if (paged()) return {t.at(bi), t.sn, table + batch_offset(bi, s0, s1, s2), page, size, count, k0};
         return {t.at(bi) + (i64)k0 * t.sn, t.sn, nullptr, 0, 0, 0, 0};
     }
 };
@@ -131,7 +141,7 @@ struct Seq {
     BatchIndex bi;         // the batch entry
     i64 e;                 // its flat index
     i64 row0;              // the sequence's first query row in the (BH, rows_q) outputs and statistics
-    int s;                 // the sequence (0 without VARLEN)
+    int s;                 // the sequence (0 when not packed)
     int q0, k0;            // its first rows in the entry's q (o, dO) and k (v) matrices
     Mask mask;             // its visibility; Nq, Nk its lengths
 
@@ -140,10 +150,16 @@ struct Seq {
     template <typename T> __device__ __forceinline__ T* k_rows(const Tensor<T>& t) const { return t.at(bi) + k0 * t.sn; }
 };
 
+// the call's rows are packed sequences (or a K/V cache's lengths cut its keys): VARLEN, or the run-time word
+template <class Params>
+__device__ __forceinline__ bool packed_seqs(const Params& p) {
+    return VARLEN && (!VARLEN_AT_RUN_TIME || (p.uses & USES_VARLEN) != 0);
+}
+
 // the sequence of work head w (FwdParams or BwdParams)
 template <class Params>
 __device__ __forceinline__ Seq seq_of(const Params& p, i64 w) {
-    if constexpr (!VARLEN) {
+    if (!packed_seqs(p)) {
         return {p.batch.split(w), w, w * p.mask.Nq, 0, 0, 0, p.mask};
     } else {
         const Seqs& sq = p.seqs;
@@ -157,15 +173,32 @@ __device__ __forceinline__ Seq seq_of(const Params& p, i64 w) {
     }
 }
 
-// sequence sq's Mask: without VARLEN the params' own, which the kernels then read from the constant bank
+// sequence sq's Mask: the params' own where the rows are not packed, which a kernel compiled without packed
+// sequences reads from the constant bank
 template <class Params>
-__device__ __forceinline__ const Mask& mask_of(const Params& p, const Seq& sq) { return VARLEN ? sq.mask : p.mask; }
+__device__ __forceinline__ const Mask& mask_of(const Params& p, const Seq& sq) {
+    if constexpr (VARLEN) return sq.mask;
+    else return p.mask;
+}
 
 // sequence sq's modifiers (score_mod.cuh)
 template <class Params>
 __device__ __forceinline__ EntryMods mods_of(const Params& p, const Seq& sq) {
     const Mask& mask = mask_of(p, sq);
-    return p.mods.at(sq.bi, sq.e, sq.q0, sq.k0, mask.Nq, mask.Nk);
+    return p.mods.at(sq.bi, sq.e, sq.q0, sq.k0, mask.Nq, mask.Nk, p.uses);
+}
+
+// The attention sink, a run-time word (uses & USES_SINK): one more key per batch entry, of logit `sink`
+// and value zero, folded into the forward's final m_i, l_i (softmax.cuh: fold_sink; the backward's
+// P = exp(S - lse) needs nothing more). Only the forwards' epilogues read it, once per row, after the loop.
+template <class Params>
+__device__ __forceinline__ bool has_sinks(const Params& p) { return (p.uses & USES_SINK) != 0; }
+
+// the sink's logit of sequence sq's batch entry (natural units) for split `split` of its keys: split 0's,
+// the sink is one key (the others fold -inf, nothing)
+template <class Params>
+__device__ __forceinline__ acc_t sink_of(const Params& p, const Seq& sq, int split = 0) {
+    return split == 0 ? p.mods.sink.at(sq.bi) : NEG_INF;
 }
 
 // sequence sq's map head of mask_mod's tile map (without FLASH_USER_MASK: none, not read)
@@ -198,7 +231,7 @@ struct FwdParams {
     acc_t* m_parts;            // (kv_splits, BH, rows_q)
     acc_t* l_parts;            // (kv_splits, BH, rows_q)
     Batch batch;
-    Mask mask;                 // without VARLEN the call's; with, Nq, Nk of the longest sequence
+    Mask mask;                 // the call's; packed, Nq, Nk of the longest sequence
     Seqs seqs;
     TileMap tiles;             // FLASH_USER_MASK: mask_mod's tile map at the main kernel's tiles (mask.cuh)
     ScoreMods mods;            // softcap, ALiBi slopes (score_mod.cuh; read where compiled in)
@@ -210,6 +243,7 @@ struct FwdParams {
     int kv_splits;             // V2, Hopper: CTAs per Q tile, each over its run of the K/V tiles (Visits::split)
                                // into o_parts, m_parts, l_parts; 1: one CTA, into o, m, l
     int tile_rows;             // rows of a flagged Q tile (the main kernel's B_r), for the repair
+    unsigned uses;             // the switches the call uses (types.cuh: Uses)
     double scale;              // softmax_scale, as the accumulator type rounds it
 
     // where split `split` of a forward writes the rows from `row0` on: o, m, l, or its parts
@@ -253,6 +287,8 @@ struct BwdParams {
     unsigned* dq_turns;        // (heads, T_r, n_chunks) zeroed, deterministic: turns of the adds into dQ_i
     unsigned* dk_turns;        // (K/V heads of k, n, T_c, n_chunks) zeroed, deterministic and kv_atomic
     unsigned* dv_turns;        // (K/V heads of v, n, T_c, n_chunks)
+    i64 dk_heads[3], dv_heads[3];   // deterministic and kv_atomic: the collapsed batch strides of dk, dv counted in
+                                    // heads (rows_k x D elements), the turns' head of a batch entry
     unsigned* dq_flags;        // (heads, T_r) zeroed, causal: dQ tiles for flash_bwd_repair
     unsigned* kv_flags;        // (heads, T_c) zeroed, causal: dK, dV tiles
     ZeroRange zero[ZERO_RANGES];   // what the comments call zeroed: the workspace's zeroed part, the
@@ -270,8 +306,13 @@ struct BwdParams {
     int kv_atomic;             // several batch entries share a K/V head: dK, dV are sums
     int lse_stats;             // the main kernel reads lse2 (flash_bwd_sm90), else m_b, inv_l
     int tile_r, tile_c;        // the main kernel's B_r, B_c: the tiles of dq_flags, kv_flags
+    unsigned uses;             // the switches the call uses (types.cuh: Uses)
     double scale;
 };
+
+// The backward's sums over CTAs in grid order (deterministic=True; layout.cuh, "Ordered sums"), a run-time
+// word (uses & USES_ORDERED): a uniform branch around each tile's adds
+__device__ __forceinline__ bool ordered_sums(const BwdParams& p) { return (p.uses & USES_ORDERED) != 0; }
 
 // the most parts a MergeParams names one by one; more arrive stacked (PartSet::stride)
 constexpr int MERGE_POINTERS = 16;

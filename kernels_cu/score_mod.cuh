@@ -5,15 +5,16 @@
 //     softcap c:   s <- c tanh(s / c)            FLASH_SOFTCAP
 //     score_mod:   s <- score_mod(s, b, i, j)    FLASH_USER_SCORE (its text; FLASH_USER_GRAD its derivative)
 //     ALiBi slope: s <- s - slope |i + off - j|  FLASH_ALIBI
-//     bias:        s <- s + bias_ij              FLASH_BIAS (FLASH_BIAS_GRAD: the backward adds dS_ij to dbias_ij)
+//     bias:        s <- s + bias_ij              FLASH_BIAS (with dbias, uses & USES_BIAS_GRAD: the backward adds dS_ij to dbias_ij)
 //     mask:        s <- -inf where mask_ij false FLASH_MASK (the pair is hidden, as the band hides it)
 //     mask_mod:    s <- -inf where it is 0       FLASH_USER_MASK (its text)
 // then the band (mask.cuh). m_i, l_i are the statistics of the modified scores. Dropout (FLASH_DROPOUT)
 // then zeroes the pairs of P~ its keep set drops (philox.cuh) and scales the rest by 1 / (1 - p): the
 // forward drops them from P~ V (not from l_i) and scales O_i at the end; the backward takes
 // Z = keep / (1 - p) into dV = (Z o P)^T dO and dS = P o (Z o dP - D). A modifier is
-// compiled in only where a call uses it (TileConfig.mods), so a plain call runs the plain kernel and
-// pays nothing. The backward's dS is taken with respect to the modified score; the chain back to
+// compiled in only where a call uses it (FLASH_<NAME>=1; cupyflash/_flags.py: FLAGS), so a plain call runs
+// the plain kernel and pays nothing. The repair, a slow path, reads them at run time instead
+// (FLASH_<NAME>=FLASH_AT_RUN_TIME: the code compiled in, each use testing the call's bit, EntryMods::on). The backward's dS is taken with respect to the modified score; the chain back to
 // scale q . k multiplies it by ds'/ds: score_mod_grad, times 1 - tanh^2 (softcap; ALiBi adds a constant).
 //
 // User expressions (cupyflash/_expr.py renders them, in acc_t's arithmetic) read s, b (the flat batch
@@ -38,14 +39,8 @@
 #ifndef FLASH_ALIBI
 #define FLASH_ALIBI 0
 #endif
-#ifndef FLASH_SINK
-#define FLASH_SINK 0
-#endif
 #ifndef FLASH_BIAS
 #define FLASH_BIAS 0
-#endif
-#ifndef FLASH_BIAS_GRAD
-#define FLASH_BIAS_GRAD 0
 #endif
 #ifndef FLASH_MASK
 #define FLASH_MASK 0
@@ -68,19 +63,16 @@ constexpr bool USER_MASK = false;
 #define FLASH_USER_ARGS
 #endif
 
+// each modifier's code compiled in (on, or read at run time: EntryMods::on)
 constexpr bool SOFTCAP = FLASH_SOFTCAP != 0;
 constexpr bool ALIBI = FLASH_ALIBI != 0;
 constexpr bool BIAS = FLASH_BIAS != 0;
-constexpr bool BIAS_GRAD = BIAS && FLASH_BIAS_GRAD != 0;   // the backward's dbias
 constexpr bool BOOL_MASK = FLASH_MASK != 0;
 constexpr bool HIDES = BOOL_MASK || USER_MASK;             // pairs hidden one by one, beyond the band
 constexpr bool CHAIN = SOFTCAP || USER_SCORE;              // the backward multiplies dS by ds'/ds
 constexpr bool SCORE_MODS = SOFTCAP || ALIBI || BIAS || BOOL_MASK || USER_SCORE || USER_MASK;
 constexpr bool MODS_BUT_USER_MASK = SOFTCAP || ALIBI || BIAS || BOOL_MASK || USER_SCORE;
 constexpr bool DROPOUT = FLASH_DROPOUT != 0;
-// the attention sink: one more key per batch entry, of logit `sink` and value zero, folded into the
-// forward's final m_i, l_i (softmax.cuh: fold_sink); the backward's P = exp(S - lse) needs nothing more
-constexpr bool SINK = FLASH_SINK != 0;
 
 __device__ __forceinline__ acc_t tanh_acc(acc_t x) {
 #if FLASH_TENSOR_CORES
@@ -145,9 +137,20 @@ __device__ __forceinline__ bool user_visible(long long b, long long q_idx, long 
 #endif
 }
 
+// A per-entry array of the call (ALiBi slopes, sink logits): one value per batch entry, element strides
+// along the three collapsed batch dims, 0 along a broadcast dim
+template <typename T>
+struct EntryArray {
+    T* ptr;
+    i64 s0, s1, s2;
+
+    // batch entry bi's value
+    __device__ __forceinline__ T at(BatchIndex bi) const { return ptr[batch_offset(bi, s0, s1, s2)]; }
+};
+
 // A per-pair array of the call (bias, mask, dbias), broadcastable to (batch..., Nq, Nk): element strides
-// along the three collapsed batch dims, the queries and the keys, 0 along a broadcast dim. With VARLEN
-// its rows and keys are the packed ones (total_q, total_k).
+// along the three collapsed batch dims, the queries and the keys, 0 along a broadcast dim. Over packed
+// sequences its rows and keys are the packed ones (total_q, total_k).
 template <typename T>
 struct PairArray {
     T* ptr;
@@ -173,12 +176,11 @@ struct Pairs {
 struct EntryMods {
     acc_t cap, inv_cap;   // softcap c and 1 / c
     acc_t slope;          // ALiBi slope
-    acc_t sink;           // the sink's logit (natural units)
     int off;              // Nk - Nq
     int Nq, Nk;           // the sequence's lengths: pairs past them have no bias and are hidden
     Pairs<const elem_t> bias;
     Pairs<const unsigned char> keep;   // the boolean mask, 1 = visible
-    Pairs<acc_t> dbias;
+    Pairs<acc_t> dbias;   // BIAS: where the call asks for dbias (uses & USES_BIAS_GRAD), else null
     bool dbias_add;       // several CTAs or lanes add into one dbias element (atomics), else one stores it
     // dropout: the batch entry's flat index b (two words), the sequence's first packed row and key,
     // the Philox key (the seed's two words), the threshold round(p 2^32) and 1 / (1 - p)
@@ -188,7 +190,20 @@ struct EntryMods {
     UserArgs user;        // ... and mod_args
     bool user_all = false;   // the tile map's ALL for the tile at hand: mask_mod hides none of its pairs
 
+    unsigned uses;        // the call's switches (types.cuh: Uses), for the modifiers read at run time
+
+    // the modifier of bit `bit` (types.cuh: Uses) applies: DEFINE, its FLASH_<NAME>, compiles it in, or
+    // reads it at run time (FLASH_AT_RUN_TIME) and the call uses it
+    template <int DEFINE>
+    __device__ __forceinline__ bool on(unsigned bit) const {
+        return DEFINE != 0 && (DEFINE != FLASH_AT_RUN_TIME || (uses & bit) != 0);
+    }
+
+    // dropout applies to this call
+    __device__ __forceinline__ bool drops() const { return DROPOUT && on<FLASH_DROPOUT>(USES_DROPOUT); }
+
     // the tile at hand needs the modifiers: some modifier but mask_mod, or a mask_mod that may hide a pair
+    // (the main kernels, which compile their modifiers in)
     __device__ __forceinline__ bool modifies() const { return MODS_BUT_USER_MASK || (USER_MASK && !user_all); }
 
     // the boolean mask or mask_mod may hide a pair of the tile at hand
@@ -220,7 +235,7 @@ struct EntryMods {
         if constexpr (HIDES) {
             if (i >= Nq || j >= Nk) return true;
             if constexpr (BOOL_MASK)
-                if (!keep(i, j)) return true;
+                if (on<FLASH_MASK>(USES_MASK) && !keep(i, j)) return true;
             if constexpr (USER_MASK)
                 if (!user_all && !user_visible(b, i, j, user)) return true;
         }
@@ -243,16 +258,19 @@ struct EntryMods {
     // s of pair (i, j) with the bias added and -inf where the mask hides it
     __device__ __forceinline__ acc_t pair_score(acc_t s, int i, int j) const {
         if constexpr (BIAS)
-            if (i < Nq && j < Nk) s += to_acc(bias(i, j));
+            if (on<FLASH_BIAS>(USES_BIAS) && i < Nq && j < Nk) s += to_acc(bias(i, j));
         if constexpr (HIDES)
             if (hidden(i, j)) s = NEG_INF;
         return s;
     }
 
+    // the backward writes dbias: a bias compiled in and dbias asked for (a run-time word: a uniform branch)
+    __device__ __forceinline__ bool writes_dbias() const { return BIAS && dbias.ptr != nullptr; }
+
     // dbias_ij gets dS_ij (d loss / d final score) of a pair the band leaves visible: the mask's hidden
-    // pairs and pairs past the lengths add nothing (dbias is zeroed first)
+    // pairs and pairs past the lengths add nothing (dbias is zeroed first); writes_dbias() holds
     __device__ __forceinline__ void add_dbias(int i, int j, acc_t ds) const {
-        if constexpr (BIAS_GRAD) {
+        if constexpr (BIAS) {
             if (i >= Nq || j >= Nk || hidden(i, j)) return;
             if (dbias_add) atomicAdd(&dbias(i, j), ds);
             else           dbias(i, j) = ds;
@@ -262,16 +280,18 @@ struct EntryMods {
     // s <- c tanh(s / c); DERIV: grad = ds'/ds (untouched without a softcap)
     template <bool DERIV = false>
     __device__ __forceinline__ acc_t cap_score(acc_t s, acc_t& grad) const {
-        if constexpr (SOFTCAP) {
-            acc_t t;
-            if constexpr (DERIV) tanh_and_grad(s * inv_cap, t, grad);
-            else                 t = tanh_acc(s * inv_cap);
-            return cap * t;
-        }
+        if constexpr (SOFTCAP)
+            if (on<FLASH_SOFTCAP>(USES_SOFTCAP)) {
+                acc_t t;
+                if constexpr (DERIV) tanh_and_grad(s * inv_cap, t, grad);
+                else                 t = tanh_acc(s * inv_cap);
+                return cap * t;
+            }
         return s;
     }
 
-    // s <- s - slope |distance|, distance = i + off - j (either sign)
+    // s <- s - slope |distance|, distance = i + off - j (either sign); a slope of 0 where ALiBi is read at
+    // run time and the call has none leaves s as it is
     __device__ __forceinline__ acc_t alibi(acc_t s, acc_t distance) const {
         if constexpr (ALIBI) return s - slope * fabs(distance);
         return s;
@@ -284,37 +304,41 @@ struct EntryMods {
     }
 };
 
-// What a call's modifiers read (params.cuh: FwdParams::mods, BwdParams::mods)
+// What a call's modifiers read (params.cuh: FwdParams::mods, BwdParams::mods): the members of each row
+// of cupyflash/_flags.py's FLAGS in table order (its `fields`; _params.py mirrors them from there), then
+// the batch offset and mod_args
 struct ScoreMods {
-    const acc_t* alibi;           // slopes, one per batch entry: collapsed batch strides, 0 along a broadcast dim
-    i64 alibi_s0, alibi_s1, alibi_s2;
-    const acc_t* sink;            // sink logits, one per batch entry, the same way
-    i64 sink_s0, sink_s1, sink_s2;
+    double softcap;                         // FLASH_SOFTCAP: c > 0
+    EntryArray<const acc_t> alibi;          // FLASH_ALIBI: slopes, one per batch entry
+    EntryArray<const acc_t> sink;           // uses & USES_SINK: sink logits, one per batch entry (params.cuh: sink_of)
     PairArray<const elem_t> bias;           // FLASH_BIAS, in the inputs' dtype
-    PairArray<const unsigned char> keep;    // FLASH_MASK: bool, 1 = visible
-    PairArray<acc_t> dbias;                 // FLASH_BIAS_GRAD: bias's shape (or the full one), zeroed
+    PairArray<acc_t> dbias;                 // uses & USES_BIAS_GRAD: bias's shape (or the full one), zeroed
     int dbias_add;                          // EntryMods::dbias_add
+    PairArray<const unsigned char> keep;    // FLASH_MASK: bool, 1 = visible
     unsigned threshold;                     // FLASH_DROPOUT: round(p 2^32), a word below it drops its pair
-    double softcap;                         // c > 0
     double keep_scale;                      // FLASH_DROPOUT: 1 / (1 - p)
-    i64 batch0;                             // the flat batch index of the call's entry 0 (of a peeled piece)
     unsigned long long seed;                // FLASH_DROPOUT: the Philox key (written per call)
+    i64 batch0;                             // the flat batch index of the call's entry 0 (of a peeled piece)
     UserArgs user;                          // FLASH_USER_*: mod_args
 
     // the modifiers of batch entry bi (flat index `entry`) for its sequence of Nq queries and Nk keys, the
-    // first pair at (q0, k0) of the entry's (packed) rows and keys
-    __device__ __forceinline__ EntryMods at(BatchIndex bi, i64 entry, int q0, int k0, int Nq, int Nk) const {
+    // first pair at (q0, k0) of the entry's (packed) rows and keys, of a call that uses `uses` (types.cuh)
+    __device__ __forceinline__ EntryMods at(BatchIndex bi, i64 entry, int q0, int k0, int Nq, int Nk,
+                                            unsigned uses) const {
         EntryMods e;
+        e.uses = uses;
         e.cap = (acc_t)softcap;
-        e.inv_cap = SOFTCAP ? (acc_t)1 / e.cap : (acc_t)0;
-        e.slope = ALIBI ? alibi[batch_offset(bi, alibi_s0, alibi_s1, alibi_s2)] : (acc_t)0;
-        e.sink = SINK ? sink[batch_offset(bi, sink_s0, sink_s1, sink_s2)] : (acc_t)0;
+        e.inv_cap = SOFTCAP && e.on<FLASH_SOFTCAP>(USES_SOFTCAP) ? (acc_t)1 / e.cap : (acc_t)0;
+        e.slope = ALIBI && e.on<FLASH_ALIBI>(USES_ALIBI) ? alibi.at(bi) : (acc_t)0;
         e.off = Nk - Nq;
         e.Nq = Nq;
         e.Nk = Nk;
-        if constexpr (BIAS) e.bias = {bias.at(bi, q0, k0), (int)bias.si, (int)bias.sj};
-        if constexpr (BOOL_MASK) e.keep = {keep.at(bi, q0, k0), (int)keep.si, (int)keep.sj};
-        if constexpr (BIAS_GRAD) e.dbias = {dbias.at(bi, q0, k0), (int)dbias.si, (int)dbias.sj};
+        if constexpr (BIAS)
+            e.bias = {e.on<FLASH_BIAS>(USES_BIAS) ? bias.at(bi, q0, k0) : nullptr, (int)bias.si, (int)bias.sj};
+        if constexpr (BOOL_MASK)
+            e.keep = {e.on<FLASH_MASK>(USES_MASK) ? keep.at(bi, q0, k0) : nullptr, (int)keep.si, (int)keep.sj};
+        if constexpr (BIAS)
+            e.dbias = {uses & USES_BIAS_GRAD ? dbias.at(bi, q0, k0) : nullptr, (int)dbias.si, (int)dbias.sj};
         e.dbias_add = dbias_add != 0;
         if constexpr (USER_SCORE || USER_MASK) {
             e.b = (long long)(batch0 + entry);
@@ -420,11 +444,11 @@ __device__ __forceinline__ acc_t keep_factor(const EntryMods& mods, unsigned bit
 }
 
 // dbias of the four elements ds of n-tile n of a warp's (16, 8 NT) tile of dS (rows r0 .., columns
-// c0 .. as in pair_at), d loss / d final score; pairs the band hides add nothing
+// c0 .. as in pair_at), d loss / d final score, where the call asks for it; pairs the band hides add nothing
 template <bool TRANSPOSED>
 __device__ __forceinline__ void add_dbias_quad(const acc_t (&ds)[4], const EntryMods& mods, const Mask& mask, int r0,
                                                int c0, int n) {
-    if constexpr (BIAS_GRAD)
+    if (mods.writes_dbias())
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             int i, j;

@@ -78,7 +78,7 @@ __device__ __forceinline__ void online_softmax(acc_t (&S)[NT][4], const acc_t (&
     rowsum[1] = quad_sum(rowsum[1]);
 }
 
-// The attention sink (score_mod.cuh: SINK) folded into a row's final statistics, in natural units:
+// The attention sink (params.cuh: sink_of) folded into a row's final statistics, in natural units:
 // one more key of logit `sink` and value zero, so
 //   m <- max(m, sink),  l <- e^(m_old - m) l + e^(sink - m)
 // (a row that saw no key, m = -inf and l = 0, gets m = sink, l = 1). Returns what the row's O_i,

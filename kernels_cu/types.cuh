@@ -10,16 +10,15 @@
 //   FLASH_BC      B_c, key rows per tile
 //   FLASH_WARPS   warps per CTA
 //   FLASH_DC      head-dim columns of one output chunk (divides FLASH_DP)
-//   FLASH_ORDERED the backward's sums in grid order (deterministic=True; layout.cuh, "Ordered sums")
 //   FLASH_SMEM_BYTES  the dynamic shared memory the host launches with; each kernel asserts its layout
+//   FLASH_<NAME>  a switch of cupyflash/_flags.py's FLAGS: 1 compiled in, FLASH_AT_RUN_TIME where the
+//                 family reads it at run time (its code compiled in, each use testing the call's bit of
+//                 `uses`: Uses below), undefined (0) off
 //   and the kernel's own (FLASH_Q_STAGES, FLASH_PRODUCER_REGS, FLASH_CONSUMER_REGS, FLASH_THREADS).
 
 #pragma once
 
-#ifndef FLASH_ORDERED
-#define FLASH_ORDERED 0
-#endif
-
+#define FLASH_AT_RUN_TIME 2   // FLASH_<NAME>: read from the run-time word (cupyflash/_flags.py: AT_RUN_TIME)
 #define LOG2E 1.4426950408889634
 #define WARP_SIZE 32
 #define SMEM_PAD_BYTES 16   // one 16-byte row pad: ldmatrix and FMA reads hit distinct banks
@@ -52,6 +51,22 @@ constexpr bool TF32_SPLITS = true;
 #else
 constexpr bool TF32_SPLITS = false;
 #endif
+
+// The run-time word `uses` of FwdParams and BwdParams (params.cuh): a bit per switch the call uses, in the
+// order of cupyflash/_flags.py's FLAGS (_params.layout_checks asserts each bit). A family that reads a
+// switch without compiling it in (its define FLASH_<NAME>) tests its bit.
+enum Uses : unsigned {
+    USES_SOFTCAP = 1u << 0,
+    USES_ALIBI = 1u << 1,
+    USES_SINK = 1u << 2,
+    USES_BIAS = 1u << 3,
+    USES_BIAS_GRAD = 1u << 4,
+    USES_MASK = 1u << 5,
+    USES_DROPOUT = 1u << 6,
+    USES_VARLEN = 1u << 7,
+    USES_PAGED = 1u << 8,
+    USES_ORDERED = 1u << 9,
+};
 
 #define POS_INF ((acc_t)__int_as_float(0x7f800000))
 #define NEG_INF (-POS_INF)

@@ -104,6 +104,16 @@ def test_info_names_versions_and_the_gpu_or_its_absence():
         assert "GPU 0:" in done.stdout
     else:
         assert "no CUDA GPU found" in done.stdout or "CuPy: not installed" in done.stdout
+        # what a call may compile on the H200 the library is tuned for (every GPU's own, with one)
+        count = _tiles.specialisation_count(_tiles.SM90_SMEM_BLOCK, "sm_90")
+        assert f"{count} specialisations can exist on sm_90 with 227 KB" in done.stdout, done.stdout
+
+
+def test_info_without_cupy_still_counts_the_specialisations_of_sm_90():
+    done = run_cli_without_cupy("info")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "CuPy: not installed" in done.stdout
+    assert f"{_tiles.specialisation_count()} specialisations can exist on sm_90" in done.stdout, done.stdout
 
 
 def test_precompile_compiles_chosen_specialisations_or_says_what_it_needs():

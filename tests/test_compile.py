@@ -81,7 +81,7 @@ SPILL_ALLOWANCE = {("sm_90", "fwd_v2", "float32", 32): 16}
 
 @pytest.mark.parametrize("arch, cfg", SPECIALISATIONS,
                          ids=[f"{a}-{c.kernel}-{c.dtype}-d{c.d_pad}{'-ordered' if c.ordered else ''}"
-                              f"{'-mods' if c.softcap or c.alibi or c.bias or c.mask else ''}" for a, c in SPECIALISATIONS])
+                              f"{'-mods' if set(c.flags) - {'ordered'} else ''}" for a, c in SPECIALISATIONS])
 def test_specialisation_compiles(arch, cfg, compiled):
     magic, log = compiled[(arch, cfg)]
     assert magic == b"\x7fELF", log
@@ -248,6 +248,7 @@ def test_user_expressions_compile_into_every_family():
         assert f"-DFLASH_USER_MASK={code.mask}" in _tiles.with_user(cfg, code).defines()
         jobs.append((_tiles.with_user(cfg, code), "sm_90"))
         grad = cfg.kernel != "bwd_sm90_wide"
-        jobs.append((_tiles.with_user(_tiles.with_mods(cfg, True, True, True, True, True, grad), code), "sm_90"))
+        flags = ("softcap", "alibi", "sink", "bias", "mask") + (("bias_grad",) if grad else ())
+        jobs.append((_tiles.with_user(_tiles.with_flags(cfg, flags), code), "sm_90"))
     for (cfg, _), (magic, log) in zip(jobs, _compile.compile_all(jobs)):
         assert magic[:4] == b"\x7fELF", f"{cfg}: {log}"

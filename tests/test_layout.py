@@ -182,36 +182,43 @@ def test_precompile_refuses_a_name_that_is_no_kernel_family(names):
 
 def test_a_packed_struct_is_the_template_with_the_call_pointers_behind_its_argument_word():
     """``Params.pack``: word 0 is the address of the struct (the one entry of ``kernel_params``), the
-    struct holds the plan's fields and the call's pointers, each where the mirror puts it."""
+    struct holds the plan's fields (nested structs by member name, the others 0) and the call's pointers,
+    each where the mirror puts it."""
     from cupyflash import _params
 
     params = _params.Params(_params.FWD, ("q.ptr", "o", "repair_flags"), q=(1, 2, 3, 4), mask=(5, 6, -5, 1), D=64,
-                            scale=0.125)
-    buffer, address = params.pack((0x1000, 0x2000, 0x3000))
+                            mods={"softcap": 2.5, "bias": {"s1": 7, "sj": 1}}, uses=9, scale=0.125)
+    buffer, address = params.pack({"q.ptr": 0x1000, "o": 0x2000, "repair_flags": 0x3000})
     raw = bytes(buffer)
     assert int.from_bytes(raw[:8], "little") == address + 8
     struct = numpy.frombuffer(raw[8:], _params.FWD)[0]
     assert (struct["q"]["ptr"], struct["o"], struct["repair_flags"]) == (0x1000, 0x2000, 0x3000)
     assert (struct["q"]["s0"], struct["q"]["sn"], struct["k"]["ptr"], struct["m"]) == (1, 4, 0, 0)
     assert tuple(struct["mask"]) == (5, 6, -5, 1) and struct["D"] == 64 and struct["scale"] == 0.125
-    again, _ = params.pack((7, 8, 9))   # a copy per call: the template is untouched
+    assert struct["mods"]["softcap"] == 2.5 and struct["uses"] == 9
+    assert tuple(struct["mods"]["bias"]) == (0, 0, 7, 0, 0, 1) and tuple(struct["mods"]["alibi"]) == (0, 0, 0, 0)
+    again, _ = params.pack({"o": 8})   # a copy per call: the template is untouched
     assert numpy.frombuffer(bytes(again)[8:], _params.FWD)[0]["o"] == 8
+    assert numpy.frombuffer(bytes(again)[8:], _params.FWD)[0]["q"]["ptr"] == 0
     assert numpy.frombuffer(bytes(buffer)[8:], _params.FWD)[0]["o"] == 0x2000
+    with pytest.raises(KeyError):
+        params.pack({"k.ptr": 1})   # a pointer the plan did not name
 
 
-@pytest.mark.parametrize("given", [1, 2, 4])
-def test_a_backward_call_packs_each_pointer_where_its_name_says(given):
-    """``BackwardPlan`` packs its pointers in ``BWD_POINTERS`` order, the zeroed ranges last: a call
-    that has fewer ranges passes fewer, and the missing ones stay 0 (no range to zero)."""
-    from cupyflash import _launch, _params
+@pytest.mark.parametrize("struct, names", [("BWD", "BWD_POINTERS"), ("FWD", "FWD_POINTERS")])
+def test_a_call_packs_each_pointer_where_its_name_says(struct, names):
+    """The plans' pointers (``FWD_POINTERS``, ``BWD_POINTERS``: the modifiers' arrays' from ``_flags.FLAGS``)
+    land in the fields of their names, and a field a call leaves out stays 0."""
+    from cupyflash import _flags, _launch, _params
 
-    names = _launch.BWD_POINTERS
-    ranges = sum(name.startswith("zero[") for name in names)
-    count = len(names) - ranges + given
-    params = _params.Params(_params.BWD, names)
-    struct = numpy.frombuffer(bytes(params.pack(tuple(range(1, count + 1)))[0])[8:], _params.BWD)[0]
-    for value, name in enumerate(names, start=1):
-        field = struct
+    dtype, names = getattr(_params, struct), getattr(_launch, names)
+    assert len(set(names)) == len(names)
+    assert {f.pointer for f in _flags.ARRAY_FLAGS} <= set(names)
+    params = _params.Params(dtype, names)
+    given = {name: value for value, name in enumerate(names, start=1) if value % 3}
+    packed = numpy.frombuffer(bytes(params.pack(given)[0])[8:], dtype)[0]
+    for name in names:
+        field = packed
         for part in name.replace("[", ".").replace("]", "").split("."):
             field = field[int(part)] if part.isdigit() else field[part]
-        assert field == (value if value <= count else 0), name
+        assert field == given.get(name, 0), name

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import cupyflash
-from cupyflash import _tiles, reference
+from cupyflash import _flags, _tiles, reference
 from helpers import (DTYPE_BY_NAME, assert_non_finite_rules, assert_refused, gpu_test, random_inputs,
                      reproducible_backward, to_gpu)
 from strategies import attention_problem_shapes
@@ -151,34 +151,47 @@ def test_inputs_and_slopes_are_not_modified():
         assert a.tobytes() == b.tobytes()
 
 
-def test_a_plain_call_compiles_no_modifier_and_a_modified_one_only_its_own():
-    """The modifiers are compile-time: a plain specialisation's NVRTC options (CuPy's cache key) are
-    those it had before modifiers existed, and each modifier adds exactly its define."""
-    cfg = _tiles.choose_tiles("fwd_v2", 64, "float16", 227 * 1024)
-    assert not any("SOFTCAP" in d or "ALIBI" in d for d in cfg.defines())
-    assert set(_tiles.with_mods(cfg, True, False).defines()) - set(cfg.defines()) == {"-DFLASH_SOFTCAP=1"}
-    assert set(_tiles.with_mods(cfg, False, True).defines()) - set(cfg.defines()) == {"-DFLASH_ALIBI=1"}
-    assert set(_tiles.with_mods(cfg, False, False, True).defines()) - set(cfg.defines()) == {"-DFLASH_SINK=1"}
-    prep = _tiles.choose_tiles("bwd_prep", 64, "float16", 227 * 1024)
-    assert _tiles.with_mods(prep, True, True) == prep   # computes no score
+def test_a_plain_call_compiles_no_flag_and_a_flagged_one_only_its_own():
+    """A plain specialisation's NVRTC options (CuPy's cache key) name no switch its family compiles in
+    (``_flags.FLAGS``), only those it reads at run time (``FLASH_<NAME>=2``); each flag a family compiles
+    adds exactly its define (and that of a flag it needs), the others change nothing."""
+    def named(cfg):   # the flags' defines of cfg (the Hopper forward's B_c follows per-pair work too)
+        return {d for f in _flags.FLAGS for d in cfg.defines() if d.startswith(f"-D{f.define}=")}
+
+    for kernel in ("fwd_v2", "fwd_sm90", "bwd", "repair", "bwd_prep"):
+        cfg = _tiles.choose_tiles(kernel, 64, "float16", 227 * 1024)
+        assert named(cfg) == {f"-D{f.define}={_flags.AT_RUN_TIME}" for f in _flags.FLAGS if kernel in f.at_run_time}
+        for flag in _flags.FLAGS:
+            names = (flag.name, flag.requires) if flag.requires else (flag.name,)
+            added = named(_tiles.with_flags(cfg, names)) - named(cfg)
+            compiled = {f"-D{_flags.BY_NAME[n].define}=1" for n in names if kernel in _flags.BY_NAME[n].compiled}
+            assert added == compiled, (kernel, flag.name)
 
 
-def test_the_compile_test_covers_every_modified_family_dtype_and_bucket():
+def test_the_compile_test_covers_every_flag_of_every_family_dtype_and_bucket():
+    """``modified_tile_configs`` builds every family, dtype and bucket of ``all_tile_configs`` with each flag
+    its family compiles in (the plain ones aside, which ``all_tile_configs`` builds), so every line of
+    every ``if constexpr`` block compiles; a pair a family never compiles together (the wide Hopper
+    backward's dbias under a softcap) is built once without each."""
     smem = 227 * 1024
-    configs = [c for c in _tiles.modified_tile_configs(smem) if c.spec.score_mods]
-    modified = {(c.kernel, c.dtype, c.d_pad) for c in configs}
-    plain = {(c.kernel, c.dtype, c.d_pad) for c in _tiles.all_tile_configs(smem) if c.spec.score_mods}
-    assert modified == plain
-    # and every family that reads a paged cache, with it
-    paged = {(c.kernel, c.dtype, c.d_pad) for c in _tiles.modified_tile_configs(smem) if c.paged}
-    assert paged == {(c.kernel, c.dtype, c.d_pad) for c in _tiles.all_tile_configs(smem)
-                     if c.kernel in _tiles.PAGED_KERNELS}
-    assert all(c.alibi and c.sink and c.bias and c.mask and c.varlen for c in configs)
-    # every modifier line of every family: the softcap everywhere, dbias in the backward kernels (the wide
-    # Hopper backward takes no dbias under a softcap, so it is built both ways)
-    assert {(c.kernel, c.dtype, c.d_pad) for c in configs if c.softcap} == modified
-    assert {(c.kernel, c.dtype, c.d_pad) for c in configs if c.bias_grad} == {
-        key for key in modified if key[0] in _tiles.DBIAS_KERNELS}
+    plain = {(c.kernel, c.dtype, c.d_pad) for c in _tiles.all_tile_configs(smem)}
+    configs = _tiles.modified_tile_configs(smem)
+    for flag in _flags.FLAGS:
+        with_it = {(c.kernel, c.dtype, c.d_pad) for c in configs if flag.name in c.flags}
+        expected = set() if flag.plain else {key for key in plain if key[0] in flag.compiled}
+        assert with_it == expected, flag.name
+        if flag.plain:
+            assert {(c.kernel, c.dtype, c.d_pad) for c in _tiles.all_tile_configs(smem) if flag.name in c.flags} == {
+                key for key in plain if key[0] in flag.compiled}
+    flagged = {kernel for kernel in _tiles.KERNELS if any(not f.plain for f in _flags.compiled_in(kernel))}
+    assert {(c.kernel, c.dtype, c.d_pad) for c in configs} == {key for key in plain if key[0] in flagged}
+    # a flag's lines that compile only without another (Flag.excludes) are built too: with its requirement,
+    # without the other
+    for flag in _flags.FLAGS:
+        for family, other in flag.excludes:
+            built = {(c.dtype, c.d_pad) for c in configs if c.kernel == family and other not in c.flags
+                     and (flag.requires is None or flag.requires in c.flags)}
+            assert built == {(dtype, d_pad) for kernel, dtype, d_pad in plain if kernel == family}, flag.name
 
 
 # ---------------------------------------------------------------------------
@@ -355,29 +368,31 @@ def test_slopes_and_sinks_of_one_layout_do_not_share_a_kept_plan(first, then):
         numpy.testing.assert_allclose(l.get(), l_ref, rtol=2e-2)
 
 
-@pytest.mark.parametrize("alibi, sink, bias, mask, grad", [(False, False, False, False, False),
-                                                       (True, False, False, False, False),
-                                                       (False, True, False, True, False),
-                                                       (True, True, True, False, True),
-                                                       (True, True, True, True, True)])
-def test_the_kernels_modifier_fields_take_the_layouts_last_tensors(alibi, sink, bias, mask, grad):
-    """ScoreMods (params.cuh) from a call's batch layout: the collapsed strides of the slopes, the sinks,
-    the bias, the mask and dbias's buffer are the layout's last tensors, in that order, each per-pair
-    array with its query and key strides; then dbias_add, the softcap and the mod_args slots (pointers
-    written per call)."""
+@pytest.mark.parametrize("on", [(), ("alibi",), ("sink", "mask"), ("alibi", "sink", "bias", "bias_grad"),
+                                ("softcap", "alibi", "sink", "bias", "mask", "bias_grad", "dropout")])
+def test_the_kernels_modifier_fields_come_by_name_from_the_layout(on):
+    """ScoreMods (params.cuh) from a call's batch layout, by member: each array's collapsed strides are
+    those of the layout's tensor of its flag's name (wherever it lies), a per-pair array's with its query
+    and key strides; dbias_add, the softcap, dropout's threshold and scale; the members of a modifier
+    not used are 0 (pointers and the seed are written per call)."""
+    from cupyflash import _params
     from cupyflash._launch import BatchLayout, Mods
 
-    given = {"alibi": alibi, "sink": sink, "bias": bias, "mask": mask, "dbias": grad}
-    strides = {"alibi": (0, 1, 0), "sink": (3, 0, 0), "bias": (0, 7, 0), "mask": (11, 0, 0), "dbias": (13, 0, 0)}
-    tensors = [(100, 10, 1), (0, 10, 1), (0, 0, 1)] + [strides[name] for name, g in given.items() if g]
-    pairs = ((5, 1), (0, 1), (7, 0))
-    fields = Mods(2.5, alibi, sink, bias, mask, grad, pairs).fields(BatchLayout((4, 5, 6), tuple(tensors)), grad)
-    of = {name: strides[name] if g else (0, 0, 0) for name, g in given.items()}
-    assert fields == (0, *of["alibi"], 0, *of["sink"], *((0, *of[name], *ij) for name, ij in
-                                                         zip(("bias", "mask", "dbias"), pairs)), int(grad),
-                      0, 2.5, 1.0, 0, 0, ((0,) * 8,))   # no dropout: threshold 0, scale 1, batch offset 0,
-    # seed per call; no expressions: mod_args' slots 0
-    assert Mods().fields(BatchLayout((4, 5, 6), tuple(tensors[:3])))[-5] == 0.0   # no softcap
+    strides = {"alibi": (0, 1, 0), "sink": (3, 0, 0), "bias": (0, 7, 0), "mask": (11, 0, 0), "bias_grad": (13, 0, 0)}
+    member = {"alibi": "alibi", "sink": "sink", "bias": "bias", "mask": "keep", "bias_grad": "dbias"}
+    pairs = {"bias": (5, 1), "mask": (0, 1), "bias_grad": (7, 0)}
+    names = [name for name in reversed(list(strides)) if name in on] + ["q", "k", "v"]   # any order
+    layout = BatchLayout((4, 5, 6), tuple(strides.get(n, (100, 10, 1)) for n in names), tuple(names))
+    mods = Mods(frozenset(on), 2.5 if "softcap" in on else None, 0.25 if "dropout" in on else 0.0,
+                tuple((n, ij) for n, ij in pairs.items() if n in on))
+    filled = _params.Params(_params.FWD, (), mods=mods.fields(layout, "bias_grad" in on))
+    got = numpy.frombuffer(filled.template[8:], _params.FWD)[0]["mods"]
+    for name, m in member.items():
+        want = (0, *strides[name], *pairs.get(name, ())) if name in on else (0,) * len(got[m])
+        assert tuple(got[m]) == want, name
+    assert got["dbias_add"] == ("bias_grad" in on) and got["softcap"] == (2.5 if "softcap" in on else 0)
+    assert (got["threshold"], got["keep_scale"]) == ((2**30, 1 / 0.75) if "dropout" in on else (0, 1.0))
+    assert got["seed"] == 0 and got["batch0"] == 0 and not got["user"]["slot"].any()
 
 
 @pytest.mark.parametrize("name", ["alibi_slopes", "sink"])

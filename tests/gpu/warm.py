@@ -3,7 +3,7 @@ suite itself compiles nothing (compiling on first use, one at a time, takes most
 
     PYTHONPATH=$PWD python3 tests/gpu/warm.py [count] [--jobs 16] [--with bias,mask,dropout]
 
-The plain specialisations (every family, dtype, head-dim bucket, precision, ordered or not), each
+The plain specialisations (every family, dtype, head-dim bucket, precision), each
 score-modifier set the tests draw (softcap, ALiBi, sink, bias, mask, dbias, dropout) on every family, and
 packed sequences at the head dims tests/test_varlen.py, tests/test_bias_mask.py and tests/test_dropout.py
 use. ``count`` only prints how many there are; ``--with`` keeps those that compile in any of the modifiers
@@ -17,16 +17,15 @@ from cupyflash import _compile, _tiles
 
 SMEM = 227 * 1024
 ARCH = "sm_90"
-# (softcap, alibi, sink) sets of tests/test_score_mods.py
-SCORE_SETS = [(True, False, False), (False, True, False), (False, False, True), (True, True, True),
-              (True, True, False)]
+# flag sets (_flags.FLAGS) of tests/test_score_mods.py's modifiers
+SCORE_SETS = [("softcap",), ("alibi",), ("sink",), ("softcap", "alibi", "sink"), ("softcap", "alibi")]
 # (bias, mask) sets of tests/test_bias_mask.py, each with and without a softcap; dbias in the backwards
-PAIR_SETS = [(True, False), (False, True), (True, True)]
+PAIR_SETS = [("bias",), ("mask",), ("bias", "mask")]
 # head dims of the packed-sequence tests
 VARLEN_DIMS = (16, 32, 64, 96, 128, 200, 256)
-# (softcap, alibi, sink, bias, mask, bias_grad) sets the packed-sequence tests compile
-VARLEN_SETS = [(False,) * 6, (True, True, False, False, False, False), (False, False, True, False, False, False),
-               (True, True, True, False, False, False), (False, False, False, True, True, True)]
+# flag sets the packed-sequence tests compile (with varlen)
+VARLEN_SETS = [(), ("softcap", "alibi"), ("sink",), ("softcap", "alibi", "sink"), ("bias", "mask", "bias_grad"),
+               ("dropout",)]
 
 
 def _varlen_pads(kernel: str, dtype: str) -> set:
@@ -39,6 +38,15 @@ def _varlen_pads(kernel: str, dtype: str) -> set:
     return pads
 
 
+def _flagged(cfg, names):
+    """``cfg`` with ``names`` compiled in where its family compiles them; None for a pair it never compiles
+    together (the host runs another kernel)."""
+    try:
+        return _tiles.with_flags(cfg, names)
+    except ValueError:
+        return None
+
+
 def specialisations() -> list:
     out = []
     pads = {}
@@ -46,20 +54,16 @@ def specialisations() -> list:
         out.append(cfg)
         if not cfg.spec.score_mods or cfg.fp32_mma not in (0, 1):
             continue
-        out += [_tiles.with_mods(cfg, *flags) for flags in SCORE_SETS]
-        out += [_tiles.with_mods(cfg, softcap, False, False, dropout=True) for softcap in (False, True)]
-        for softcap in (False, True):
-            for bias, mask in PAIR_SETS:
-                for grad in (False, True) if bias else (False,):
-                    if not (grad and softcap and cfg.kernel == "bwd_sm90_wide"):   # the portable backward runs
-                        out.append(_tiles.with_mods(cfg, softcap, False, False, bias, mask, grad))
+        sets = list(SCORE_SETS) + [("dropout",), ("softcap", "dropout")]
+        sets += [softcap + pair + grad for softcap in ((), ("softcap",)) for pair in PAIR_SETS
+                 for grad in (((), ("bias_grad",)) if "bias" in pair else ((),))]
         key = (cfg.kernel, cfg.dtype)
         if key not in pads:
             pads[key] = _varlen_pads(cfg.kernel, cfg.dtype)
         if cfg.d_pad in pads[key] or cfg.kernel == "repair":
-            out += [_tiles.with_varlen(_tiles.with_mods(cfg, *flags), True) for flags in VARLEN_SETS]
-            out.append(_tiles.with_varlen(_tiles.with_mods(cfg, False, False, False, dropout=True), True))
-    return list(dict.fromkeys(out))
+            sets += [names + ("varlen",) for names in VARLEN_SETS]
+        out += [_flagged(cfg, names) for names in sets]
+    return [cfg for cfg in dict.fromkeys(out) if cfg is not None]
 
 
 def main() -> None:
@@ -70,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     todo = specialisations()
     if args.mods:
-        todo = [cfg for cfg in todo if any(getattr(cfg, name) for name in args.mods.split(","))]
+        todo = [cfg for cfg in todo if any(name in cfg.flags for name in args.mods.split(","))]
     print(len(todo), "specialisations", flush=True)
     if args.count:
         return
