@@ -102,33 +102,37 @@ class Flag:
         return f"mods.{self.fields[0][0]}.ptr" if self.array is not None else None
 
 
+# The score modifiers (score_mod.cuh) are compiled into the main kernels (MAIN), where they sit in the inner
+# loop, and read at run time by the repair (SCORED less MAIN), a slow path that only inputs with inf or NaN
+# under a mask reach: one repair specialisation per dtype and head-dim bucket.
 FLAGS = (
     # s <- c tanh(s / c)
-    Flag("softcap", SCORED, SCORED, scores=True, fields=(("softcap", "f64"),)),
+    Flag("softcap", SCORED, MAIN, scores=True, fields=(("softcap", "f64"),)),
     # s <- s - slope |i + off - j|, a slope per batch entry
-    Flag("alibi", SCORED, SCORED, scores=True, fields=(("alibi", "entry"),), array="alibi_slopes", per="entry"),
+    Flag("alibi", SCORED, MAIN, scores=True, fields=(("alibi", "entry"),), array="alibi_slopes", per="entry"),
     # one more key of logit sink and value zero, folded into the forward's final m_i, l_i: only the forwards
     # read it (the backward's P = exp(S - lse) takes it through m, l; the repair reads m, l; dsink is CuPy's),
     # in their epilogues, once per row: a run-time word (params.cuh: has_sinks, sink_of)
     Flag("sink", FORWARD, (), fields=(("sink", "entry"),), array="sink", per="entry"),
     # s <- s + bias_ij
-    Flag("bias", SCORED, SCORED, pair_tiles=True, scores=True, fields=(("bias", "pair"),), array="bias", per="pair"),
+    Flag("bias", SCORED, MAIN, pair_tiles=True, scores=True, fields=(("bias", "pair"),), array="bias", per="pair"),
     # the backward adds dS_ij into dbias_ij: in the bias kernels, a uniform branch per tile of dS (score_mod.cuh:
     # EntryMods::writes_dbias), a run-time word; the wide Hopper backward has no plain dS under a softcap
     Flag("bias_grad", BACKWARD, (), requires="bias", excludes=(("bwd_sm90_wide", "softcap"),),
          fields=(("dbias", "pair"), ("dbias_add", "i32"))),
     # s <- -inf where mask_ij is false
-    Flag("mask", SCORED, SCORED, pair_tiles=True, scores=True, fields=(("keep", "pair"),), array="mask", per="pair"),
+    Flag("mask", SCORED, MAIN, pair_tiles=True, scores=True, fields=(("keep", "pair"),), array="mask", per="pair"),
     # P's pairs dropped by a Philox keep set, the rest scaled by 1 / (1 - p)
-    Flag("dropout", SCORED, SCORED, pair_tiles=True,
+    Flag("dropout", SCORED, MAIN, pair_tiles=True,
          fields=(("threshold", "u32"), ("keep_scale", "f64"), ("seed", "u64"))),
     # packed variable-length sequences (params.cuh: Seqs), or a K/V cache's lengths: where each CTA's sequence
     # and its Mask come from, once per CTA (seq_of), a run-time word (params.cuh: packed_seqs) but in the
     # Hopper kernels, whose producer warpgroup (24-40 registers) finds each tile's sequence: there the packed
     # path and its Mask in registers spill every plain call (fwd_sm90 D64: 0 -> 164 bytes)
     Flag("varlen", SCORED, ("fwd_sm90", "bwd_sm90", "bwd_sm90_wide")),
-    # keys in a paged K/V cache (params.cuh: Pages, KeyRows)
-    Flag("paged", ("fwd_v2", "repair", "append"), ("fwd_v2", "repair", "append"), requires="varlen"),
+    # keys in a paged K/V cache (params.cuh: Pages, KeyRows): compiled in where every K/V tile's rows are
+    # found through the table in the loop (fwd_v2, append); a run-time word in the repair
+    Flag("paged", ("fwd_v2", "repair", "append"), ("fwd_v2", "append"), requires="varlen"),
     # the backward's sums over CTAs added in grid order (deterministic=True): a uniform branch around each
     # tile's adds into dQ_i and the dK_j, dV_j stores, a run-time word (params.cuh: ordered_sums)
     Flag("ordered", BACKWARD, (), plain=True),

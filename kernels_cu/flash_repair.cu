@@ -13,7 +13,9 @@
 //                      conversion reads (dq_acc; dk_acc, dv_acc when kv_atomic), or dk, dv themselves.
 //
 // S_ij = scale q_i . k_j, modified where modifiers apply (score_mod.cuh; dS_ij is then by scale
-// q_i . k_j, o ds'/ds of the softcap). A row that saw no key (l_i = 0) adds nothing, as in the main kernels. One
+// q_i . k_j, o ds'/ds of the softcap). The modifiers, packed sequences and a paged cache are read at run
+// time here (FLASH_<NAME>=FLASH_AT_RUN_TIME, cupyflash/_flags.py: FLAGS), user expressions aside: one
+// specialisation per dtype and head-dim bucket serves every call. A row that saw no key (l_i = 0) adds nothing, as in the main kernels. One
 // warp per row, the head dim over its lanes (RPL elements each), one visible pair at a time: slow,
 // and only inputs with inf or NaN reach it. Each CTA reads its share of the flags in one load per
 // thread and returns when none is set, so a call with finite inputs costs one small launch.
@@ -174,13 +176,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_repair(const Fw
                     load_row(v_j, v_h.row(j), D);
                     acc_t unused;
                     acc_t pr = exp2_acc((mods.apply(dot(q_i, k_j) * scale, r, j, unused) - m_i) * (acc_t)LOG2E);
-                    if (DROPOUT) pr *= mods.kept(r, j) ? (acc_t)1 : (acc_t)0;   // Z P (its 1 / (1 - p) below)
+                    if (mods.drops()) pr *= mods.kept(r, j) ? (acc_t)1 : (acc_t)0;   // Z P (its 1 / (1 - p) below)
 #pragma unroll
                     for (int e = 0; e < RPL; ++e) o_i[e] += pr * v_j[e];
                 }
             }
-            store_row(p.o + (sq.row0 + r) * D, o_i, l_i == (acc_t)0 ? (acc_t)0 : (DROPOUT ? mods.keep_scale : (acc_t)1) / l_i,
-                      D);
+            store_row(p.o + (sq.row0 + r) * D, o_i,
+                      l_i == (acc_t)0 ? (acc_t)0 : (mods.drops() ? mods.keep_scale : (acc_t)1) / l_i, D);
         }
     });
 }
@@ -212,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd_repair(const Bw
         const EntryMods mods = mods_of(p, sq);
         s = mods.apply<true>(s * scale, i, j, grad);
         P_ij = l_i == (acc_t)0 ? (acc_t)0 : exp2_acc((s - p.m[sq.row0 + i]) * (acc_t)LOG2E) / l_i;
-        const acc_t z = DROPOUT ? (mods.kept(i, j) ? mods.keep_scale : (acc_t)0) : (acc_t)1;
+        const acc_t z = mods.drops() ? (mods.kept(i, j) ? mods.keep_scale : (acc_t)0) : (acc_t)1;
         dS_ij = P_ij * (z * dp - p.Dsum[sq.row0 + i]) * grad;
         P_ij *= z;
         return l_i != (acc_t)0 && !mods.hidden(i, j);

@@ -27,12 +27,14 @@
 constexpr bool VARLEN = FLASH_VARLEN != 0;   // its code compiled in
 constexpr bool VARLEN_AT_RUN_TIME = FLASH_VARLEN == FLASH_AT_RUN_TIME;
 
-// Keys in a paged K/V cache (flash_attention_with_kvcache with a block table) compiled in (its lengths are
-// packed sequences' Seqs::len_k)
+// Keys in a paged K/V cache (flash_attention_with_kvcache with a block table; its lengths are packed
+// sequences' Seqs::len_k): compiled in by flash_fwd_v2 and flash_append, whose loops find every row
+// through the table; read at run time by the repair (a table given: paged; KeyRows::paged)
 #ifndef FLASH_PAGED
 #define FLASH_PAGED 0
 #endif
-constexpr bool PAGED = FLASH_PAGED != 0;
+constexpr bool PAGED = FLASH_PAGED != 0;   // its code compiled in
+constexpr bool PAGED_AT_RUN_TIME = FLASH_PAGED == FLASH_AT_RUN_TIME;
 
 // A tensor of the call as the kernels read it: base pointer, element strides along the three
 // collapsed batch dims (0 along a broadcast one) and of a row. The head dim is contiguous.
@@ -93,21 +95,23 @@ struct KeyRows {
     int size, count;       // PAGED: rows per page, pages in the cache
     int first;             // PAGED: the key of row 0
 
+    // the rows are a paged cache's (read at run time: a table given)
+    __device__ __forceinline__ bool paged() const { return PAGED && (!PAGED_AT_RUN_TIME || table != nullptr); }
+
     __device__ __forceinline__ T* row(int j) const {
-        if constexpr (PAGED) {
+        if (paged()) {
             j += first;
             const int at = min((unsigned)table[j / size], (unsigned)(count - 1));
             return base + (i64)at * page + (i64)(j % size) * sn;
-        } else {
-            return base + (i64)j * sn;
         }
+        return base + (i64)j * sn;
     }
 
     // the rows from key `k0` on (a tile's): row r of the result is row k0 + r of these
     __device__ __forceinline__ KeyRows from(int k0) const {
         KeyRows r = *this;
-        if constexpr (PAGED) r.first += k0;
-        else r.base += (i64)k0 * sn;
+        if (paged()) r.first += k0;
+        else         r.base += (i64)k0 * sn;
         return r;
     }
 };
@@ -121,10 +125,13 @@ struct Pages {
     int size;              // rows per page
     int count;             // pages in the cache
 
+    // the cache is paged (read at run time: a table given)
+    __device__ __forceinline__ bool paged() const { return PAGED && (!PAGED_AT_RUN_TIME || table != nullptr); }
+
     // batch entry bi's rows of tensor t (k or v; `page` its elements between pages), from key row k0
     template <typename T>
     __device__ __forceinline__ KeyRows<T> rows(const Tensor<T>& t, i64 page, BatchIndex bi, int k0) const {
-        if constexpr (PAGED) return {t.at(bi), t.sn, table + batch_offset(bi, s0, s1, s2), page, size, count, k0};
+        if (paged()) return {t.at(bi), t.sn, table + batch_offset(bi, s0, s1, s2), page, size, count, k0};
         return {t.at(bi) + (i64)k0 * t.sn, t.sn, nullptr, 0, 0, 0, 0};
     }
 };

@@ -12,8 +12,9 @@
 // then zeroes the pairs of P~ its keep set drops (philox.cuh) and scales the rest by 1 / (1 - p): the
 // forward drops them from P~ V (not from l_i) and scales O_i at the end; the backward takes
 // Z = keep / (1 - p) into dV = (Z o P)^T dO and dS = P o (Z o dP - D). A modifier is
-// compiled in only where a call uses it (TileConfig.mods), so a plain call runs the plain kernel and
-// pays nothing. The backward's dS is taken with respect to the modified score; the chain back to
+// compiled in only where a call uses it (FLASH_<NAME>=1; cupyflash/_flags.py: FLAGS), so a plain call runs
+// the plain kernel and pays nothing. The repair, a slow path, reads them at run time instead
+// (FLASH_<NAME>=FLASH_AT_RUN_TIME: the code compiled in, each use testing the call's bit, EntryMods::on). The backward's dS is taken with respect to the modified score; the chain back to
 // scale q . k multiplies it by ds'/ds: score_mod_grad, times 1 - tanh^2 (softcap; ALiBi adds a constant).
 //
 // User expressions (cupyflash/_expr.py renders them, in acc_t's arithmetic) read s, b (the flat batch
@@ -62,6 +63,7 @@ constexpr bool USER_MASK = false;
 #define FLASH_USER_ARGS
 #endif
 
+// each modifier's code compiled in (on, or read at run time: EntryMods::on)
 constexpr bool SOFTCAP = FLASH_SOFTCAP != 0;
 constexpr bool ALIBI = FLASH_ALIBI != 0;
 constexpr bool BIAS = FLASH_BIAS != 0;
@@ -188,7 +190,20 @@ struct EntryMods {
     UserArgs user;        // ... and mod_args
     bool user_all = false;   // the tile map's ALL for the tile at hand: mask_mod hides none of its pairs
 
+    unsigned uses;        // the call's switches (types.cuh: Uses), for the modifiers read at run time
+
+    // the modifier of bit `bit` (types.cuh: Uses) applies: DEFINE, its FLASH_<NAME>, compiles it in, or
+    // reads it at run time (FLASH_AT_RUN_TIME) and the call uses it
+    template <int DEFINE>
+    __device__ __forceinline__ bool on(unsigned bit) const {
+        return DEFINE != 0 && (DEFINE != FLASH_AT_RUN_TIME || (uses & bit) != 0);
+    }
+
+    // dropout applies to this call
+    __device__ __forceinline__ bool drops() const { return DROPOUT && on<FLASH_DROPOUT>(USES_DROPOUT); }
+
     // the tile at hand needs the modifiers: some modifier but mask_mod, or a mask_mod that may hide a pair
+    // (the main kernels, which compile their modifiers in)
     __device__ __forceinline__ bool modifies() const { return MODS_BUT_USER_MASK || (USER_MASK && !user_all); }
 
     // the boolean mask or mask_mod may hide a pair of the tile at hand
@@ -220,7 +235,7 @@ struct EntryMods {
         if constexpr (HIDES) {
             if (i >= Nq || j >= Nk) return true;
             if constexpr (BOOL_MASK)
-                if (!keep(i, j)) return true;
+                if (on<FLASH_MASK>(USES_MASK) && !keep(i, j)) return true;
             if constexpr (USER_MASK)
                 if (!user_all && !user_visible(b, i, j, user)) return true;
         }
@@ -243,7 +258,7 @@ struct EntryMods {
     // s of pair (i, j) with the bias added and -inf where the mask hides it
     __device__ __forceinline__ acc_t pair_score(acc_t s, int i, int j) const {
         if constexpr (BIAS)
-            if (i < Nq && j < Nk) s += to_acc(bias(i, j));
+            if (on<FLASH_BIAS>(USES_BIAS) && i < Nq && j < Nk) s += to_acc(bias(i, j));
         if constexpr (HIDES)
             if (hidden(i, j)) s = NEG_INF;
         return s;
@@ -265,16 +280,18 @@ struct EntryMods {
     // s <- c tanh(s / c); DERIV: grad = ds'/ds (untouched without a softcap)
     template <bool DERIV = false>
     __device__ __forceinline__ acc_t cap_score(acc_t s, acc_t& grad) const {
-        if constexpr (SOFTCAP) {
-            acc_t t;
-            if constexpr (DERIV) tanh_and_grad(s * inv_cap, t, grad);
-            else                 t = tanh_acc(s * inv_cap);
-            return cap * t;
-        }
+        if constexpr (SOFTCAP)
+            if (on<FLASH_SOFTCAP>(USES_SOFTCAP)) {
+                acc_t t;
+                if constexpr (DERIV) tanh_and_grad(s * inv_cap, t, grad);
+                else                 t = tanh_acc(s * inv_cap);
+                return cap * t;
+            }
         return s;
     }
 
-    // s <- s - slope |distance|, distance = i + off - j (either sign)
+    // s <- s - slope |distance|, distance = i + off - j (either sign); a slope of 0 where ALiBi is read at
+    // run time and the call has none leaves s as it is
     __device__ __forceinline__ acc_t alibi(acc_t s, acc_t distance) const {
         if constexpr (ALIBI) return s - slope * fabs(distance);
         return s;
@@ -309,14 +326,17 @@ struct ScoreMods {
     __device__ __forceinline__ EntryMods at(BatchIndex bi, i64 entry, int q0, int k0, int Nq, int Nk,
                                             unsigned uses) const {
         EntryMods e;
+        e.uses = uses;
         e.cap = (acc_t)softcap;
-        e.inv_cap = SOFTCAP ? (acc_t)1 / e.cap : (acc_t)0;
-        e.slope = ALIBI ? alibi.at(bi) : (acc_t)0;
+        e.inv_cap = SOFTCAP && e.on<FLASH_SOFTCAP>(USES_SOFTCAP) ? (acc_t)1 / e.cap : (acc_t)0;
+        e.slope = ALIBI && e.on<FLASH_ALIBI>(USES_ALIBI) ? alibi.at(bi) : (acc_t)0;
         e.off = Nk - Nq;
         e.Nq = Nq;
         e.Nk = Nk;
-        if constexpr (BIAS) e.bias = {bias.at(bi, q0, k0), (int)bias.si, (int)bias.sj};
-        if constexpr (BOOL_MASK) e.keep = {keep.at(bi, q0, k0), (int)keep.si, (int)keep.sj};
+        if constexpr (BIAS)
+            e.bias = {e.on<FLASH_BIAS>(USES_BIAS) ? bias.at(bi, q0, k0) : nullptr, (int)bias.si, (int)bias.sj};
+        if constexpr (BOOL_MASK)
+            e.keep = {e.on<FLASH_MASK>(USES_MASK) ? keep.at(bi, q0, k0) : nullptr, (int)keep.si, (int)keep.sj};
         if constexpr (BIAS)
             e.dbias = {uses & USES_BIAS_GRAD ? dbias.at(bi, q0, k0) : nullptr, (int)dbias.si, (int)dbias.sj};
         e.dbias_add = dbias_add != 0;
