@@ -76,6 +76,15 @@ def test_the_specialisation_count_is_every_family_times_its_flag_sets(arch, smem
     assert _tiles.specialisation_count(smem, arch) == _brute_force_count(smem, arch)
 
 
+SM90_LIMIT = 6000   # the specialisations a user may wait for on sm_90, and a full compile test must build
+
+
+def test_at_most_sm90_limit_specialisations_can_exist_on_sm90():
+    """Every compile-time flag doubles the families that compile it: a switch the inner loop does not read
+    is a run-time word (``_flags.Flag.compiled``), so that what can exist stays within reach."""
+    assert _tiles.specialisation_count(SM90_SMEM, "sm_90") <= SM90_LIMIT
+
+
 def test_the_count_of_a_family_is_the_product_of_its_independent_flags():
     """A family whose compiled flags neither need nor exclude each other has 2^n flag sets."""
     for kernel in _tiles.KERNELS:
