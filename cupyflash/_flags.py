@@ -18,7 +18,10 @@ come
 * the count of specialisations that can exist (``_tiles.specialisation_count``).
 
 Adding a modifier is a row here and its device hook (its ``ScoreMods`` members and the code that
-reads them, ``score_mod.cuh``), plus its argument in the public API.
+reads them, ``score_mod.cuh``), plus its argument in the public API. The device code of every switch
+takes both forms (``types.cuh``: ``switch_on``), so a row's ``compiled`` column alone decides, family
+by family, whether a switch is a compile-time flag or a run-time word: adding a family there makes it
+a flag again (``tests/test_compile.py`` compiles every row into every family that reads it).
 """
 
 from __future__ import annotations

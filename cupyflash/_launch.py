@@ -632,7 +632,8 @@ class ForwardPlan:
                         "tiles.base": tiles, "seqs.len_k": _address(lens), "pages.table": _address(table)}
             pointers.update(zip(FWD_PARTS, parts))
             if arrays:
-                pointers.update((_flags.BY_NAME[name].pointer, x.data.ptr) for name, x in arrays.items())
+                for name, x in arrays.items():
+                    pointers[ARRAY_POINTERS[name]] = x.data.ptr
             struct, address = self.params.pack(pointers)
             for step in (self.tile_map.launches if fresh_map else ()) + self.launches[:1]:
                 step(stream, address)
@@ -645,6 +646,8 @@ class ForwardPlan:
         return o, m, l
 
 
+# the field a call writes each modifier array's address into, by flag (_flags.Flag.pointer)
+ARRAY_POINTERS = {f.name: f.pointer for f in _flags.ARRAY_FLAGS}
 # the workspace parts of a forward after o, m, l, in ForwardPlan.fresh (and .given) order
 FWD_PARTS = ("o_parts", "m_parts", "l_parts", "tile_counter", "repair_flags")
 # the pointers a forward call writes: inputs, outputs, workspace parts, packed sequences' offsets, dropout's
@@ -898,7 +901,8 @@ class BackwardPlan:
             pointers.update(zip(BWD_PARTS, parts))
             pointers.update(zip(ZERO_SUM_POINTERS, sums))
             if arrays:
-                pointers.update((_flags.BY_NAME[name].pointer, x.data.ptr) for name, x in arrays.items())
+                for name, x in arrays.items():
+                    pointers[ARRAY_POINTERS[name]] = x.data.ptr
             struct, address = self.params.pack(pointers)
             for step in (self.tile_map.launches if fresh_map else ()) + self.launches:
                 step(stream, address)

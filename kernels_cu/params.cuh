@@ -25,7 +25,6 @@
 #define FLASH_VARLEN 0
 #endif
 constexpr bool VARLEN = FLASH_VARLEN != 0;   // its code compiled in
-constexpr bool VARLEN_AT_RUN_TIME = FLASH_VARLEN == FLASH_AT_RUN_TIME;
 
 // Keys in a paged K/V cache (flash_attention_with_kvcache with a block table; its lengths are packed
 // sequences' Seqs::len_k): compiled in by flash_fwd_v2 and flash_append, whose loops find every row
@@ -152,9 +151,7 @@ struct Seq {
 
 // the call's rows are packed sequences (or a K/V cache's lengths cut its keys): VARLEN, or the run-time word
 template <class Params>
-__device__ __forceinline__ bool packed_seqs(const Params& p) {
-    return VARLEN && (!VARLEN_AT_RUN_TIME || (p.uses & USES_VARLEN) != 0);
-}
+__device__ __forceinline__ bool packed_seqs(const Params& p) { return switch_on<FLASH_VARLEN>(p.uses, USES_VARLEN); }
 
 // the sequence of work head w (FwdParams or BwdParams)
 template <class Params>
@@ -188,11 +185,15 @@ __device__ __forceinline__ EntryMods mods_of(const Params& p, const Seq& sq) {
     return p.mods.at(sq.bi, sq.e, sq.q0, sq.k0, mask.Nq, mask.Nk, p.uses);
 }
 
-// The attention sink, a run-time word (uses & USES_SINK): one more key per batch entry, of logit `sink`
-// and value zero, folded into the forward's final m_i, l_i (softmax.cuh: fold_sink; the backward's
-// P = exp(S - lse) needs nothing more). Only the forwards' epilogues read it, once per row, after the loop.
+// The attention sink: one more key per batch entry, of logit `sink` and value zero, folded into the
+// forward's final m_i, l_i (softmax.cuh: fold_sink; the backward's P = exp(S - lse) needs nothing more).
+// Only the forwards' epilogues read it, once per row, after the loop: a run-time word there
+// (FLASH_SINK=FLASH_AT_RUN_TIME, uses & USES_SINK)
+#ifndef FLASH_SINK
+#define FLASH_SINK 0
+#endif
 template <class Params>
-__device__ __forceinline__ bool has_sinks(const Params& p) { return (p.uses & USES_SINK) != 0; }
+__device__ __forceinline__ bool has_sinks(const Params& p) { return switch_on<FLASH_SINK>(p.uses, USES_SINK); }
 
 // the sink's logit of sequence sq's batch entry (natural units) for split `split` of its keys: split 0's,
 // the sink is one key (the others fold -inf, nothing)
@@ -310,9 +311,12 @@ struct BwdParams {
     double scale;
 };
 
-// The backward's sums over CTAs in grid order (deterministic=True; layout.cuh, "Ordered sums"), a run-time
-// word (uses & USES_ORDERED): a uniform branch around each tile's adds
-__device__ __forceinline__ bool ordered_sums(const BwdParams& p) { return (p.uses & USES_ORDERED) != 0; }
+// The backward's sums over CTAs in grid order (deterministic=True; layout.cuh, "Ordered sums"): a uniform
+// branch around each tile's adds, a run-time word (FLASH_ORDERED=FLASH_AT_RUN_TIME, uses & USES_ORDERED)
+#ifndef FLASH_ORDERED
+#define FLASH_ORDERED 0
+#endif
+__device__ __forceinline__ bool ordered_sums(const BwdParams& p) { return switch_on<FLASH_ORDERED>(p.uses, USES_ORDERED); }
 
 // the most parts a MergeParams names one by one; more arrive stacked (PartSet::stride)
 constexpr int MERGE_POINTERS = 16;

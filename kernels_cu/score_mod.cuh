@@ -48,6 +48,9 @@
 #ifndef FLASH_DROPOUT
 #define FLASH_DROPOUT 0
 #endif
+#ifndef FLASH_BIAS_GRAD
+#define FLASH_BIAS_GRAD 0   // dbias: read at run time by the backwards (EntryMods::writes_dbias)
+#endif
 
 #ifdef FLASH_USER_SCORE
 constexpr bool USER_SCORE = true;
@@ -195,9 +198,7 @@ struct EntryMods {
     // the modifier of bit `bit` (types.cuh: Uses) applies: DEFINE, its FLASH_<NAME>, compiles it in, or
     // reads it at run time (FLASH_AT_RUN_TIME) and the call uses it
     template <int DEFINE>
-    __device__ __forceinline__ bool on(unsigned bit) const {
-        return DEFINE != 0 && (DEFINE != FLASH_AT_RUN_TIME || (uses & bit) != 0);
-    }
+    __device__ __forceinline__ bool on(unsigned bit) const { return switch_on<DEFINE>(uses, bit); }
 
     // dropout applies to this call
     __device__ __forceinline__ bool drops() const { return DROPOUT && on<FLASH_DROPOUT>(USES_DROPOUT); }
@@ -264,8 +265,11 @@ struct EntryMods {
         return s;
     }
 
-    // the backward writes dbias: a bias compiled in and dbias asked for (a run-time word: a uniform branch)
-    __device__ __forceinline__ bool writes_dbias() const { return BIAS && dbias.ptr != nullptr; }
+    // the backward writes dbias: a bias compiled in and dbias asked for (a run-time word: a uniform branch;
+    // at run time dbias is null where the call has none, ScoreMods::at)
+    __device__ __forceinline__ bool writes_dbias() const {
+        return BIAS && FLASH_BIAS_GRAD != 0 && (FLASH_BIAS_GRAD != FLASH_AT_RUN_TIME || dbias.ptr != nullptr);
+    }
 
     // dbias_ij gets dS_ij (d loss / d final score) of a pair the band leaves visible: the mask's hidden
     // pairs and pairs past the lengths add nothing (dbias is zeroed first); writes_dbias() holds
@@ -338,7 +342,8 @@ struct ScoreMods {
         if constexpr (BOOL_MASK)
             e.keep = {e.on<FLASH_MASK>(USES_MASK) ? keep.at(bi, q0, k0) : nullptr, (int)keep.si, (int)keep.sj};
         if constexpr (BIAS)
-            e.dbias = {uses & USES_BIAS_GRAD ? dbias.at(bi, q0, k0) : nullptr, (int)dbias.si, (int)dbias.sj};
+            e.dbias = {e.on<FLASH_BIAS_GRAD>(USES_BIAS_GRAD) ? dbias.at(bi, q0, k0) : nullptr, (int)dbias.si,
+                       (int)dbias.sj};
         e.dbias_add = dbias_add != 0;
         if constexpr (USER_SCORE || USER_MASK) {
             e.b = (long long)(batch0 + entry);

@@ -68,6 +68,14 @@ enum Uses : unsigned {
     USES_ORDERED = 1u << 9,
 };
 
+// Switch `bit` (Uses) applies to a call whose FLASH_<NAME> is DEFINE: compiled in (1; a constant), off (0),
+// or read from the call's word `uses` (FLASH_AT_RUN_TIME). Every switch's device code goes through this,
+// so a row of cupyflash/_flags.py's FLAGS moves a family between the two forms with no device edit.
+template <int DEFINE>
+__device__ __forceinline__ bool switch_on(unsigned uses, unsigned bit) {
+    return DEFINE != 0 && (DEFINE != FLASH_AT_RUN_TIME || (uses & bit) != 0);
+}
+
 #define POS_INF ((acc_t)__int_as_float(0x7f800000))
 #define NEG_INF (-POS_INF)
 

@@ -252,3 +252,30 @@ def test_user_expressions_compile_into_every_family():
         jobs.append((_tiles.with_user(_tiles.with_flags(cfg, flags), code), "sm_90"))
     for (cfg, _), (magic, log) in zip(jobs, _compile.compile_all(jobs)):
         assert magic[:4] == b"\x7fELF", f"{cfg}: {log}"
+
+
+def test_every_flag_compiles_into_every_family_that_reads_it(monkeypatch):
+    """The device code of every switch takes both forms (types.cuh: switch_on): with every row of
+    ``_flags.FLAGS`` compiled into every family that reads it, each family still compiles, so moving a
+    family between a compile-time flag and the run-time word is a change of its row only."""
+    from dataclasses import replace
+
+    from cupyflash import _flags
+
+    rows = tuple(replace(f, compiled=f.reads) for f in _flags.FLAGS)
+    monkeypatch.setattr(_flags, "FLAGS", rows)
+    monkeypatch.setattr(_flags, "BY_NAME", {f.name: f for f in rows})
+    seen = set()
+    for cfg in _tiles.all_tile_configs(ARCH_SMEM["sm_90"], "sm_90"):
+        if cfg.kernel in seen or not _flags.compiled_in(cfg.kernel):
+            continue
+        seen.add(cfg.kernel)
+        # all but the pairs a family never runs together (the wide Hopper backward: dbias under a softcap)
+        names = [f.name for f in rows if cfg.kernel in f.reads]
+        names = [n for n in names if not any(family == cfg.kernel and other in names
+                                             for family, other in _flags.BY_NAME[n].excludes)]
+        flagged = _tiles.with_flags(cfg, names)
+        assert set(flagged.flags) == set(names)
+        assert {f"-D{_flags.BY_NAME[n].define}=1" for n in names} <= set(flagged.defines())
+        magic, log = _compile.compile_for_arch(flagged, "sm_90")
+        assert magic[:4] == b"\x7fELF", log

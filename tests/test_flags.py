@@ -76,6 +76,15 @@ def test_the_specialisation_count_is_every_family_times_its_flag_sets(arch, smem
     assert _tiles.specialisation_count(smem, arch) == _brute_force_count(smem, arch)
 
 
+SM90_LIMIT = 6000   # the specialisations a user may wait for on sm_90, and a full compile test must build
+
+
+def test_at_most_sm90_limit_specialisations_can_exist_on_sm90():
+    """Every compile-time flag doubles the families that compile it: a switch the inner loop does not read
+    is a run-time word (``_flags.Flag.compiled``), so that what can exist stays within reach."""
+    assert _tiles.specialisation_count(SM90_SMEM, "sm_90") <= SM90_LIMIT
+
+
 def test_the_count_of_a_family_is_the_product_of_its_independent_flags():
     """A family whose compiled flags neither need nor exclude each other has 2^n flag sets."""
     for kernel in _tiles.KERNELS:
@@ -95,3 +104,12 @@ def test_the_forward_and_backward_plans_write_every_modifier_array_by_its_flag()
 def test_call_arrays_keeps_the_given_ones_by_flag_in_table_order():
     assert _flags.call_arrays(mask=1, alibi_slopes=2, sink=None, bias=None) == {"alibi": 2, "mask": 1}
     assert list(_flags.call_arrays(mask=1, bias=3, sink=4, alibi_slopes=5)) == ["alibi", "sink", "bias", "mask"]
+
+
+def test_the_device_code_of_every_row_takes_both_forms():
+    """Each row's define is read where it may be compiled in (1) or read at run time (FLASH_AT_RUN_TIME):
+    through switch_on (types.cuh) or a comparison with FLASH_AT_RUN_TIME, so a row's ``compiled`` column
+    alone decides the form (tests/test_compile.py compiles every row into every family that reads it)."""
+    text = "\n".join(p.read_text() for p in sorted(_compile.kernel_dir().glob("*.cu*")))
+    for flag in _flags.FLAGS:
+        assert re.search(rf"on<{flag.define}>|{flag.define} == FLASH_AT_RUN_TIME", text), flag.name

@@ -11,9 +11,11 @@ Cases: schedules v1, v2 and v2 on the portable kernels ("v2-mma", where the Hopp
 run), the four dtypes (float32 under both precisions: 450 cases), one head dim per bucket, Nq != Nk ragged against every tile size, causal and
 not, causal with a NaN in each of q, k, v, do inside a diagonal tile (the scans, the flags and
 flash_repair.cu), a sliding window without and (causal) with the NaNs, K/V broadcast over a group of
-query heads, the backward unordered and deterministic; ``--mods all`` runs them with the softcap,
-ALiBi and a sink compiled in, ``--mods pairs`` with a bias (and dbias) and a boolean mask,
-``--mods dropout`` with dropout, ``--mods user`` with a score_mod and a mask_mod (its tile map's kernels too).
+query heads, the backward unordered and deterministic (one kernel, ``uses``' ordered bit); ``--mods all``
+runs them with the softcap and ALiBi compiled in and a sink (read at run time), ``--mods pairs`` with a
+bias (dbias read at run time) and a boolean mask, ``--mods dropout`` with dropout, ``--mods user`` with a
+score_mod and a mask_mod (its tile map's kernels too); under the NaN masks the repair kernels read every
+modifier at run time (cupyflash/_flags.py: FLAGS).
 ``--splits N`` runs the V2 forwards split-KV in N parts (merged by flash_merge.cu);
 ``--merge`` runs merge_attention's kernel instead (every dtype, 1, 3 and 17 parts listed and stacked, a
 head dim of 16-byte rows and one without, empty rows), against the NumPy merge.
@@ -63,7 +65,8 @@ MASKS = {"plain": (False, None, False), "causal": (True, None, False), "causal-n
 # the modifiers (score_mod.cuh): none, all three score modifiers (softcap, ALiBi slopes per K/V head, a
 # sink per query head), or the per-pair arrays (a bias per query head, broadcast over the batch, with
 # its gradient, and a mask per batch entry hiding a quarter of the pairs; the bias's values, quarters
-# in [-2, 2), are exact in every dtype), whose kernels are specialisations of their own
+# in [-2, 2), are exact in every dtype); the main kernels compile the score modifiers in, the repair reads
+# them at run time
 _PAIRS = numpy.random.default_rng(7)
 MODS = {"none": {}, "all": dict(softcap=4.0, alibi_slopes=numpy.array([[0.5], [0.125]], numpy.float32),
                                 sink=numpy.array([[0.5, -1.0], [1.5, 0.0]], numpy.float32)),
