@@ -685,9 +685,9 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
                  kv_splits: int | None = 1):
     """The ``schedule`` ('v1' or 'v2') forward of validated inputs ``q, k, v`` as a ``ForwardPlan``;
     ``layout`` names q, k, v, with a cache its lengths ``lens`` (and a paged one's ``table``), and the
-    modifiers' arrays by flag (``Mods``; a per-entry array as a batch of 1 x 1 matrices). With ``packed`` sequences the rows of q and k are
-    theirs, and a CTA's tiles those of one sequence; a paged cache runs V2's portable kernel, the one
-    that reads pages.
+    modifiers' arrays by flag (``Mods``; a per-entry array as a batch of 1 x 1 matrices). With ``packed``
+    sequences the rows of q and k are theirs, and a CTA's tiles those of one sequence; a paged cache runs
+    V2's portable kernel, the one that reads pages.
     ``stats_shape``: the shape of m and l the plan returns (default ``(*batch_shape, rows)``; a folded
     call's, ``_fold``, is the caller's). ``kv_splits``: split-KV (V2 and the Hopper forward: each Q tile's
     K/V tiles in that many runs, one CTA each, merged by flash_merge.cu; None: ``choose_kv_splits``; at

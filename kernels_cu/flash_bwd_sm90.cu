@@ -273,7 +273,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
             fence_proxy_async();
             // tile j adds the term of dQ_i of its rank among the K/V tiles Q tile i visits: every one before
             // it reaches it too (the counter p.dq_turns[w T_r + i], found where it is used)
-            if (ordered && ctid == 0) wait_turn(p.dq_turns + (w * T_r + i), kv_visits<B_R, B_C>(mask, tiles, i).rank(j));
+            if (ordered && ctid == 0)
+                wait_turn(p.dq_turns + (w * T_r + i), kv_visits<B_R, B_C>(mask, tiles, i).rank(j));
             named_barrier_sync(DQ_WRITTEN, CONSUMERS * WG_THREADS);   // s_dQ holds dQ_i
 
             // dQ_i into the workspace: a bulk add per row (rows of 16-byte multiples), else float atomics;

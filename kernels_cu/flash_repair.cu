@@ -15,10 +15,11 @@
 // S_ij = scale q_i . k_j, modified where modifiers apply (score_mod.cuh; dS_ij is then by scale
 // q_i . k_j, o ds'/ds of the softcap). The modifiers, packed sequences and a paged cache are read at run
 // time here (FLASH_<NAME>=FLASH_AT_RUN_TIME, cupyflash/_flags.py: FLAGS), user expressions aside: one
-// specialisation per dtype and head-dim bucket serves every call. A row that saw no key (l_i = 0) adds nothing, as in the main kernels. One
-// warp per row, the head dim over its lanes (RPL elements each), one visible pair at a time: slow,
-// and only inputs with inf or NaN reach it. Each CTA reads its share of the flags in one load per
-// thread and returns when none is set, so a call with finite inputs costs one small launch.
+// specialisation per dtype and head-dim bucket serves every call. A row that saw no key (l_i = 0) adds
+// nothing, as in the main kernels. One warp per row, the head dim over its lanes (RPL elements each),
+// one visible pair at a time: slow, and only inputs with inf or NaN reach it. Each CTA reads its share
+// of the flags in one load per thread and returns when none is set, so a call with finite inputs costs
+// one small launch.
 
 #include "layout.cuh"
 #include "mask.cuh"

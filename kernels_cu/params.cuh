@@ -316,7 +316,9 @@ struct BwdParams {
 #ifndef FLASH_ORDERED
 #define FLASH_ORDERED 0
 #endif
-__device__ __forceinline__ bool ordered_sums(const BwdParams& p) { return switch_on<FLASH_ORDERED>(p.uses, USES_ORDERED); }
+__device__ __forceinline__ bool ordered_sums(const BwdParams& p) {
+    return switch_on<FLASH_ORDERED>(p.uses, USES_ORDERED);
+}
 
 // the most parts a MergeParams names one by one; more arrive stacked (PartSet::stride)
 constexpr int MERGE_POINTERS = 16;

@@ -5,7 +5,7 @@
 //     softcap c:   s <- c tanh(s / c)            FLASH_SOFTCAP
 //     score_mod:   s <- score_mod(s, b, i, j)    FLASH_USER_SCORE (its text; FLASH_USER_GRAD its derivative)
 //     ALiBi slope: s <- s - slope |i + off - j|  FLASH_ALIBI
-//     bias:        s <- s + bias_ij              FLASH_BIAS (with dbias, uses & USES_BIAS_GRAD: the backward adds dS_ij to dbias_ij)
+//     bias:        s <- s + bias_ij              FLASH_BIAS (FLASH_BIAS_GRAD: the backward adds dS_ij to dbias_ij)
 //     mask:        s <- -inf where mask_ij false FLASH_MASK (the pair is hidden, as the band hides it)
 //     mask_mod:    s <- -inf where it is 0       FLASH_USER_MASK (its text)
 // then the band (mask.cuh). m_i, l_i are the statistics of the modified scores. Dropout (FLASH_DROPOUT)
@@ -14,8 +14,9 @@
 // Z = keep / (1 - p) into dV = (Z o P)^T dO and dS = P o (Z o dP - D). A modifier is
 // compiled in only where a call uses it (FLASH_<NAME>=1; cupyflash/_flags.py: FLAGS), so a plain call runs
 // the plain kernel and pays nothing. The repair, a slow path, reads them at run time instead
-// (FLASH_<NAME>=FLASH_AT_RUN_TIME: the code compiled in, each use testing the call's bit, EntryMods::on). The backward's dS is taken with respect to the modified score; the chain back to
-// scale q . k multiplies it by ds'/ds: score_mod_grad, times 1 - tanh^2 (softcap; ALiBi adds a constant).
+// (FLASH_<NAME>=FLASH_AT_RUN_TIME: the code compiled in, each use testing the call's bit, EntryMods::on).
+// The backward's dS is taken with respect to the modified score; the chain back to scale q . k
+// multiplies it by ds'/ds: score_mod_grad, times 1 - tanh^2 (softcap; ALiBi adds a constant).
 //
 // User expressions (cupyflash/_expr.py renders them, in acc_t's arithmetic) read s, b (the flat batch
 // index), q_idx, kv_idx (positions in the sequence, long long) and the names FLASH_USER_ARGS declares
