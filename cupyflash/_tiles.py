@@ -631,15 +631,22 @@ def specialisation_count(smem_limit: int = SM90_SMEM_BLOCK, arch: str = "sm_90")
 
 
 def modified_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
-    """The flagged specialisations the compile test builds besides ``all_tile_configs``: every family,
-    dtype and head-dim bucket with every flag it compiles in (each is an ``if constexpr`` block of its
-    own, so this compiles every modifier, varlen and paged line of every kernel); where the family never
-    runs two flags together (``Flag.excludes``: the wide Hopper backward's dbias, whose lines compile only
-    without a softcap), once without each. The ``plain`` flags (built by ``all_tile_configs``) and the
+    """The flagged specialisations the compile test builds besides ``all_tile_configs``, a covering set:
+    each family with every flag it compiles in (each an ``if constexpr`` block of its own, so this
+    compiles every modifier, varlen and paged line of every kernel) at every dtype in its widest head-dim
+    bucket and at every bucket in its first dtype, so that each flag meets each dtype and each bucket
+    once (``all_tile_configs`` builds every dtype and bucket plainly); where the family never runs two
+    flags together (``Flag.excludes``: the wide Hopper backward's dbias, whose lines compile only without
+    a softcap), once without each. The ``plain`` flags (built by ``all_tile_configs``) and the
     per-precision variants change nothing they touch and are not repeated."""
     out = []
-    for base in _base_configs(smem_limit, arch):
-        if base.fp32_mma not in (0, FP32_PRODUCTS["highest"]):
+    bases = [base for base in _base_configs(smem_limit, arch) if base.fp32_mma in (0, FP32_PRODUCTS["highest"])]
+    first_dtype = {base.kernel: KERNELS[base.kernel].dtypes[0] for base in bases}
+    widest = {}
+    for base in bases:
+        widest[base.kernel] = max(widest.get(base.kernel, 0), base.d_pad)
+    for base in bases:
+        if base.dtype != first_dtype[base.kernel] and base.d_pad != widest[base.kernel]:
             continue
         full = tuple(f.name for f in _flags.compiled_in(base.kernel) if not f.plain)
         if not full:

@@ -231,22 +231,25 @@ def test_the_ceiling_kernels_of_benchmarks_mma_ceilings_compile():
 
 def test_user_expressions_compile_into_every_family():
     """score_mod (with score_mod_grad) and mask_mod reading arrays, floats and ints compile into every
-    family and dtype (one bucket each; for float64 in double), alone and beside every other modifier
-    but dropout (the wide Hopper backward takes no dbias under a score_mod)."""
+    family and dtype (one bucket each; for float64 in double) beside every other modifier but dropout
+    (the wide Hopper backward takes no dbias under a score_mod), and into every family alone (in its
+    first dtype: a covering set of the expressions' lines and the other modifiers' absence)."""
     from cupyflash import _expr
 
     user = _expr.user_mods("c * tanhf(s / c) + w[kv_idx % n] - (b % 3 == 0 ? 0.5f : 0.0f)",
                            "1 - tanhf(s / c) * tanhf(s / c)", "kv_idx <= q_idx + n && doc[q_idx] == doc[kv_idx]",
                            {"c": 3.0, "w": numpy.zeros(4, numpy.float32), "n": 4, "doc": numpy.zeros(8, numpy.int32)},
                            backward=True)
-    seen, jobs = set(), []
+    seen, alone, jobs = set(), set(), []
     for cfg in _tiles.all_tile_configs(ARCH_SMEM["sm_90"], "sm_90"):
         if not cfg.spec.score_mods or cfg.fp32_mma not in (0, 1) or (cfg.kernel, cfg.dtype) in seen:
             continue
         seen.add((cfg.kernel, cfg.dtype))
         code = _expr.user_code(user, "double" if cfg.dtype == "float64" else "float", {"w": "float", "doc": "int"})
         assert f"-DFLASH_USER_MASK={code.mask}" in _tiles.with_user(cfg, code).defines()
-        jobs.append((_tiles.with_user(cfg, code), "sm_90"))
+        if cfg.kernel not in alone:
+            alone.add(cfg.kernel)
+            jobs.append((_tiles.with_user(cfg, code), "sm_90"))
         grad = cfg.kernel != "bwd_sm90_wide"
         flags = ("softcap", "alibi", "sink", "bias", "mask") + (("bias_grad",) if grad else ())
         jobs.append((_tiles.with_user(_tiles.with_flags(cfg, flags), code), "sm_90"))
