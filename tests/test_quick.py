@@ -27,6 +27,7 @@ import cupyflash
 from cupyflash import _tiles, reference
 from covering import pairwise
 from helpers import DTYPE_BY_NAME, assert_non_finite_rules, random_inputs, requires_gpu, to_gpu
+from test_dropout import assert_close_to as assert_near, gradient_term_sizes
 from test_gpu import check_backward, check_forward
 
 pytestmark = [*requires_gpu, pytest.mark.quick]
@@ -107,10 +108,8 @@ OPTIONS = {
 REFUSED_TOGETHER = [(("schedule", "v1"), ("splits", 3))]
 OPTION_ROWS = pairwise(OPTIONS, REFUSED_TOGETHER, seed=1)
 
-# o, m, l and the gradients against the float64 reference, relative to the largest magnitude of the
-# reference (or of the gradient's terms, where they cancel): user expressions take the hardware's tanh
-# for 16-bit inputs, dropout's gradients are sums of terms of both signs
-OPTION_TOL = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-4, "float64": 1e-10}
+# o, m, l and the gradients are held to test_dropout's rule: within its TOL of the float64 reference,
+# relative to the reference's largest magnitude (or to its gradient's largest term, where terms cancel)
 N_Q, N_K = 130, 150
 CU_Q, CU_K = numpy.array([0, 60, 130], numpy.int32), numpy.array([0, 90, 150], numpy.int32)
 SCORE_MOD = dict(score_mod="c * tanhf(s / c) + w[kv_idx]", score_mod_grad="1 - tanhf(s / c) * tanhf(s / c)")
@@ -166,16 +165,8 @@ def _term_floor(do, q, k, v, kw, packed):
     sequences, no user expression): a gradient that cancels is held to its terms' size."""
     if packed is not None or "score_mod" in kw or "mask_mod" in kw:
         return (0.0, 0.0, 0.0)
-    from test_dropout import gradient_term_sizes
-
     mods = {name: kw[name] for name in ("softcap", "alibi_slopes", "bias", "mask") if kw.get(name) is not None}
     return gradient_term_sizes(do, q, k, v, kw["causal"], None, kw["window"], kw.get("dropout_p", 0.0), **mods)
-
-
-def assert_near(name, got, ref, dtype, floor=0.0):
-    got = numpy.asarray(got, numpy.float64)
-    scale = max(numpy.abs(ref[numpy.isfinite(ref)]).max(initial=0.0), floor, 1e-30)
-    numpy.testing.assert_allclose(got / scale, ref / scale, atol=OPTION_TOL[dtype], rtol=0, err_msg=name)
 
 
 @pytest.mark.parametrize("row", OPTION_ROWS, ids=[_row_id(r) for r in OPTION_ROWS])
@@ -204,15 +195,18 @@ def test_every_pair_of_options(row, monkeypatch):
     host_out = [x.get() for x in out]
     bkw = dict(kw, **backward_only)
     deterministic = bkw.pop("deterministic")
-    if packed is None:
-        grads = cupyflash.flash_attention_backward(cupy.asarray(do), gq, gk, gv, *out, schedule=schedule,
-                                                   deterministic=deterministic, **_on_device(bkw))
-        ref_grads = reference.attention_backward(do, q, k, v, *host_out, **bkw)
-    else:
-        grads = cupyflash.flash_attention_varlen_backward(cupy.asarray(do), gq, gk, gv, *out, *packed,
-                                                          schedule=schedule, deterministic=deterministic,
-                                                          **_on_device(bkw))
-        ref_grads = reference.attention_varlen_backward(do, q, k, v, *host_out, *packed, **bkw)
+
+    def backward():
+        if packed is None:
+            return cupyflash.flash_attention_backward(cupy.asarray(do), gq, gk, gv, *out, schedule=schedule,
+                                                      deterministic=deterministic, **_on_device(bkw))
+        return cupyflash.flash_attention_varlen_backward(cupy.asarray(do), gq, gk, gv, *out, *packed,
+                                                         schedule=schedule, deterministic=deterministic,
+                                                         **_on_device(bkw))
+
+    grads = backward()
+    ref_grads = (reference.attention_backward(do, q, k, v, *host_out, **bkw) if packed is None else
+                 reference.attention_varlen_backward(do, q, k, v, *host_out, *packed, **bkw))
     names = ["dq", "dk", "dv"] + ["dbias"] * bkw["bias_grad"] + ["dsink"] * ("sink" in kw)
     assert len(grads) == len(ref_grads) == len(names)
     floors = (*_term_floor(do, q, k, v, kw, packed), 0.0, 0.0)
@@ -220,11 +214,7 @@ def test_every_pair_of_options(row, monkeypatch):
         assert got.shape == ref.shape, name
         assert_near(name, got.get(), ref, dtype, floor)
     if deterministic:
-        again = (cupyflash.flash_attention_backward(cupy.asarray(do), gq, gk, gv, *out, schedule=schedule,
-                                                    deterministic=True, **_on_device(bkw)) if packed is None else
-                 cupyflash.flash_attention_varlen_backward(cupy.asarray(do), gq, gk, gv, *out, *packed,
-                                                           schedule=schedule, deterministic=True, **_on_device(bkw)))
-        for name, first, second in zip(names, grads, again):
+        for name, first, second in zip(names, grads, backward()):
             assert cupy.array_equal(first, second), f"{name} differs between two deterministic backwards"
 
 
