@@ -137,8 +137,10 @@ FLAGS = (
     # found through the table in the loop (fwd_v2, append); a run-time word in the repair
     Flag("paged", ("fwd_v2", "repair", "append"), ("fwd_v2", "append"), requires="varlen"),
     # the backward's sums over CTAs added in grid order (deterministic=True): a uniform branch around each
-    # tile's adds into dQ_i and the dK_j, dV_j stores, a run-time word (params.cuh: ordered_sums)
-    Flag("ordered", BACKWARD, (), plain=True),
+    # tile's adds into dQ_i and the dK_j, dV_j stores (params.cuh: ordered_sums); compiled into the portable
+    # backward, whose float32 kernel ran 2-4% slower with it at run time (RESULTS.md, twelfth session), a
+    # run-time word in the Hopper backwards, which lost nothing
+    Flag("ordered", BACKWARD, ("bwd",), plain=True),
 )
 FLAG_NAMES = tuple(f.name for f in FLAGS)
 BY_NAME = {f.name: f for f in FLAGS}

@@ -589,7 +589,7 @@ def _subsets(names):
         yield tuple(name for i, name in enumerate(names) if mask >> i & 1)
 
 
-def all_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
+def all_tile_configs(smem_limit: int, arch: str = "sm_90", *, plain_flags: bool = True) -> list[TileConfig]:
     """Every specialisation the library can launch on a device of ``arch`` with ``smem_limit`` for a call
     without modifiers.
 
@@ -597,12 +597,13 @@ def all_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
     below 167 KB) is left out: that call runs V1. Architecture-specific kernels are listed for
     their architecture's family only, for the dtypes and head dims they take; buckets that share
     a padded head dim give one configuration; the families that compile a ``plain`` flag (one a call
-    without modifiers may take, ``_flags.Flag.plain``) come with and without it, and those whose
-    float32 products follow ``precision`` in one variant per precision.
+    without modifiers may take, ``_flags.Flag.plain``) come with and without it (only without when
+    ``plain_flags`` is false: the compile test covers them in ``modified_tile_configs``), and those
+    whose float32 products follow ``precision`` in one variant per precision.
     """
     configs = []
     for base in _base_configs(smem_limit, arch):
-        plain = tuple(f.name for f in _flags.compiled_in(base.kernel) if f.plain)
+        plain = tuple(f.name for f in _flags.compiled_in(base.kernel) if f.plain) if plain_flags else ()
         configs += [with_flags(base, names) for names in _subsets(plain)]
     return configs
 
@@ -631,14 +632,14 @@ def specialisation_count(smem_limit: int = SM90_SMEM_BLOCK, arch: str = "sm_90")
 
 
 def modified_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConfig]:
-    """The flagged specialisations the compile test builds besides ``all_tile_configs``, a covering set:
-    each family with every flag it compiles in (each an ``if constexpr`` block of its own, so this
-    compiles every modifier, varlen and paged line of every kernel) at every dtype in its widest head-dim
-    bucket and at every bucket in its first dtype, so that each flag meets each dtype and each bucket
-    once (``all_tile_configs`` builds every dtype and bucket plainly); where the family never runs two
-    flags together (``Flag.excludes``: the wide Hopper backward's dbias, whose lines compile only without
-    a softcap), once without each. The ``plain`` flags (built by ``all_tile_configs``) and the
-    per-precision variants change nothing they touch and are not repeated."""
+    """The flagged specialisations the compile test builds besides ``all_tile_configs(...,
+    plain_flags=False)``, a covering set: each family with every flag it compiles in (each an ``if
+    constexpr`` block of its own, so this compiles every modifier, varlen, paged and ordered line of
+    every kernel) at every dtype in its widest head-dim bucket and at every bucket in its first dtype, so
+    that each flag meets each dtype and each bucket once (``all_tile_configs`` builds every dtype and
+    bucket plainly); where the family never runs two flags together (``Flag.excludes``: the wide Hopper
+    backward's dbias, whose lines compile only without a softcap), once without each. The per-precision
+    variants change nothing the flags touch and are not repeated."""
     out = []
     bases = [base for base in _base_configs(smem_limit, arch) if base.fp32_mma in (0, FP32_PRODUCTS["highest"])]
     first_dtype = {base.kernel: KERNELS[base.kernel].dtypes[0] for base in bases}
@@ -648,7 +649,7 @@ def modified_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConf
     for base in bases:
         if base.dtype != first_dtype[base.kernel] and base.d_pad != widest[base.kernel]:
             continue
-        full = tuple(f.name for f in _flags.compiled_in(base.kernel) if not f.plain)
+        full = tuple(f.name for f in _flags.compiled_in(base.kernel))
         if not full:
             continue
         drops = [(f.name,) + tuple(other for family, other in f.excludes if family == base.kernel)

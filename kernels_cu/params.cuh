@@ -312,7 +312,8 @@ struct BwdParams {
 };
 
 // The backward's sums over CTAs in grid order (deterministic=True; layout.cuh, "Ordered sums"): a uniform
-// branch around each tile's adds, a run-time word (FLASH_ORDERED=FLASH_AT_RUN_TIME, uses & USES_ORDERED)
+// branch around each tile's adds; compiled in (FLASH_ORDERED=1) or a run-time word (FLASH_AT_RUN_TIME,
+// uses & USES_ORDERED) as _flags.py's table says, family by family
 #ifndef FLASH_ORDERED
 #define FLASH_ORDERED 0
 #endif

@@ -26,10 +26,11 @@ if not os.environ.get("CI"):
 def _specialisations():
     """(arch, cfg) for every specialisation some device runs, each once: for sm_90 where it runs
     there, else for sm_80 (the tiles that only A100's smaller shared memory picks); then, for sm_90,
-    every family, dtype and bucket with the score modifiers compiled in (``modified_tile_configs``)."""
+    every family, dtype and bucket with the score modifiers compiled in (``modified_tile_configs``, which
+    covers the flags a plain call may take too)."""
     seen, out = set(), []
     for arch, smem in ARCH_SMEM.items():
-        for cfg in _tiles.all_tile_configs(smem, arch):
+        for cfg in _tiles.all_tile_configs(smem, arch, plain_flags=False):
             if cfg not in seen:
                 seen.add(cfg)
                 out.append((arch, cfg))
