@@ -11,7 +11,6 @@ equal to the contiguous cache, split counts, CuPy lengths and tables, and inputs
 import numpy as np
 import pytest
 
-import cupyflash
 from cupyflash import reference
 from cupyflash.kvcache import flash_attention_with_kvcache
 from helpers import ARRAY_MODULES, FLOAT_DTYPES, array_module_named, gpu_test, host
