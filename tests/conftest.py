@@ -7,14 +7,46 @@ selects a GPU test pays it, and a warm cache makes it a few seconds.
 """
 
 import os
+from pathlib import Path
 
 import pytest
 
 from helpers import HAVE_GPU
 
+# seconds per GPU test in the last measured full tier, the long ones (tests/gpu/tier.py)
+DURATIONS = Path(__file__).resolve().parent / "gpu" / "durations.txt"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--longest-first", action="store_true",
+                     help="run the tests tests/gpu/durations.txt names first, longest first (the GPU tiers)")
+
+
+def measured_durations() -> dict:
+    """{test id: seconds} from tests/gpu/durations.txt (lines "<seconds> <test id>", # comments)."""
+    table = {}
+    for line in DURATIONS.read_text().splitlines():
+        if line and not line.startswith("#"):
+            seconds, nodeid = line.split(" ", 1)
+            table[nodeid] = float(seconds)
+    return table
+
 
 def pytest_collection_modifyitems(session, config, items):
     session.selects_gpu_tests = any(item.get_closest_marker("gpu") for item in items)
+    if config.getoption("--longest-first"):
+        items[:] = longest_first(items, measured_durations(), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+def longest_first(items: list, seconds: dict, workers: int) -> list:
+    """``items`` in lanes, one per worker, each lane longest first: pytest-xdist's ``--dist worksteal``
+    gives each worker a contiguous share of the tests (the later shares one longer where they do not
+    divide) and lets an idle worker take the back half of a busy one's queue, so each worker starts with
+    one of the longest tests and no long test starts last, where it would hold the tier up on its own.
+    ``seconds``: the measured ones (a test it does not name counts as short)."""
+    ranked = sorted(items, key=lambda item: -seconds.get(item.nodeid, 0.0))
+    lanes = [ranked[w::workers] for w in range(workers)]
+    return [item for lane in reversed(lanes) for item in lane]
 
 
 @pytest.fixture(scope="session", autouse=True)

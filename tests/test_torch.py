@@ -337,6 +337,23 @@ def sdpa(q, k, v, do, causal, layout, group):
 
 @gpu_test
 @needs_torch_cuda
+def test_a_process_whose_first_kernels_load_in_torchs_backward_thread():
+    """torch runs a backward on a thread of its own, where no CUDA context need be current: the first
+    backward of a fresh process loads its kernels there (this raised CUDA_ERROR_INVALID_CONTEXT for
+    float32, whose backward made no CuPy runtime call before its module loaded)."""
+    code = ("import torch, cupyflash.torch as ct\n"
+            "for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):\n"
+            "    q, k, v = (torch.randn(2, 3, 70, 64, device='cuda', dtype=dtype, requires_grad=True) for _ in range(3))\n"
+            "    ct.flash_attention(q, k, v, causal=True).sum().backward()\n"
+            "    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))\n"
+            "print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@gpu_test
+@needs_torch_cuda
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("kv_heads", [8, 2], ids=["MHA", "GQA"])

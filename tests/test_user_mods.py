@@ -3,9 +3,7 @@ API's NumPy path and every GPU kernel: expressions that restate a built-in varia
 exactly, the blocked path equals the reference on any tiling, the kernels equal the reference.
 
 The GPU tests compile specialisations of their own (each expression text is one), which
-tests/gpu/warm.py does not hold: on the GPU machine run this file apart, spread over the cores
-(``python3 -m pytest -q -n 16 tests/test_user_mods.py``), and the rest of the suite serially after
-warm.py (``--ignore=tests/test_user_mods.py``)."""
+tests/gpu/warm.py does not hold; the full tier (tests/gpu/tier.py) compiles them in its workers."""
 
 import numpy
 import pytest

@@ -1,14 +1,18 @@
 """Run a GPU test tier from a cold start: ``quick`` (every kernel family plainly, every pair of options
-once: tests/test_quick.py) or ``full`` (every GPU test), spread over the machine's cores.
+once: tests/test_quick.py) or ``full`` (every other GPU test), spread over the machine's cores.
 
-    PYTHONPATH=$PWD python3 tests/gpu/tier.py quick          # about 2.5 minutes cold on the H200 machine
-    PYTHONPATH=$PWD python3 tests/gpu/tier.py full           # about 15 minutes cold (the goal is 9)
+    PYTHONPATH=$PWD python3 tests/gpu/tier.py quick          # about 2 minutes cold on the H200 machine
+    PYTHONPATH=$PWD python3 tests/gpu/tier.py full           # the rest of the GPU suite (goal: 9 minutes)
     PYTHONPATH=$PWD python3 tests/gpu/tier.py quick -- -x    # arguments after -- go to pytest
 
-Each pytest-xdist worker compiles the specialisations its tests load on first use, so the compiles run
-side by side, one per core; ``full`` first compiles every specialisation the suite loads
-(tests/gpu/warm.py) in a pool of its own. The last lines printed are pytest's summary and the tier's
-wall time, compile included.
+A change that needs the full tier passes both: ``full`` leaves out what ``quick`` runs. Each
+pytest-xdist worker compiles the specialisations its tests load on first use into CuPy's disk cache,
+one compile per core side by side (compiling everything first, tests/gpu/warm.py, took longer than
+the compiles the tests need). ``full`` starts the longest tests first, one per worker
+(tests/gpu/durations.txt, ``--longest-first`` in tests/conftest.py), with work stealing for the
+rest, and prints the 40 slowest: refresh durations.txt from them when they have moved. Every worker
+runs NumPy's BLAS on one thread: sixteen workers each starting a thread per core only fight over
+the cores. The last lines printed are pytest's summary and the tier's wall time, compile included.
 """
 
 import argparse
@@ -21,8 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TIERS = {
     "quick": ["-m", "quick", "tests/test_quick.py"],
-    "full": ["-m", "gpu", "tests", "--ignore=tests/test_compile.py"],
+    "full": ["-m", "gpu", "tests", "--ignore=tests/test_compile.py", "--ignore=tests/test_quick.py",
+             "--longest-first", "--dist", "worksteal", "--durations=40"],
 }
+ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
 
 
 def main() -> int:
@@ -31,10 +37,9 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="pytest-xdist workers (default: every core)")
     parser.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments")
     args = parser.parse_args()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, **ONE_THREAD,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     start = time.time()
-    if args.tier == "full":
-        subprocess.run([sys.executable, "tests/gpu/warm.py", "--jobs", str(args.jobs)], cwd=ROOT, env=env, check=True)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(args.jobs),
                *TIERS[args.tier], *args.pytest_args]
     code = subprocess.run(command, cwd=ROOT, env=env).returncode

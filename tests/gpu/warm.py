@@ -1,5 +1,7 @@
-"""Compile, in parallel, every kernel specialisation the GPU suite loads into CuPy's disk cache, so that the
-suite itself compiles nothing (compiling on first use, one at a time, takes most of a device call).
+"""Compile, in parallel, every kernel specialisation the GPU suite loads into CuPy's disk cache, so that a run
+outside the tiers (a sanitizer run, a serial pytest) compiles nothing on first use. The tiers
+(tests/gpu/tier.py) do not use it: their pytest-xdist workers compile what they load side by side,
+which takes less time than compiling all of these first.
 
     PYTHONPATH=$PWD python3 tests/gpu/warm.py [count] [--jobs 16] [--with bias,mask,dropout]
 
