@@ -112,7 +112,8 @@ def _host_array(tensor, view: _View, device=None):
     return numpy.asarray(_Host(tensor, view)).view(view.dtype)
 
 
-_CUPY = None   # (ndarray, MemoryPointer, UnownedMemory, ExternalStream, Device, getDevice) once imported
+_CUPY = None   # (ndarray, MemoryPointer, UnownedMemory, ExternalStream, Device, getDevice, ctxGetCurrent,
+#                 setDevice) once imported
 
 
 def _cupy():
@@ -121,7 +122,8 @@ def _cupy():
         import cupy
 
         _CUPY = (cupy.ndarray, cupy.cuda.MemoryPointer, cupy.cuda.UnownedMemory, cupy.cuda.ExternalStream,
-                 cupy.cuda.Device, cupy.cuda.runtime.getDevice)
+                 cupy.cuda.Device, cupy.cuda.runtime.getDevice, cupy.cuda.driver.ctxGetCurrent,
+                 cupy.cuda.runtime.setDevice)
     return _CUPY
 
 
@@ -207,6 +209,10 @@ def _torch_stream(device):
     if device is None:
         return _NO_STREAM
     stream = _current_stream(device)
+    if not _CUPY[6]():
+        # no CUDA context current on this thread (torch's autograd thread, whose backward may make no
+        # runtime call of CuPy's before a kernel loads through the driver): the device's primary one
+        _CUPY[7](device)
     return stream if _CUPY[5]() == device else _OnDevice(device, stream)
 
 
