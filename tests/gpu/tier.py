@@ -1,8 +1,8 @@
 """Run a GPU test tier from a cold start: ``quick`` (every kernel family plainly, every pair of options
 once: tests/test_quick.py) or ``full`` (every other GPU test), spread over the machine's cores.
 
-    PYTHONPATH=$PWD python3 tests/gpu/tier.py quick          # about 2 minutes cold on the H200 machine
-    PYTHONPATH=$PWD python3 tests/gpu/tier.py full           # the rest of the GPU suite (goal: 9 minutes)
+    PYTHONPATH=$PWD python3 tests/gpu/tier.py quick          # about 1 minute cold on the H200 machine
+    PYTHONPATH=$PWD python3 tests/gpu/tier.py full           # the rest of the GPU suite, about 3 minutes
     PYTHONPATH=$PWD python3 tests/gpu/tier.py quick -- -x    # arguments after -- go to pytest
 
 A change that needs the full tier passes both: ``full`` leaves out what ``quick`` runs. Each
