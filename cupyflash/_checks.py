@@ -321,11 +321,16 @@ def check_backward(do, q, k, v, o, m, l, causal, softmax_scale, window=None) -> 
 OUT_ALIGNMENT = 16   # bytes: the kernels store whole vectors into o, dq, dk, dv
 
 
-def _extent(x) -> tuple[int, int]:
+def _extent(x, cupy_ndarray=None) -> tuple[int, int]:
     """Bytes [lo, hi) of memory that ``x`` can touch (0, 0 when it holds nothing: an empty array, or
-    an input that is not an array, such as a number or a list of slopes, which the call converts)."""
-    cupy = sys.modules.get("cupy")   # not imported: no CuPy array exists
-    if not (isinstance(x, numpy.ndarray) or (cupy is not None and isinstance(x, cupy.ndarray))) or x.size == 0:
+    an input that is not an array, such as a number or a list of slopes, which the call converts);
+    ``cupy_ndarray`` CuPy's array type where CuPy is imported."""
+    if type(x) is cupy_ndarray:   # the usual case, C-contiguous outputs and inputs of a kept plan
+        if x.flags.c_contiguous:
+            return (x.data.ptr, x.data.ptr + x.nbytes) if x.size else (0, 0)
+    elif not isinstance(x, numpy.ndarray) and not (cupy_ndarray is not None and isinstance(x, cupy_ndarray)):
+        return 0, 0
+    if x.size == 0:
         return 0, 0
     lo = hi = x.ctypes.data if isinstance(x, numpy.ndarray) else x.data.ptr
     for s, n in zip(x.strides, x.shape):
@@ -339,8 +344,10 @@ def _extent(x) -> tuple[int, int]:
 def check_disjoint(out, names, inputs: dict):
     """ValueError when an ``out`` array shares memory with another or with an input. (Run on every call
     with ``out``, a kept plan's too: the labels are made only for the message.)"""
-    extents = [_extent(x) for x in out]
-    extents += [_extent(x) for x in inputs.values()]
+    cupy = sys.modules.get("cupy")   # not imported: no CuPy array exists
+    cupy_ndarray = cupy.ndarray if cupy is not None else None
+    extents = [_extent(x, cupy_ndarray) for x in out]
+    extents += [_extent(x, cupy_ndarray) for x in inputs.values()]
     for i in range(len(out)):
         lo, hi = extents[i]
         for j in range(i + 1, len(extents)):
