@@ -718,3 +718,25 @@ def test_non_finite_inputs_on_the_numpy_path_follow_the_gpu_rules(dtype, causal,
     and the gradients non-finite exactly where the mask-exact reference's are, with k, v or q shared
     between heads too, and rows that see no key empty (o = 0, m = -inf, l = 0, dq = 0)."""
     assert_non_finite_rules(dtype, causal, case, layout=layout)
+
+
+def test_the_extent_of_a_cupy_array_is_its_numpy_twins():
+    """``_checks._extent`` (what ``check_disjoint`` compares on every call with ``out=``) takes a
+    C-contiguous CuPy array's bytes from its address and size: the same as the stride walk of a NumPy
+    array over the same memory, for contiguous, strided, reversed, transposed, empty and one-element
+    views. The CuPy arrays lie over host memory (no GPU is touched to make them)."""
+    cupy = pytest.importorskip("cupy")
+    from numpy.lib.stride_tricks import as_strided
+
+    from cupyflash import _checks
+
+    host = np.zeros(8192, np.uint8)
+    memory = cupy.cuda.UnownedMemory(host.ctypes.data, host.nbytes, host, 0)
+    whole = cupy.ndarray((host.nbytes,), np.uint8, cupy.cuda.MemoryPointer(memory, 0))
+    x = whole[64:64 + 960].view(np.float32).reshape(4, 6, 10)
+    for view in (x, x[1:3], x[:, ::2], x[::-1], x.transpose(2, 0, 1), x[:0], x[2:3, 4:5, 7:8], x[:, :, 3]):
+        offset = view.data.ptr - host.ctypes.data
+        twin = as_strided(host[offset:].view(np.float32), view.shape, view.strides) if view.size else \
+            np.empty(view.shape, np.float32)
+        want = (0, 0) if not view.size else tuple(a - twin.ctypes.data + view.data.ptr for a in _checks._extent(twin))
+        assert _checks._extent(view, cupy.ndarray) == want, (view.shape, view.strides)
