@@ -20,6 +20,7 @@ Nothing here imports JAX: ``cupyflash.jax`` does, and registers the handlers.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import re
 import traceback
@@ -198,7 +199,7 @@ class BufferView(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return int(numpy.prod(self.shape, dtype=numpy.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class XlaError(Exception):

@@ -242,6 +242,21 @@ def test_stream_device_and_errors_go_through_the_api_table():
     assert handler.callback(ctypes.pointer(frame)) is None and len(seen) == 1
 
 
+def test_device_arrays_are_kept_per_buffer_and_see_its_memory():
+    """The GPU handler's CuPy arrays over XLA's buffers (``_device_array``) are made once per (address,
+    shape, dtype, device) and read the buffer's memory: here host memory stands in for the device's (no
+    GPU is touched to make them), as the same address with another shape gets an array of its own."""
+    cupy = pytest.importorskip("cupy")
+    host = numpy.arange(24, dtype=numpy.float32)
+    buffer = _xla_ffi.BufferView(host.ctypes.data, (2, 3, 4), numpy.dtype(numpy.float32))
+    first = cfj._device_array(buffer, 0)
+    assert cfj._device_array(buffer, 0) is first
+    assert first.data.ptr == host.ctypes.data and first.shape == (2, 3, 4) and first.dtype == numpy.float32
+    other = cfj._device_array(buffer._replace(shape=(6, 4)), 0)
+    assert other is not first and other.shape == (6, 4) and other.data.ptr == host.ctypes.data
+    assert _xla_ffi.BufferView(0, (0, 5), numpy.dtype(numpy.float16)).nbytes == 0 and buffer.nbytes == 96
+
+
 def test_header_version_is_read_and_a_refusal_names_the_framework_version():
     assert _xla_ffi.header_version(jax.ffi.include_dir())[0] == 0
     message = ("FFI handler registration for f on platform Host (canonical host) failed because the hander's API "
