@@ -246,7 +246,7 @@ def test_device_arrays_are_kept_per_buffer_and_see_its_memory():
     """The GPU handler's CuPy arrays over XLA's buffers (``_device_array``) are made once per (address,
     shape, dtype, device) and read the buffer's memory: here host memory stands in for the device's (no
     GPU is touched to make them), as the same address with another shape gets an array of its own."""
-    cupy = pytest.importorskip("cupy")
+    pytest.importorskip("cupy")
     host = numpy.arange(24, dtype=numpy.float32)
     buffer = _xla_ffi.BufferView(host.ctypes.data, (2, 3, 4), numpy.dtype(numpy.float32))
     first = cfj._device_array(buffer, 0)
