@@ -234,7 +234,9 @@ def test_user_expressions_compile_into_every_family():
     """score_mod (with score_mod_grad) and mask_mod reading arrays, floats and ints compile into every
     family and dtype (one bucket each; for float64 in double) beside every other modifier but dropout
     (the wide Hopper backward takes no dbias under a score_mod), and into every family alone (in its
-    first dtype: a covering set of the expressions' lines and the other modifiers' absence)."""
+    first dtype: a covering set of the expressions' lines and the other modifiers' absence). bfloat16
+    is left to float16, whose score path it shares (the expressions see float scores; the loads and
+    conversions that differ compile at every dtype in ``test_specialisation_compiles``)."""
     from cupyflash import _expr
 
     user = _expr.user_mods("c * tanhf(s / c) + w[kv_idx % n] - (b % 3 == 0 ? 0.5f : 0.0f)",
@@ -243,7 +245,8 @@ def test_user_expressions_compile_into_every_family():
                            backward=True)
     seen, alone, jobs = set(), set(), []
     for cfg in _tiles.all_tile_configs(ARCH_SMEM["sm_90"], "sm_90"):
-        if not cfg.spec.score_mods or cfg.fp32_mma not in (0, 1) or (cfg.kernel, cfg.dtype) in seen:
+        if not cfg.spec.score_mods or cfg.fp32_mma not in (0, 1) or cfg.dtype == "bfloat16" \
+                or (cfg.kernel, cfg.dtype) in seen:
             continue
         seen.add((cfg.kernel, cfg.dtype))
         code = _expr.user_code(user, "double" if cfg.dtype == "float64" else "float", {"w": "float", "doc": "int"})
