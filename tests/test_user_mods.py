@@ -44,6 +44,121 @@ def test_expressions_restating_a_builtin_variant_give_its_result(builtin, user):
         numpy.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)
 
 
+@st.composite
+def restatements(draw):
+    """``(n_q, n_k, built-in keywords, the same by expressions)``: causal, a window, a softcap, ALiBi
+    slopes, a document mask (self-attention over documents of drawn lengths) and a bias from a drawn
+    ``mod_args`` table, each alone or a few together, an expression possibly beside a built-in."""
+    n_q, n_k = draw(st.integers(1, 60)), draw(st.integers(1, 60))
+    off = n_k - n_q                                   # bottom-right alignment: row i sits at key i + off
+    builtin, masks, scores, grads, args = {}, [], [], [], {"off": off}
+    kinds = draw(st.sets(st.sampled_from(["causal", "window", "softcap", "alibi", "documents", "table"]),
+                         min_size=1, max_size=3))
+    if "documents" in kinds:                          # documents need one position per query and key
+        n_k, off = n_q, 0
+        args["off"] = 0
+        cuts = sorted(draw(st.sets(st.integers(1, max(1, n_q - 1)), max_size=4)) if n_q > 1 else [])
+        doc = numpy.searchsorted(numpy.array(cuts, numpy.int64), numpy.arange(n_q), side="right").astype(numpy.int32)
+        builtin["mask"] = doc[:, None] == doc[None, :]
+        masks.append("doc[q_idx] == doc[kv_idx]")
+        args["doc"] = doc
+    if "causal" in kinds:
+        builtin["causal"] = True
+        masks.append("kv_idx <= q_idx + off")
+    if "window" in kinds:
+        left, right = draw(st.integers(0, 20)), draw(st.integers(0, 20))
+        builtin["window"] = (left, right)
+        masks.append("kv_idx >= q_idx + off - wl && kv_idx <= q_idx + off + wr")
+        args.update(wl=left, wr=right)
+    if "table" in kinds:                              # a bias by a periodic table
+        table = draw(st.lists(st.floats(-3, 3), min_size=35, max_size=35))
+        args["tab"] = numpy.array(table)
+        builtin["bias"] = args["tab"][(numpy.arange(n_q)[:, None] % 5) * 7 + numpy.arange(n_k)[None, :] % 7]
+        scores.append("tab[(q_idx % 5) * 7 + kv_idx % 7]")
+        grads.append(None)
+    if "alibi" in kinds:
+        slopes = numpy.array(draw(st.lists(st.floats(0.01, 1.0), min_size=3, max_size=3)))
+        builtin["alibi_slopes"] = slopes
+        scores.append("- sl[b % 3] * abs(q_idx + off - kv_idx)")
+        args["sl"] = slopes
+    user = dict(mod_args=args)
+    if "softcap" in kinds:                            # the softcap first: the others add to the capped score
+        c = draw(st.floats(0.5, 10.0))
+        builtin["softcap"] = c
+        args["c"] = c
+        user["score_mod"] = " + ".join([SOFTCAP] + scores) if scores else SOFTCAP
+        user["score_mod_grad"] = SOFTCAP_GRAD
+    elif scores:
+        user["score_mod"] = " + ".join(["s"] + scores).replace("+ -", "-")
+        user["score_mod_grad"] = "1"
+    if masks:
+        # an expression may stand beside a built-in: one drawn mask stays a keyword
+        others = len(masks) > 1 or "score_mod" in user      # an expression remains beside the kept one
+        kept = draw(st.sampled_from([None] + [k for k in ("causal", "window") if k in kinds and others]))
+        if kept is not None:
+            masks.remove({"causal": "kv_idx <= q_idx + off",
+                          "window": "kv_idx >= q_idx + off - wl && kv_idx <= q_idx + off + wr"}[kept])
+            user[kept] = builtin[kept]
+        if masks:
+            user["mask_mod"] = " && ".join(f"({m})" for m in masks)
+    return n_q, n_k, builtin, user
+
+
+@settings(deadline=None, max_examples=60)
+@given(restatements(), st.integers(0, 2**32 - 1))
+def test_drawn_expressions_restating_built_ins_give_their_results(case, seed):
+    """The reference and the API's NumPy path (the blocked Algorithm 1), forward and backward: expressions
+    restating causal, a window, a softcap, ALiBi, a document mask and a bias table (alone, together, and
+    beside built-in keywords) give the built-in keywords' results to rounding."""
+    import cupyflash
+
+    n_q, n_k, builtin, user = case
+    rng = numpy.random.default_rng(seed)
+    q, k, v = random_inputs(rng, "float64", (2, 3, n_q, 16), (2, 3, n_k, 16))
+    forward_kw = {key: x for key, x in user.items() if key != "score_mod_grad"}
+    want = reference.attention_forward(q, k, v, **builtin)
+    do = rng.standard_normal(want[0].shape)
+    want_grads = reference.attention_backward(do, q, k, v, *want, **builtin)
+    for forward, backward in ((reference.attention_forward, reference.attention_backward),
+                              (cupyflash.flash_attention_forward, cupyflash.flash_attention_backward)):
+        got = forward(q, k, v, **forward_kw)
+        for name, x, y in zip("oml", got, want):
+            numpy.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12, err_msg=name)
+        for name, x, y in zip(("dq", "dk", "dv"), backward(do, q, k, v, *want, **user), want_grads):
+            numpy.testing.assert_allclose(x, y, rtol=1e-10, atol=1e-10, err_msg=name)
+
+
+@gpu_test
+@settings(deadline=None, max_examples=12)
+@given(restatements(), st.integers(0, 2**32 - 1))
+def test_drawn_expressions_restating_built_ins_give_their_results_on_the_gpu(case, seed):
+    """The same on the GPU in float64 (each drawn expression text a specialisation of its own): the
+    kernels with the expressions against the kernels with the built-in keywords, both against the
+    reference."""
+    import cupy
+
+    import cupyflash
+
+    n_q, n_k, builtin, user = case
+    rng = numpy.random.default_rng(seed)
+    q, k, v = random_inputs(rng, "float64", (2, 3, n_q, 16), (2, 3, n_k, 16))
+    do = rng.standard_normal((2, 3, n_q, 16))
+    to_gpu = (lambda kw: {key: cupy.asarray(x) if isinstance(x, numpy.ndarray) and key != "mod_args" else x
+                          for key, x in kw.items()})
+    gq, gk, gv, gdo = (cupy.asarray(x) for x in (q, k, v, do))
+    forward_kw = {key: x for key, x in user.items() if key != "score_mod_grad"}
+    want = reference.attention_forward(q, k, v, **builtin)
+    want_grads = reference.attention_backward(do, q, k, v, *want, **builtin)
+    plain = cupyflash.flash_attention_forward(gq, gk, gv, **to_gpu(builtin))
+    plain_grads = cupyflash.flash_attention_backward(gdo, gq, gk, gv, *plain, **to_gpu(builtin))
+    got = cupyflash.flash_attention_forward(gq, gk, gv, **to_gpu(forward_kw))
+    grads = cupyflash.flash_attention_backward(gdo, gq, gk, gv, *got, **to_gpu(user))
+    for name, x, y, ref in zip(("o", "m", "l", "dq", "dk", "dv"), (*got, *grads), (*plain, *plain_grads),
+                               (*want, *want_grads)):
+        numpy.testing.assert_allclose(x.get(), y.get(), rtol=1e-10, atol=1e-10, err_msg=name)
+        numpy.testing.assert_allclose(x.get(), ref, rtol=1e-9, atol=1e-9, err_msg=name)
+
+
 @settings(deadline=None, max_examples=25)
 @given(st.integers(1, 80), st.integers(1, 80), st.sampled_from([(16, 16), (16, 64), (64, 32)]),
        st.booleans(), st.integers(0, 2**32 - 1))
