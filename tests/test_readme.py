@@ -28,6 +28,25 @@ def test_the_numpy_quick_start_runs_and_matches_the_reference(capsys):
     assert float(capsys.readouterr().out) < 1e-5
 
 
+def test_the_expressions_example_runs_on_the_quick_starts_arrays_and_matches_the_reference():
+    """The README's score_mod/mask_mod block, after the NumPy quick start (its q, k, v), equals the
+    reference with the same expressions, and its mask is causal within each document."""
+    import numpy
+
+    from cupyflash import reference
+
+    (start,) = [b for b in python_blocks(README) if "import numpy, cupyflash" in b]
+    (block,) = [b for b in python_blocks(README) if "mod_args={\"doc\": doc}" in b]
+    names = {}
+    exec(compile(start.replace("print(", "(") + block, "README.md (expressions)", "exec"), names)
+    kw = dict(score_mod="s - 0.1f * abs(q_idx - kv_idx)", mask_mod="kv_idx <= q_idx && doc[q_idx] == doc[kv_idx]",
+              mod_args={"doc": names["doc"]})
+    assert "score_mod=\"s - 0.1f * abs(q_idx - kv_idx)\"" in block.replace("\n", " ")
+    for got, want in zip((names["o"], names["m"], names["l"]),
+                         reference.attention_forward(names["q"], names["k"], names["v"], **kw)):
+        numpy.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_ci_installs_and_tests_the_way_the_readme_says():
     ci = (REPO / ".ci" / "run").read_text()
     install = re.search(r"^python -m pip install -e (\S+)$", ci, re.M)
