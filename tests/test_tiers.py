@@ -30,3 +30,30 @@ def test_the_durations_table_parses_and_names_test_files_that_exist():
     assert table and all(seconds > 0 for seconds in table.values())
     root = Path(__file__).resolve().parent.parent
     assert all((root / nodeid.split("::")[0]).is_file() for nodeid in table)
+
+
+def test_the_full_tier_reads_its_durations_back_from_pytests_report():
+    """tests/gpu/tier.py --write-durations: the seconds of pytest's "slowest durations" section, a test's
+    phases summed, written longest first under durations.txt's comments."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tier", Path(__file__).resolve().parent / "gpu" / "tier.py")
+    tier = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tier)
+    report = ["..........  [100%]\n",
+              "============================= slowest durations =============================\n",
+              "158.88s call     tests/test_bias_mask.py::test_backward[v2]\n",
+              "6.50s setup    tests/test_gpu.py::test_inputs_not_modified\n",
+              "5.25s call     tests/test_forward_result.py::test_free[float16-causal softcap alibi]\n",
+              "5.00s call     tests/test_gpu.py::test_inputs_not_modified\n",
+              "(40 durations < 5s hidden.  Use -vv to show these durations.)\n",
+              "=========================== 1002 passed in 190.00s ===========================\n",
+              "9.00s call     tests/after_the_section.py::test_not_read\n"]
+    seconds = tier.seconds_of_tests(report)
+    assert seconds == {"tests/test_bias_mask.py::test_backward[v2]": 158.88,
+                       "tests/test_gpu.py::test_inputs_not_modified": 11.5,
+                       "tests/test_forward_result.py::test_free[float16-causal softcap alibi]": 5.25}
+    text = tier.durations_text(seconds, "# a comment\n# another\n1 tests/old.py::test_gone\n")
+    assert text.splitlines() == ["# a comment", "# another", "159 tests/test_bias_mask.py::test_backward[v2]",
+                                 "12 tests/test_gpu.py::test_inputs_not_modified",
+                                 "5 tests/test_forward_result.py::test_free[float16-causal softcap alibi]"]
