@@ -187,21 +187,9 @@ def torch_per_call(args):
         "cupyflash on CuPy arrays": direct,
         "torch SDPA": through(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
     }
-    rows = []
-    for name, call in calls.items():
-        for _ in range(10):
-            call()
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin = time.perf_counter()
-        start.record()
-        for _ in range(args.calls):
-            call()
-        stop.record()
-        host = (time.perf_counter() - begin) / args.calls * 1e6
-        stop.synchronize()
-        rows.append((name, host, start.elapsed_time(stop) / args.calls * 1e3))
-    return rows
+    from torch_profile import per_call   # benchmarks/torch_profile.py, beside this script
+
+    return [(name, *per_call(call, args.calls)) for name, call in calls.items()]
 
 
 def _dlpack_glue():

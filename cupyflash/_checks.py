@@ -325,13 +325,11 @@ def _extent(x, cupy_ndarray=None) -> tuple[int, int]:
     """Bytes [lo, hi) of memory that ``x`` can touch (0, 0 when it holds nothing: an empty array, or
     an input that is not an array, such as a number or a list of slopes, which the call converts);
     ``cupy_ndarray`` CuPy's array type where CuPy is imported."""
-    if type(x) is cupy_ndarray:   # the usual case, C-contiguous outputs and inputs of a kept plan
-        if x.flags.c_contiguous:
-            return (x.data.ptr, x.data.ptr + x.nbytes) if x.size else (0, 0)
-    elif not isinstance(x, numpy.ndarray) and not (cupy_ndarray is not None and isinstance(x, cupy_ndarray)):
+    is_array = isinstance(x, numpy.ndarray) or (cupy_ndarray is not None and isinstance(x, cupy_ndarray))
+    if not is_array or x.size == 0:
         return 0, 0
-    if x.size == 0:
-        return 0, 0
+    if type(x) is cupy_ndarray and x.flags.c_contiguous:   # the usual case: outputs, a kept plan's inputs
+        return x.data.ptr, x.data.ptr + x.nbytes
     lo = hi = x.ctypes.data if isinstance(x, numpy.ndarray) else x.data.ptr
     for s, n in zip(x.strides, x.shape):
         if s > 0:

@@ -34,6 +34,7 @@ import numpy
 from . import _xla_ffi
 from ._checks import check_bool, check_choice, check_forward, with_softcap
 from ._tiles import PRECISIONS, accumulator_dtype
+from ._views import device_view
 from .api import flash_attention_backward, flash_attention_forward
 
 __all__ = ["flash_attention", "flash_attention_forward_ffi", "flash_attention_backward_ffi"]
@@ -108,29 +109,10 @@ def _host_array(buf: _xla_ffi.BufferView):
     return numpy.frombuffer(raw, buf.dtype).reshape(buf.shape)
 
 
-# CuPy arrays over XLA's buffers, by (address, shape, dtype, device). They hold no buffer: each is used only
-# for the length of the call that met XLA's buffer at that address. XLA's allocator hands a step's buffers
-# the same addresses step after step, so most calls find their arrays here (an array costs about 2 us to
-# make on the H200 machine's host, a look-up a tenth of that).
-_ARRAYS: dict = {}
-MAX_ARRAYS = 4096
-
-
 def _device_array(buf: _xla_ffi.BufferView, device: int):
-    """A CuPy array over an XLA device buffer, no copy (XLA owns the memory)."""
-    key = (*buf, device)
-    array = _ARRAYS.get(key)
-    if array is None:
-        import cupy
-
-        if buf.nbytes == 0:
-            return cupy.ndarray(buf.shape, buf.dtype)
-        memory = cupy.cuda.UnownedMemory(buf.data, buf.nbytes, None, device)
-        array = cupy.ndarray(buf.shape, buf.dtype, cupy.cuda.MemoryPointer(memory, 0))
-        if len(_ARRAYS) >= MAX_ARRAYS:
-            _ARRAYS.clear()
-        _ARRAYS[key] = array
-    return array
+    """A CuPy array over an XLA device buffer, no copy (XLA owns the memory), kept by address, shape and
+    dtype (``_views.device_view``)."""
+    return device_view(buf.data, buf.nbytes, buf.shape, buf.dtype, None, device)
 
 
 class _XlaStream:

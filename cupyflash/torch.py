@@ -12,7 +12,7 @@ The bridge, per call, and why it costs little host time:
   axis into ``(H_kv, G)`` and gives k, v a broadcast axis of size 1 (cupyflash sums dK, dV over it).
   How each tensor is viewed is settled once per layout, shapes, strides, dtype and device (``_Plan``,
   kept in ``_PLANS``); the arrays of q, k, v, o, m, l, do and the gradients are kept by address
-  (``_ARRAYS``, holding no tensor), the modifiers' made per call (holding theirs).
+  (``_views.device_view``, holding no tensor), the modifiers' made per call (holding theirs).
 - **Outputs.** ``o``, the statistics ``m``, ``l`` and the gradients are allocated by torch (its
   caching allocator) and passed to cupyflash as ``out=``.
 - **Streams.** The kernels run on torch's current stream of the tensors' device, through a
@@ -38,6 +38,7 @@ import torch
 import torch.autograd.function
 
 from . import api
+from ._views import device_view
 
 __all__ = ["flash_attention", "flash_attention_varlen"]
 
@@ -134,26 +135,10 @@ def _held_array(tensor, view: _View, device: int):
     return ndarray(view.shape, view.dtype, MemoryPointer(memory, 0), view.strides)
 
 
-# CuPy arrays of the tensors a call reads and writes, by (address, view). They hold no tensor: each is
-# used only while the caller holds a live tensor at that address, for the length of one call. torch's
-# caching allocator hands a training step's tensors the same addresses step after step, so most calls
-# find their arrays here (an array costs about 1.5 us to make, a look-up 0.2 us).
-_ARRAYS: dict = {}
-MAX_ARRAYS = 4096
-
-
 def _device_array(tensor, view: _View, device: int):
-    """A CuPy array over the memory of CUDA ``tensor`` (which the caller holds for the call): no copy."""
-    key = (tensor.data_ptr(), view)
-    array = _ARRAYS.get(key)
-    if array is None:
-        ndarray, MemoryPointer, UnownedMemory = _CUPY[:3]
-        memory = UnownedMemory(key[0] + view.offset, view.nbytes, None, device)
-        array = ndarray(view.shape, view.dtype, MemoryPointer(memory, 0), view.strides)
-        if len(_ARRAYS) >= MAX_ARRAYS:
-            _ARRAYS.clear()
-        _ARRAYS[key] = array
-    return array
+    """A CuPy array over the memory of CUDA ``tensor`` (which the caller holds for the call): no copy, kept
+    by address and view (``_views.device_view``)."""
+    return device_view(tensor.data_ptr() + view.offset, view.nbytes, view.shape, view.dtype, view.strides, device)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def restatements(draw):
     if "alibi" in kinds:
         slopes = numpy.array(draw(st.lists(st.floats(0.01, 1.0), min_size=3, max_size=3)))
         builtin["alibi_slopes"] = slopes
-        scores.append("- sl[b % 3] * abs(q_idx + off - kv_idx)")
+        scores.append("-sl[b % 3] * abs(q_idx + off - kv_idx)")
         args["sl"] = slopes
     user = dict(mod_args=args)
     if "softcap" in kinds:                            # the softcap first: the others add to the capped score
@@ -89,7 +89,7 @@ def restatements(draw):
         user["score_mod"] = " + ".join([SOFTCAP] + scores) if scores else SOFTCAP
         user["score_mod_grad"] = SOFTCAP_GRAD
     elif scores:
-        user["score_mod"] = " + ".join(["s"] + scores).replace("+ -", "-")
+        user["score_mod"] = " + ".join(["s"] + scores)
         user["score_mod_grad"] = "1"
     if masks:
         # an expression may stand beside a built-in: one drawn mask stays a keyword
