@@ -10,7 +10,12 @@ Python loop's time; GPU: CUDA events around the loop; the larger bounds a model'
 * cupyflash.torch's forward alone under ``torch.no_grad``;
 * cupyflash called directly on CuPy views of the same tensors (zero copy, torch's stream), forward and
   backward, with and without ``out=``;
-* torch SDPA forward + backward through autograd.
+* torch SDPA forward + backward through autograd, on either thread;
+* torch's floor for any Python ``torch.autograd.Function``: one that returns an empty tensor of o's shape
+  and three empty gradients (no kernel), forward + backward through ``torch.autograd.grad``, on either
+  thread: what a Python-level extension pays before any of its own work.
+
+``--cprofile`` adds cProfile's top functions (by own time) over the calling-thread iterations.
 
 Then (unless ``--no-kernels``) torch.profiler's table of the kernels of ten iterations of the
 cupyflash.torch and the direct forward + backward: the same kernels and GPU time mean the difference
@@ -53,6 +58,7 @@ def main() -> None:
     parser.add_argument("--shape", type=int, nargs=4, default=(16, 4, 512, 64), metavar=("B", "H", "N", "D"))
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--no-kernels", action="store_true", help="skip torch.profiler's kernel tables")
+    parser.add_argument("--cprofile", action="store_true", help="cProfile the calling-thread iterations")
     args = parser.parse_args()
 
     import cupy
@@ -94,6 +100,26 @@ def main() -> None:
     def sdpa():
         torch.autograd.grad(F.scaled_dot_product_attention(*leaves, is_causal=True), leaves, do)
 
+    def sdpa_on_one_thread():
+        with torch.autograd.set_multithreading_enabled(False):
+            sdpa()
+
+    class Empty(torch.autograd.Function):   # no work at all: torch's cost of a Python Function
+        @staticmethod
+        def forward(ctx, q, k, v):
+            return torch.empty_like(q)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return torch.empty_like(grad), torch.empty_like(grad), torch.empty_like(grad)
+
+    def floor():
+        torch.autograd.grad(Empty.apply(*leaves), leaves, do)
+
+    def floor_on_one_thread():
+        with torch.autograd.set_multithreading_enabled(False):
+            floor()
+
     rows = [
         ("cupyflash.torch forward + backward (autograd thread)", through_torch),
         ("cupyflash.torch forward + backward (calling thread)", on_one_thread),
@@ -102,7 +128,10 @@ def main() -> None:
         ("cupyflash direct forward + backward, out=", direct(outs, grad_outs)),
         ("cupyflash direct forward", direct(backward=False)),
         ("cupyflash direct forward, out=", direct(outs, backward=False)),
-        ("torch SDPA forward + backward", sdpa),
+        ("torch SDPA forward + backward (autograd thread)", sdpa),
+        ("torch SDPA forward + backward (calling thread)", sdpa_on_one_thread),
+        ("an empty Python autograd.Function forward + backward (autograd thread)", floor),
+        ("an empty Python autograd.Function forward + backward (calling thread)", floor_on_one_thread),
     ]
     print(f"{tuple(args.shape)} bfloat16 causal, {args.calls} back-to-back calls, torch {torch.__version__}\n")
     print("| call | host µs | GPU µs |")
@@ -110,6 +139,18 @@ def main() -> None:
     for name, call in rows:
         host, gpu = per_call(call, args.calls)
         print(f"| {name} | {host:.1f} | {gpu:.1f} |", flush=True)
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.calls):
+            on_one_thread()
+        profiler.disable()
+        torch.cuda.synchronize()
+        print(f"\ncProfile, cupyflash.torch forward + backward on the calling thread, {args.calls} iterations:")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     if args.no_kernels:
         return
     from torch.profiler import ProfilerActivity, profile

@@ -19,7 +19,7 @@ come
 
 Adding a modifier is a row here and its device hook (its ``ScoreMods`` members and the code that
 reads them, ``score_mod.cuh``), plus its argument in the public API. The device code of every switch
-takes both forms (``types.cuh``: ``switch_on``), so a row's ``compiled`` column alone decides, family
+takes both forms (``types.cuh``: ``SWITCH_ON``), so a row's ``compiled`` column alone decides, family
 by family, whether a switch is a compile-time flag or a run-time word: adding a family there makes it
 a flag again (``tests/test_compile.py`` compiles every row into every family that reads it).
 """
@@ -56,6 +56,9 @@ class Flag:
         A flag it needs, where that one is compiled in too (dbias needs the bias).
     excludes : tuple of (str, str)
         (family, flag): that family never compiles the two together (the host runs another kernel).
+    beside : tuple of (str, str)
+        (family, flag): that family compiles it only in the specialisations that compile that other flag
+        too, and reads it at run time in the rest (a switch whose run-time form costs only beside the other).
     plain : bool
         A call with no modifier may take it: ``all_tile_configs`` lists its families both ways.
     pair_tiles : bool
@@ -78,6 +81,7 @@ class Flag:
     compiled: tuple
     requires: Optional[str] = None
     excludes: tuple = ()
+    beside: tuple = ()
     plain: bool = False
     pair_tiles: bool = False
     scores: bool = False
@@ -93,6 +97,11 @@ class Flag:
     def at_run_time(self) -> tuple:
         """The families that read it from the run-time word: ``reads`` less ``compiled``."""
         return tuple(f for f in self.reads if f not in self.compiled)
+
+    def read_at_run_time(self, kernel: str, flags) -> bool:
+        """A specialisation of ``kernel`` that compiles ``flags`` tests this switch's bit of ``uses``."""
+        return kernel in self.at_run_time or any(family == kernel and other not in flags
+                                                 for family, other in self.beside)
 
     @property
     def bit(self) -> int:
@@ -115,12 +124,13 @@ FLAGS = (
     Flag("alibi", SCORED, MAIN, scores=True, fields=(("alibi", "entry"),), array="alibi_slopes", per="entry"),
     # one more key of logit sink and value zero, folded into the forward's final m_i, l_i: only the forwards
     # read it (the backward's P = exp(S - lse) takes it through m, l; the repair reads m, l; dsink is CuPy's),
-    # in their epilogues, once per row: a run-time word (params.cuh: has_sinks, sink_of)
+    # in their epilogues, once per row: a run-time word (types.cuh: SWITCH_ON; params.cuh: sink_of)
     Flag("sink", FORWARD, (), fields=(("sink", "entry"),), array="sink", per="entry"),
     # s <- s + bias_ij
     Flag("bias", SCORED, MAIN, pair_tiles=True, scores=True, fields=(("bias", "pair"),), array="bias", per="pair"),
     # the backward adds dS_ij into dbias_ij: in the bias kernels, a uniform branch per tile of dS (score_mod.cuh:
-    # EntryMods::writes_dbias), a run-time word; the wide Hopper backward has no plain dS under a softcap
+    # add_dbias_quad), a run-time word (compiled into bwd_sm90 the bias backward ran no faster: RESULTS.md,
+    # thirteenth session); the wide Hopper backward has no plain dS under a softcap
     Flag("bias_grad", BACKWARD, (), requires="bias", excludes=(("bwd_sm90_wide", "softcap"),),
          fields=(("dbias", "pair"), ("dbias_add", "i32"))),
     # s <- -inf where mask_ij is false
@@ -129,7 +139,7 @@ FLAGS = (
     Flag("dropout", SCORED, MAIN, pair_tiles=True,
          fields=(("threshold", "u32"), ("keep_scale", "f64"), ("seed", "u64"))),
     # packed variable-length sequences (params.cuh: Seqs), or a K/V cache's lengths: where each CTA's sequence
-    # and its Mask come from, once per CTA (seq_of), a run-time word (params.cuh: packed_seqs) but in the
+    # and its Mask come from, once per CTA (seq_of), a run-time word (types.cuh: SWITCH_ON) but in the
     # Hopper kernels, whose producer warpgroup (24-40 registers) finds each tile's sequence: there the packed
     # path and its Mask in registers spill every plain call (fwd_sm90 D64: 0 -> 164 bytes)
     Flag("varlen", SCORED, ("fwd_sm90", "bwd_sm90", "bwd_sm90_wide")),
@@ -137,10 +147,12 @@ FLAGS = (
     # found through the table in the loop (fwd_v2, append); a run-time word in the repair
     Flag("paged", ("fwd_v2", "repair", "append"), ("fwd_v2", "append"), requires="varlen"),
     # the backward's sums over CTAs added in grid order (deterministic=True): a uniform branch around each
-    # tile's adds into dQ_i and the dK_j, dV_j stores (params.cuh: ordered_sums); compiled into the portable
-    # backward, whose float32 kernel ran 2-4% slower with it at run time (RESULTS.md, twelfth session), a
-    # run-time word in the Hopper backwards, which lost nothing
-    Flag("ordered", BACKWARD, ("bwd",), plain=True),
+    # tile's adds into dQ_i and the dK_j, dV_j stores (SWITCH_ON(ORDERED, p.uses)); compiled into the portable
+    # backward, whose float32 kernel ran 2-4% slower with it at run time (RESULTS.md, twelfth session), and
+    # into the 16-bit Hopper backward beside a bias, whose kernel (it spills) ran 15-20% slower with it at run
+    # time, deterministic or not (thirteenth session); a run-time word in the other Hopper backwards, which
+    # lost nothing
+    Flag("ordered", BACKWARD, ("bwd", "bwd_sm90"), beside=(("bwd_sm90", "bias"),), plain=True),
 )
 FLAG_NAMES = tuple(f.name for f in FLAGS)
 BY_NAME = {f.name: f for f in FLAGS}

@@ -267,7 +267,7 @@ class TileConfig:
             out.append(f"-DFLASH_FP32_MMA={self.fp32_mma}")
         # the flags compiled in, and those the family reads at run time (types.cuh: FLASH_<NAME>)
         out += [f"-D{flag.define}={1 if flag.name in self.flags else _flags.AT_RUN_TIME}" for flag in _flags.FLAGS
-                if flag.name in self.flags or self.kernel in flag.at_run_time]
+                if flag.name in self.flags or flag.read_at_run_time(self.kernel, self.flags)]
         if self.user is not None:
             out += self.user.defines()
         if self.kernel in _STAGED:
@@ -478,12 +478,14 @@ PAIR_BLOCK_C = {"fwd_sm90": 64}
 
 def _flag_sets(kernel: str, names) -> tuple:
     """The flags among ``names`` that ``kernel``'s family compiles in, in table order: those whose
-    requirement is there too (or not compiled in this family). Raises ValueError for a pair the family
-    never compiles together (``Flag.excludes``)."""
+    requirement is there too (or not compiled in this family) and, for a flag compiled only beside another
+    in this family (``Flag.beside``), that one. Raises ValueError for a pair the family never compiles
+    together (``Flag.excludes``)."""
     names = set(names)
     compiled = {f.name for f in _flags.compiled_in(kernel)}
     on = tuple(f.name for f in _flags.compiled_in(kernel)
-               if f.name in names and (f.requires is None or f.requires in names or f.requires not in compiled))
+               if f.name in names and (f.requires is None or f.requires in names or f.requires not in compiled)
+               and all(other in names for family, other in f.beside if family == kernel))
     for name in on:
         for family, other in _flags.BY_NAME[name].excludes:
             if family == kernel and other in on:
@@ -605,7 +607,7 @@ def all_tile_configs(smem_limit: int, arch: str = "sm_90", *, plain_flags: bool 
     for base in _base_configs(smem_limit, arch):
         plain = tuple(f.name for f in _flags.compiled_in(base.kernel) if f.plain) if plain_flags else ()
         configs += [with_flags(base, names) for names in _subsets(plain)]
-    return configs
+    return list(dict.fromkeys(configs))   # a plain flag compiled only beside another adds none
 
 
 def family_flag_sets(kernel: str) -> list[tuple]:

@@ -151,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
     };
     // the first tile from `index` on that is not past its sequence's rows (claiming more past those)
     auto first_work = [&](unsigned index) {
-        if (packed_seqs(p))
+        if (SWITCH_ON(VARLEN, p.uses))
             while (index < n_tiles && work_at(index).i < 0) index = gridDim.x + atomicAdd(p.tile_counter, 1u);
         return index;
     };
@@ -284,7 +284,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             zero_frag(O);
             // m_i in units of raw scores Q K^T (the softmax scales differences: scale > 0, checked on the
             // host), or of the modifiers' S (RawMods: unit > 0)
-            EntryMods entry = mods_of(p, seq_of(p, w.w));
+            const Seq seq = seq_of(p, w.w);
+            EntryMods entry = mods_of(p, seq);
+            // The sink's logit (where the call has sinks) is read where the batch index is at hand: here, with
+            // the modifiers, which need it too, else after the loop. Read here by a plain kernel, it held a
+            // register through the loop (forward 3% slower at N 512); read after the loop by a bias kernel, the
+            // batch index did (8% slower at D 64; RESULTS.md, thirteenth session)
+            const bool sinks = SWITCH_ON(SINK, p.uses);
+            const acc_t sink_here = SCORE_MODS && sinks ? sink_of(p, seq, w.split) : (acc_t)0;
             const RawMods mods(entry, scale);
             const acc_t unit = SCORE_MODS ? mods.unit : scale, log2_unit = unit * (acc_t)LOG2E;
             acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
@@ -395,10 +402,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
 
             // O_i = diag(l_i)^-1 O_i (the sink folded in where the call has sinks: sink_of); write O_i, m_i
             // (in natural units), l_i to HBM, or to the split's part
-            const Seq sq = seq_of(p, w.w);
-            const bool sinks = has_sinks(p);
-            store_output_rows(p.o_at(w.split, sq.row0), p.m_at(w.split, sq.row0), p.l_at(w.split, sq.row0), O, m_i,
-                              l_i, unit, r0, Nq, D, sinks, sinks ? sink_of(p, sq, w.split) : (acc_t)0,
+            const i64 row0 = seq_of(p, w.w).row0;
+            const acc_t sink = SCORE_MODS ? sink_here : sinks ? sink_of(p, seq_of(p, w.w), w.split) : (acc_t)0;
+            store_output_rows(p.o_at(w.split, row0), p.m_at(w.split, row0), p.l_at(w.split, row0), O, m_i,
+                              l_i, unit, r0, Nq, D, sinks, sink,
                               DROPOUT ? entry.keep_scale : (acc_t)1);
             kv += j_stop;
         }

@@ -88,7 +88,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v1(const FwdPar
     acc_t* l_run = p.l + sq.row0;
     EntryMods mods = mods_of(p, sq);
     const TileHead tiles = tiles_of(p, sq);
-    const bool sinks = has_sinks(p);
+    const bool sinks = SWITCH_ON(SINK, p.uses);
     const acc_t sink = sinks ? sink_of(p, sq) : (acc_t)0;
 
     const int T_r = (Nq + B_R - 1) / B_R;

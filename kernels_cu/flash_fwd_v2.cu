@@ -191,7 +191,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_v2(const FwdPar
 
     // O_i = diag(l_i)^-1 O_i (the sink folded in where the call has sinks: sink_of); write O_i, m_i, l_i
     // to HBM, or to the split's part
-    const bool sinks = has_sinks(p);
+    const bool sinks = SWITCH_ON(SINK, p.uses);
     store_output_rows(p.o_at(split, sq.row0), p.m_at(split, sq.row0), p.l_at(split, sq.row0), O, m_i, l_i, (acc_t)1,
                       r0, Nq, D, sinks, sinks ? sink_of(p, sq, split) : (acc_t)0,
                       DROPOUT ? mods.keep_scale : (acc_t)1);

@@ -20,7 +20,7 @@
 
 // Packed variable-length sequences (flash_attention_varlen_*, a K/V cache's lengths): compiled in by the
 // Hopper kernels, whose producer warpgroup finds each tile's sequence on a few registers; read at run time,
-// uses & USES_VARLEN once per CTA (packed_seqs), by the others (types.cuh: FLASH_<NAME>)
+// uses & USES_VARLEN once per CTA (SWITCH_ON(VARLEN, p.uses)), by the others (types.cuh: FLASH_<NAME>)
 #ifndef FLASH_VARLEN
 #define FLASH_VARLEN 0
 #endif
@@ -55,7 +55,7 @@ struct Batch {
     __device__ __forceinline__ BatchIndex split(i64 bh) const { return split_batch(bh, n1, n2); }
 };
 
-// The sequences of each batch entry and the work heads the grid walks. Packed (packed_seqs), a batch entry's rows
+// The sequences of each batch entry and the work heads the grid walks. Packed (SWITCH_ON(VARLEN, p.uses)), a batch entry's rows
 // hold n packed sequences: sequence s is the query rows cu_q[s] .. cu_q[s+1] - 1 and the key rows
 // cu_k[s] .. cu_k[s+1] - 1, and sees only its own keys, under `band` with its own Nq, Nk (causal
 // and windows bottom-right per sequence). Null offsets make the entry's rows one sequence (n = 1:
@@ -149,14 +149,10 @@ struct Seq {
     template <typename T> __device__ __forceinline__ T* k_rows(const Tensor<T>& t) const { return t.at(bi) + k0 * t.sn; }
 };
 
-// the call's rows are packed sequences (or a K/V cache's lengths cut its keys): VARLEN, or the run-time word
-template <class Params>
-__device__ __forceinline__ bool packed_seqs(const Params& p) { return switch_on<FLASH_VARLEN>(p.uses, USES_VARLEN); }
-
 // the sequence of work head w (FwdParams or BwdParams)
 template <class Params>
 __device__ __forceinline__ Seq seq_of(const Params& p, i64 w) {
-    if (!packed_seqs(p)) {
+    if (!SWITCH_ON(VARLEN, p.uses)) {
         return {p.batch.split(w), w, w * p.mask.Nq, 0, 0, 0, p.mask};
     } else {
         const Seqs& sq = p.seqs;
@@ -188,12 +184,10 @@ __device__ __forceinline__ EntryMods mods_of(const Params& p, const Seq& sq) {
 // The attention sink: one more key per batch entry, of logit `sink` and value zero, folded into the
 // forward's final m_i, l_i (softmax.cuh: fold_sink; the backward's P = exp(S - lse) needs nothing more).
 // Only the forwards' epilogues read it, once per row, after the loop: a run-time word there
-// (FLASH_SINK=FLASH_AT_RUN_TIME, uses & USES_SINK)
+// (FLASH_SINK=FLASH_AT_RUN_TIME: SWITCH_ON(SINK, p.uses))
 #ifndef FLASH_SINK
 #define FLASH_SINK 0
 #endif
-template <class Params>
-__device__ __forceinline__ bool has_sinks(const Params& p) { return switch_on<FLASH_SINK>(p.uses, USES_SINK); }
 
 // the sink's logit of sequence sq's batch entry (natural units) for split `split` of its keys: split 0's,
 // the sink is one key (the others fold -inf, nothing)
@@ -313,13 +307,10 @@ struct BwdParams {
 
 // The backward's sums over CTAs in grid order (deterministic=True; layout.cuh, "Ordered sums"): a uniform
 // branch around each tile's adds; compiled in (FLASH_ORDERED=1) or a run-time word (FLASH_AT_RUN_TIME,
-// uses & USES_ORDERED) as _flags.py's table says, family by family
+// uses & USES_ORDERED) as _flags.py's table says, family by family: SWITCH_ON(ORDERED, p.uses)
 #ifndef FLASH_ORDERED
 #define FLASH_ORDERED 0
 #endif
-__device__ __forceinline__ bool ordered_sums(const BwdParams& p) {
-    return switch_on<FLASH_ORDERED>(p.uses, USES_ORDERED);
-}
 
 // the most parts a MergeParams names one by one; more arrive stacked (PartSet::stride)
 constexpr int MERGE_POINTERS = 16;

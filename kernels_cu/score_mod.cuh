@@ -14,7 +14,7 @@
 // Z = keep / (1 - p) into dV = (Z o P)^T dO and dS = P o (Z o dP - D). A modifier is
 // compiled in only where a call uses it (FLASH_<NAME>=1; cupyflash/_flags.py: FLAGS), so a plain call runs
 // the plain kernel and pays nothing. The repair, a slow path, reads them at run time instead
-// (FLASH_<NAME>=FLASH_AT_RUN_TIME: the code compiled in, each use testing the call's bit, EntryMods::on).
+// (FLASH_<NAME>=FLASH_AT_RUN_TIME: the code compiled in, each use testing the call's bit, types.cuh: SWITCH_ON).
 // The backward's dS is taken with respect to the modified score; the chain back to scale q . k
 // multiplies it by ds'/ds: score_mod_grad, times 1 - tanh^2 (softcap; ALiBi adds a constant).
 //
@@ -50,7 +50,7 @@
 #define FLASH_DROPOUT 0
 #endif
 #ifndef FLASH_BIAS_GRAD
-#define FLASH_BIAS_GRAD 0   // dbias: read at run time by the backwards (EntryMods::writes_dbias)
+#define FLASH_BIAS_GRAD 0   // dbias (add_dbias_quad)
 #endif
 
 #ifdef FLASH_USER_SCORE
@@ -67,7 +67,7 @@ constexpr bool USER_MASK = false;
 #define FLASH_USER_ARGS
 #endif
 
-// each modifier's code compiled in (on, or read at run time: EntryMods::on)
+// each modifier's code compiled in (on, or read at run time: SWITCH_ON)
 constexpr bool SOFTCAP = FLASH_SOFTCAP != 0;
 constexpr bool ALIBI = FLASH_ALIBI != 0;
 constexpr bool BIAS = FLASH_BIAS != 0;
@@ -196,13 +196,8 @@ struct EntryMods {
 
     unsigned uses;        // the call's switches (types.cuh: Uses), for the modifiers read at run time
 
-    // the modifier of bit `bit` (types.cuh: Uses) applies: DEFINE, its FLASH_<NAME>, compiles it in, or
-    // reads it at run time (FLASH_AT_RUN_TIME) and the call uses it
-    template <int DEFINE>
-    __device__ __forceinline__ bool on(unsigned bit) const { return switch_on<DEFINE>(uses, bit); }
-
     // dropout applies to this call
-    __device__ __forceinline__ bool drops() const { return DROPOUT && on<FLASH_DROPOUT>(USES_DROPOUT); }
+    __device__ __forceinline__ bool drops() const { return DROPOUT && SWITCH_ON(DROPOUT, uses); }
 
     // the tile at hand needs the modifiers: some modifier but mask_mod, or a mask_mod that may hide a pair
     // (the main kernels, which compile their modifiers in)
@@ -237,7 +232,7 @@ struct EntryMods {
         if constexpr (HIDES) {
             if (i >= Nq || j >= Nk) return true;
             if constexpr (BOOL_MASK)
-                if (on<FLASH_MASK>(USES_MASK) && !keep(i, j)) return true;
+                if (SWITCH_ON(MASK, uses) && !keep(i, j)) return true;
             if constexpr (USER_MASK)
                 if (!user_all && !user_visible(b, i, j, user)) return true;
         }
@@ -260,20 +255,14 @@ struct EntryMods {
     // s of pair (i, j) with the bias added and -inf where the mask hides it
     __device__ __forceinline__ acc_t pair_score(acc_t s, int i, int j) const {
         if constexpr (BIAS)
-            if (on<FLASH_BIAS>(USES_BIAS) && i < Nq && j < Nk) s += to_acc(bias(i, j));
+            if (SWITCH_ON(BIAS, uses) && i < Nq && j < Nk) s += to_acc(bias(i, j));
         if constexpr (HIDES)
             if (hidden(i, j)) s = NEG_INF;
         return s;
     }
 
-    // the backward writes dbias: a bias compiled in and dbias asked for (a run-time word: a uniform branch;
-    // at run time dbias is null where the call has none, ScoreMods::at)
-    __device__ __forceinline__ bool writes_dbias() const {
-        return BIAS && FLASH_BIAS_GRAD != 0 && (FLASH_BIAS_GRAD != FLASH_AT_RUN_TIME || dbias.ptr != nullptr);
-    }
-
     // dbias_ij gets dS_ij (d loss / d final score) of a pair the band leaves visible: the mask's hidden
-    // pairs and pairs past the lengths add nothing (dbias is zeroed first); writes_dbias() holds
+    // pairs and pairs past the lengths add nothing (dbias is zeroed first); the call asks for dbias
     __device__ __forceinline__ void add_dbias(int i, int j, acc_t ds) const {
         if constexpr (BIAS) {
             if (i >= Nq || j >= Nk || hidden(i, j)) return;
@@ -286,7 +275,7 @@ struct EntryMods {
     template <bool DERIV = false>
     __device__ __forceinline__ acc_t cap_score(acc_t s, acc_t& grad) const {
         if constexpr (SOFTCAP)
-            if (on<FLASH_SOFTCAP>(USES_SOFTCAP)) {
+            if (SWITCH_ON(SOFTCAP, uses)) {
                 acc_t t;
                 if constexpr (DERIV) tanh_and_grad(s * inv_cap, t, grad);
                 else                 t = tanh_acc(s * inv_cap);
@@ -333,17 +322,17 @@ struct ScoreMods {
         EntryMods e;
         e.uses = uses;
         e.cap = (acc_t)softcap;
-        e.inv_cap = SOFTCAP && e.on<FLASH_SOFTCAP>(USES_SOFTCAP) ? (acc_t)1 / e.cap : (acc_t)0;
-        e.slope = ALIBI && e.on<FLASH_ALIBI>(USES_ALIBI) ? alibi.at(bi) : (acc_t)0;
+        e.inv_cap = SOFTCAP && SWITCH_ON(SOFTCAP, e.uses) ? (acc_t)1 / e.cap : (acc_t)0;
+        e.slope = ALIBI && SWITCH_ON(ALIBI, e.uses) ? alibi.at(bi) : (acc_t)0;
         e.off = Nk - Nq;
         e.Nq = Nq;
         e.Nk = Nk;
         if constexpr (BIAS)
-            e.bias = {e.on<FLASH_BIAS>(USES_BIAS) ? bias.at(bi, q0, k0) : nullptr, (int)bias.si, (int)bias.sj};
+            e.bias = {SWITCH_ON(BIAS, e.uses) ? bias.at(bi, q0, k0) : nullptr, (int)bias.si, (int)bias.sj};
         if constexpr (BOOL_MASK)
-            e.keep = {e.on<FLASH_MASK>(USES_MASK) ? keep.at(bi, q0, k0) : nullptr, (int)keep.si, (int)keep.sj};
+            e.keep = {SWITCH_ON(MASK, e.uses) ? keep.at(bi, q0, k0) : nullptr, (int)keep.si, (int)keep.sj};
         if constexpr (BIAS)
-            e.dbias = {e.on<FLASH_BIAS_GRAD>(USES_BIAS_GRAD) ? dbias.at(bi, q0, k0) : nullptr, (int)dbias.si,
+            e.dbias = {SWITCH_ON(BIAS_GRAD, e.uses) ? dbias.at(bi, q0, k0) : nullptr, (int)dbias.si,
                        (int)dbias.sj};
         e.dbias_add = dbias_add != 0;
         if constexpr (USER_SCORE || USER_MASK) {
@@ -454,7 +443,7 @@ __device__ __forceinline__ acc_t keep_factor(const EntryMods& mods, unsigned bit
 template <bool TRANSPOSED>
 __device__ __forceinline__ void add_dbias_quad(const acc_t (&ds)[4], const EntryMods& mods, const Mask& mask, int r0,
                                                int c0, int n) {
-    if (mods.writes_dbias())
+    if (BIAS && SWITCH_ON(BIAS_GRAD, mods.uses))   // a bias compiled in and dbias asked for
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             int i, j;

@@ -68,13 +68,14 @@ enum Uses : unsigned {
     USES_ORDERED = 1u << 9,
 };
 
-// Switch `bit` (Uses) applies to a call whose FLASH_<NAME> is DEFINE: compiled in (1; a constant), off (0),
-// or read from the call's word `uses` (FLASH_AT_RUN_TIME). Every switch's device code goes through this,
-// so a row of cupyflash/_flags.py's FLAGS moves a family between the two forms with no device edit.
-template <int DEFINE>
-__device__ __forceinline__ bool switch_on(unsigned uses, unsigned bit) {
-    return DEFINE != 0 && (DEFINE != FLASH_AT_RUN_TIME || (uses & bit) != 0);
-}
+// SWITCH_ON(NAME, uses): switch NAME applies to a call whose run-time word is `uses`: FLASH_<NAME> compiles it
+// in (1) or out (0), a constant, or reads bit USES_<NAME> of `uses` (FLASH_AT_RUN_TIME). Every switch's
+// device code goes through this, so a row of cupyflash/_flags.py's FLAGS moves a family between the two
+// forms with no device edit. A macro, not a function: a compiled switch must be a constant expression that
+// the front end folds before `uses` is read. Behind an inlined call it reaches the optimiser as a branch on
+// a loaded word, and the kernels come out differently (the mask forward 15% slower, benchmarks/ab.py).
+#define SWITCH_ON(NAME, uses) \
+    (FLASH_##NAME != 0 && (FLASH_##NAME != FLASH_AT_RUN_TIME || ((uses) & USES_##NAME) != 0))
 
 #define POS_INF ((acc_t)__int_as_float(0x7f800000))
 #define NEG_INF (-POS_INF)

@@ -262,7 +262,7 @@ def test_user_expressions_compile_into_every_family():
 
 
 def test_every_flag_compiles_into_every_family_that_reads_it(monkeypatch):
-    """The device code of every switch takes both forms (types.cuh: switch_on): with every row of
+    """The device code of every switch takes both forms (types.cuh: SWITCH_ON): with every row of
     ``_flags.FLAGS`` compiled into every family that reads it, each family still compiles, so moving a
     family between a compile-time flag and the run-time word is a change of its row only."""
     from dataclasses import replace

@@ -57,6 +57,22 @@ def test_a_flag_whose_requirement_is_missing_is_not_compiled_in():
             assert (flag.name in _tiles.with_flags(cfg, (flag.name,)).flags) == (not needed), (flag.name, kernel)
 
 
+def test_a_flag_compiled_only_beside_another_is_read_at_run_time_without_it():
+    """``Flag.beside``: the family compiles the flag where the other is compiled too (its define 1, or none
+    where the call does not use it) and tests its run-time bit in its other specialisations (define 2)."""
+    pairs = [(flag, family, other) for flag in _flags.FLAGS for family, other in flag.beside]
+    assert pairs   # the table has one: else this test would hold of nothing
+    for flag, family, other in pairs:
+        assert family in flag.compiled and other in {f.name for f in _flags.compiled_in(family)}
+        cfg = next(c for c in _tiles.all_tile_configs(SM90_SMEM) if c.kernel == family and not c.flags)
+        alone, together = _tiles.with_flags(cfg, (flag.name,)), _tiles.with_flags(cfg, (flag.name, other))
+        partner_only = _tiles.with_flags(cfg, (other,))
+        assert flag.name not in alone.flags and f"-D{flag.define}={_flags.AT_RUN_TIME}" in alone.defines()
+        assert flag.name in together.flags and f"-D{flag.define}=1" in together.defines()
+        assert not any(d.startswith(f"-D{flag.define}=") for d in partner_only.defines())
+        assert alone == _tiles.with_flags(cfg, ())   # one specialisation serves the call with it and without
+
+
 def _brute_force_count(smem: int, arch: str) -> int:
     """Every plain specialisation with every subset of every flag in the table, through ``with_flags``,
     counted once each."""
@@ -90,7 +106,7 @@ def test_the_count_of_a_family_is_the_product_of_its_independent_flags():
     for kernel in _tiles.KERNELS:
         compiled = _flags.compiled_in(kernel)
         names = {f.name for f in compiled}
-        if any(f.requires in names or any(fam == kernel for fam, _ in f.excludes) for f in compiled):
+        if any(f.requires in names or any(fam == kernel for fam, _ in f.excludes + f.beside) for f in compiled):
             continue
         assert len(_tiles.family_flag_sets(kernel)) == 2 ** len(compiled), kernel
 
@@ -108,8 +124,8 @@ def test_call_arrays_keeps_the_given_ones_by_flag_in_table_order():
 
 def test_the_device_code_of_every_row_takes_both_forms():
     """Each row's define is read where it may be compiled in (1) or read at run time (FLASH_AT_RUN_TIME):
-    through switch_on (types.cuh) or a comparison with FLASH_AT_RUN_TIME, so a row's ``compiled`` column
+    through SWITCH_ON (types.cuh) or a comparison with FLASH_AT_RUN_TIME, so a row's ``compiled`` column
     alone decides the form (tests/test_compile.py compiles every row into every family that reads it)."""
     text = "\n".join(p.read_text() for p in sorted(_compile.kernel_dir().glob("*.cu*")))
     for flag in _flags.FLAGS:
-        assert re.search(rf"on<{flag.define}>|{flag.define} == FLASH_AT_RUN_TIME", text), flag.name
+        assert re.search(rf"SWITCH_ON\({flag.name.upper()},|{flag.define} == FLASH_AT_RUN_TIME", text), flag.name
