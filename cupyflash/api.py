@@ -507,13 +507,21 @@ def _checked_mods(prob, q, key, arrays: dict):
     return checked, key
 
 
+class FreshOut(tuple):
+    """``out=`` arrays their caller has just allocated for this call (cupyflash.torch, cupyflash.jax): they
+    share memory with nothing, so a kept plan skips the overlap check (a call that makes a plan still
+    validates them in full)."""
+
+    __slots__ = ()
+
+
 def _kept_plan(inputs: dict, out, names, flags, keepable=True):
     """The plan an earlier like call kept (None if none) and this call's key (``_call_key``; None where
-    not ``keepable``). With a plan, ``out`` is checked against the inputs here: aliasing is what the key
-    cannot see."""
+    not ``keepable``). With a plan, ``out`` is checked against the inputs here (but ``FreshOut``):
+    aliasing is what the key cannot see."""
     key = _call_key(tuple(inputs.values()), out, flags) if keepable else None
     plan = _launch.PLANS.get(key)
-    if plan is not None and out is not None:
+    if plan is not None and out is not None and type(out) is not FreshOut:
         check_disjoint(out, names, inputs)
     return plan, key
 

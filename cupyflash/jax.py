@@ -35,7 +35,7 @@ from . import _xla_ffi
 from ._checks import check_bool, check_choice, check_forward, with_softcap
 from ._tiles import PRECISIONS, accumulator_dtype
 from ._views import device_view
-from .api import flash_attention_backward, flash_attention_forward
+from .api import FreshOut, flash_attention_backward, flash_attention_forward
 
 __all__ = ["flash_attention", "flash_attention_forward_ffi", "flash_attention_backward_ffi"]
 
@@ -143,7 +143,7 @@ def _run(call: _xla_ffi.Call, on_gpu: bool, backward: bool):
     function = flash_attention_backward if backward else flash_attention_forward
     if not on_gpu:
         args = [_host_array(b) for b in call.args]
-        function(*args, out=tuple(_host_array(b) for b in call.rets), **options)
+        function(*args, out=FreshOut(_host_array(b) for b in call.rets), **options)
         return
     import cupy
 
@@ -151,7 +151,7 @@ def _run(call: _xla_ffi.Call, on_gpu: bool, backward: bool):
     stream = _cupy_stream(call.stream(), device)
     with cupy.cuda.Device(device), stream:
         args = [_device_array(b, device) for b in call.args]
-        function(*args, out=tuple(_device_array(b, device) for b in call.rets), **options)
+        function(*args, out=FreshOut(_device_array(b, device) for b in call.rets), **options)
 
 
 # (target, platform as JAX names it, whether the handler runs CuPy)

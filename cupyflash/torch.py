@@ -384,7 +384,7 @@ def _forward(q, k, v, sink, bias, call: _Call):
     run = api.flash_attention_forward if call.varlen is None else _varlen_forward
     kw = call.keywords(plan, sink, bias)
     with _torch_stream(device):
-        run(*inputs, out=out, **kw)
+        run(*inputs, out=api.FreshOut(out), **kw)
     return o, ml, plan
 
 
@@ -417,7 +417,7 @@ def _gradients(plan: _Plan, call: _Call, do, q, k, v, o, ml, sink, bias, bias_gr
         kw["bias_grad"] = True
     run = api.flash_attention_backward if call.varlen is None else _varlen_backward
     with _torch_stream(device):
-        grads = run(*args, out=out, **kw)
+        grads = run(*args, out=api.FreshOut(out), **kw)
     dbias = _as_tensor(grads[3], bias, plan) if bias_grad else None
     dsink = _as_tensor(grads[-1], sink, plan) if sink is not None else None
     return dq, dk, dv, dbias, dsink

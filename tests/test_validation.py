@@ -740,3 +740,20 @@ def test_the_extent_of_a_cupy_array_is_its_numpy_twins():
             np.empty(view.shape, np.float32)
         want = (0, 0) if not view.size else tuple(a - twin.ctypes.data + view.data.ptr for a in _checks._extent(twin))
         assert _checks._extent(view, cupy.ndarray) == want, (view.shape, view.strides)
+
+
+def test_fresh_out_arrays_are_written_as_any_out_tuple():
+    """``api.FreshOut`` (out= arrays cupyflash.torch and cupyflash.jax have just allocated) is an out tuple
+    like any other: validated where a call makes its plan, written in place, the same results."""
+    from cupyflash import api
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((2, 3, 9, 16)).astype(np.float32) for _ in range(3))
+    expected = cupyflash.flash_attention_forward(q, k, v, causal=True)
+    out = api.FreshOut(np.empty_like(x) for x in expected)
+    result = cupyflash.flash_attention_forward(q, k, v, causal=True, out=out)
+    for got, x, want in zip(result, out, expected):
+        assert got is x
+        np.testing.assert_array_equal(x, want)
+    with pytest.raises(ValueError, match="shape"):
+        cupyflash.flash_attention_forward(q, k, v, out=api.FreshOut((out[0][:1], out[1], out[2])))
