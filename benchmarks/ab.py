@@ -62,8 +62,9 @@ def load_tree(label: str, root: Path):
     return module
 
 
-def cases(sweeps, dtypes, head_dims, seqlens, variant_seqlens, variants=VARIANTS):
-    """(sweep, variant, dtype, D, N, causal) of every point."""
+def cases(sweeps, dtypes, head_dims, seqlens, variant_seqlens, variants=VARIANTS[1:]):
+    """(sweep, variant, dtype, D, N, causal) of every point (``variants``: the variants sweep's; "plain" is the
+    protocol's, and with the variants' lengths where named)."""
     for sweep in sweeps:
         for dtype in dtypes:
             for D in head_dims:

@@ -38,3 +38,45 @@ def test_breadth_narrows_by_dtype_length_and_mask(bench):
                                                     "--causal", "1"]))
     assert {(c.dtype, c.N, c.causal) for c in configs} == {("fp16", 2048, True)}
     assert sorted(c.D for c in configs) == [160, 192, 256]
+
+
+@pytest.fixture(scope="module")
+def ab():
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location("ab_under_test", folder / "ab.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+    sys.path.remove(str(folder))
+
+
+def test_ab_imports_each_checkout_as_a_package_of_its_own(ab):
+    """benchmarks/ab.py times checkouts side by side in one process: each is its own package, with its
+    own kernel sources, and runs (here the NumPy path) as the public package does."""
+    import numpy
+
+    root = Path(__file__).resolve().parent.parent
+    first, second = ab.load_tree("first_under_test", root), ab.load_tree("second_under_test", root)
+    try:
+        assert first is not second and first.__name__ == "cupyflash_first_under_test"
+        assert Path(first._compile.kernel_dir()) == root / "kernels_cu"
+        q = numpy.random.default_rng(0).standard_normal((1, 2, 8, 16))
+        for o_a, o_b in zip(first.flash_attention_forward(q, q, q, causal=True),
+                            second.flash_attention_forward(q, q, q, causal=True)):
+            numpy.testing.assert_array_equal(o_a, o_b)
+    finally:
+        for name in [n for n in sys.modules if n.startswith(("cupyflash_first_under_test", "cupyflash_second"))]:
+            del sys.modules[name]
+
+
+def test_ab_covers_the_protocol_and_every_variant_causal_and_not(ab):
+    points = list(ab.cases(["protocol", "variants"], ["fp16", "bf16"], [64, 128], [512, 16384], [1024]))
+    protocol = [p for p in points if p[0] == "protocol"]
+    assert len(protocol) == 2 * 2 * 2 * 2 and {p[1] for p in protocol} == {"plain"}
+    variants = {(p[1], p[5]) for p in points if p[0] == "variants"}
+    assert variants == {(v, c) for v in ab.VARIANTS[1:] for c in (False, True)}
+    with pytest.raises(SystemExit, match="NAME=PATH"):
+        ab.main(["--base", ".", "--tree", "no-equals-sign"])
