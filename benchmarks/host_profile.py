@@ -93,6 +93,7 @@ def forward_sections(q, k, v, calls: int) -> None:
         ("_launch.call_stream", _launch.call_stream),
         ("its outputs' allocation (Block.allocate + arrays)",
          lambda: plan.fresh.arrays(plan.fresh.allocate(cupy.cuda.alloc, stream.ptr)[0], plan.outputs)),
+        ("its kept scratch (Scratch.locate)", lambda: plan.scratch.locate(cupy.cuda.alloc, stream.ptr)),
         ("the parameter struct (params.pack)", lambda: plan.params.pack(pointers)),
         ("CuPy: one empty RawKernel launch", lambda: empty((1,), (32,), ())),
         ("CuPy: one 256-byte pool allocation", lambda: cupy.cuda.alloc(256)),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy
@@ -352,6 +352,39 @@ class Block:
         return [cupy.ndarray(shape, dtype, memptr=memory + off) for (shape, dtype), off in zip(specs, self.offsets)]
 
 
+@dataclass(frozen=True)
+class Scratch:
+    """Words a call's kernels share across CTAs and leave as they found them, zero: the persistent
+    forward's tile counters, the repair flags. Kept per stream from call to call (``kept``), so a call
+    neither allocates nor clears them; calls on one stream are ordered, each finding them zero. While
+    the stream is being captured into a CUDA graph a call gets a cleared block of its own (a graph's
+    replays must not share them with the calls around them)."""
+
+    block: Block                                         # every part zeroed
+    kept: dict = field(default_factory=dict, compare=False, repr=False)   # stream -> MemoryPointer
+
+    def locate(self, alloc, stream: int) -> tuple:
+        """``(base address, memory)``: this call's block on ``stream``, and what holds it; ``alloc`` the
+        call's allocator (``call_stream``: CuPy's pool, or stream-ordered memory while capturing)."""
+        import cupy
+
+        if not self.block.nbytes:
+            return 0, None
+        if alloc is not cupy.cuda.alloc:   # capturing
+            memory, base = self.block.allocate(alloc, stream)
+            return base, memory
+        memory = self.kept.get(stream)
+        if memory is None:
+            if len(self.kept) >= MAX_KEPT_SCRATCH:
+                self.kept.clear()
+            memory, _ = self.block.allocate(alloc, stream)   # cleared once, on the stream that uses it
+            self.kept[stream] = memory
+        return memory.ptr, memory
+
+
+MAX_KEPT_SCRATCH = 8   # streams a plan keeps its scratch on at once
+
+
 def block_layout(parts) -> Block:
     """The ``Block`` of ``parts``, (bytes, zeroed) pairs; ``offsets`` follows their order."""
     offsets, at = [None] * len(parts), 0
@@ -599,8 +632,9 @@ class ForwardPlan:
     launches: tuple           # Launch of the main kernel, then of flash_fwd_repair when masked
     device: int
     outputs: tuple            # ((shape, dtype) of o, m, l)
-    fresh: Block              # o, m, l, the splits' parts, the tile counter and the repair flags
+    fresh: Block              # o, m, l and the splits' parts
     given: Block              # the same but o, m, l: a call with ``out``
+    scratch: Scratch          # the tile counters and the repair flags, kept per stream
     o_run: int                # bytes of V1's running O_i (0: not used), a workspace of its own
     params: Params            # FwdParams
     tile_map: TileMapPlan | None = None   # mask_mod's, written before the main kernel where the call must
@@ -624,6 +658,8 @@ class ForwardPlan:
                 o, m, l = out
                 memory, base = self.given.allocate(alloc, stream)
                 parts = self.given.pointers(base)[3:]
+            scratch_base, scratch_memory = self.scratch.locate(alloc, stream)
+            parts += self.scratch.block.pointers(scratch_base)
             o_run = alloc(self.o_run) if self.o_run else None
             tiles, tile_memory, fresh_map = self.tile_map.locate(alloc, stream) if self.tile_map else (0, None, False)
             pointers = {"q.ptr": q.data.ptr, "k.ptr": k.data.ptr, "v.ptr": v.data.ptr, "o": o.data.ptr,
@@ -648,7 +684,7 @@ class ForwardPlan:
 
 # the field a call writes each modifier array's address into, by flag (_flags.Flag.pointer)
 ARRAY_POINTERS = {f.name: f.pointer for f in _flags.ARRAY_FLAGS}
-# the workspace parts of a forward after o, m, l, in ForwardPlan.fresh (and .given) order
+# the workspace parts of a forward after o, m, l: ForwardPlan.fresh's (and .given's), then its scratch's
 FWD_PARTS = ("o_parts", "m_parts", "l_parts", "tile_counter", "repair_flags")
 # the pointers a forward call writes: inputs, outputs, workspace parts, packed sequences' offsets, dropout's
 # seed, the tile map, a cache's lengths and page table, the modifiers' arrays (_flags.Flag.pointer)
@@ -718,7 +754,7 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
             grid = min(heads * T_r * kv_splits, limits.sms)
     # V1's running O_i between outer steps: with a single K/V tile every step is the last
     o_run = BH * rows_q * cfg.d_pad * acc.itemsize if cfg.kernel == "fwd_v1" and Nk > cfg.block_c else 0
-    counter = 4 if cfg.kernel == "fwd_sm90" else 0
+    counter = 8 if cfg.kernel == "fwd_sm90" else 0   # tiles claimed, CTAs done claiming
     # masked: the kernel flags the Q tiles where a masked pair met an inf or NaN, flash_fwd_repair redoes them
     flags = heads * T_r if _masked_pairs(geometry, packed, mods) else 0
     launches = [launch(kernel, grid, cfg.threads, cfg.smem_bytes)]
@@ -742,11 +778,11 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
     rows = BH * rows_q
     split_parts = [(kv_splits * rows * D * q.itemsize, False), (kv_splits * rows * acc.itemsize, False),
                    (kv_splits * rows * acc.itemsize, False)] if kv_splits > 1 else [(0, False)] * 3
-    zeroed = [(counter, True), (4 * flags, True)]
     merge = merge_plan(q.dtype, rows, D, kv_splits) if kv_splits > 1 else None
     return ForwardPlan(launches=tuple(launches), device=q.data.device_id, outputs=outputs,
-                       fresh=block_layout(array_parts(outputs) + split_parts + zeroed),
-                       given=block_layout([(0, False)] * 3 + split_parts + zeroed),
+                       fresh=block_layout(array_parts(outputs) + split_parts),
+                       given=block_layout([(0, False)] * 3 + split_parts),
+                       scratch=Scratch(block_layout([(counter, True), (4 * flags, True)])),
                        o_run=o_run, params=params, tile_map=tile_map, merge=merge)
 
 

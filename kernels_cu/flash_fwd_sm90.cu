@@ -205,7 +205,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             const unsigned index = s_index[2 * qs];
             if (index >= n_tiles) {
                 mbar_arrive(&q_full[qs]);
-                if (tid == 0) mbar_arrive(&q_full[qs]);
+                if (tid == 0) {
+                    mbar_arrive(&q_full[qs]);
+                    // this CTA claims no more: the last CTA to get here leaves the counters as the call
+                    // found them, zero (a plan keeps them from call to call on its stream)
+                    __threadfence();
+                    if (atomicAdd(p.tile_counter + 1, 1u) == gridDim.x - 1) {
+                        p.tile_counter[0] = 0u;
+                        p.tile_counter[1] = 0u;
+                    }
+                }
                 scan_values(kv - 2);
                 scan_values(kv - 1);
                 break;

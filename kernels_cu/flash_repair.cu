@@ -82,15 +82,17 @@ __device__ __forceinline__ void dot2(const acc_t (&a)[RPL], const acc_t (&b)[RPL
 }
 
 // work(t) for every t < n with flags[t] set, this CTA's share of them (a contiguous range), read
-// NTHREADS flags at a time; CTA-uniform
-template <class Work>
-__device__ __forceinline__ void for_each_flagged(const unsigned* flags, i64 n, Work work) {
+// NTHREADS flags at a time; CTA-uniform. CLEAR: each flag read is set back to 0 (every flag is read by
+// one thread only), so the array is zero again for the next call that uses it (a plan's kept scratch)
+template <bool CLEAR = false, class Work>
+__device__ __forceinline__ void for_each_flagged(unsigned* flags, i64 n, Work work) {
     __shared__ unsigned s_set[NTHREADS];
     const i64 share = (n + gridDim.x - 1) / gridDim.x;
     const i64 first = blockIdx.x * share, stop = min(n, first + share);
     for (i64 base = first; base < stop; base += NTHREADS) {
         const i64 t = base + threadIdx.x;
         const unsigned set = t < stop ? flags[t] : 0u;
+        if (CLEAR && set) flags[t] = 0u;
         s_set[threadIdx.x] = set;
         if (!__syncthreads_or(set)) continue;
         for (int e = 0; e < NTHREADS && base + e < stop; ++e)
@@ -156,7 +158,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_repair(const Fw
     const acc_t scale = (acc_t)p.scale;
     const int warp = threadIdx.x / WARP_SIZE;
     const int T_r = (p.mask.Nq + tile_rows - 1) / tile_rows;   // the main kernel's grid's
-    for_each_flagged(p.repair_flags, p.seqs.heads * T_r, [&](i64 tile) {
+    for_each_flagged<true>(p.repair_flags, p.seqs.heads * T_r, [&](i64 tile) {
         const Seq sq = seq_of(p, tile / T_r);
         const Mask& mask = mask_of(p, sq);
         const int Nq = mask.Nq;

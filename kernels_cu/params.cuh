@@ -220,8 +220,10 @@ struct FwdParams {
     acc_t* m;                  // (BH, rows_q) row max, natural units
     acc_t* l;                  // (BH, rows_q) row exp-sum
     acc_t* o_run;              // (BH, rows_q, DP) V1: the running O_i between outer steps
-    unsigned* tile_counter;    // the persistent Hopper forward: tiles claimed past the first grid, zeroed
-    unsigned* repair_flags;    // (heads, T_r) zeroed, causal: Q tiles for flash_fwd_repair
+    unsigned* tile_counter;    // the persistent Hopper forward: [0] tiles claimed past the first grid, [1] CTAs
+                               // done claiming; zero before the call, and after it (its last CTA resets both)
+    unsigned* repair_flags;    // (heads, T_r) causal: Q tiles for flash_fwd_repair; zero before the call, and
+                               // after it (flash_fwd_repair clears what it reads)
     elem_t* o_parts;           // (kv_splits, BH, rows_q, D) split-KV: each split's o, m, l, for flash_merge
     acc_t* m_parts;            // (kv_splits, BH, rows_q)
     acc_t* l_parts;            // (kv_splits, BH, rows_q)

@@ -228,6 +228,36 @@ def test_the_repair_kernels_at_every_dtype_and_bucket(dtype, D):
     assert_non_finite_rules(dtype, True, "k", to_gpu, head_dim=D)
 
 
+@pytest.mark.parametrize("portable", ["v2", "v2-mma", "v1"], indirect=True)
+def test_a_kept_forward_leaves_its_scratch_zero(portable):
+    """A kept plan's tile counters and repair flags (``_launch.Scratch``) live from call to call on the
+    stream: the persistent forward's last CTA resets the counters and flash_fwd_repair clears the flags it
+    reads. Calls in a row, one with an inf value under masked pairs (flagged, repaired), each against the
+    reference; then every kept scratch is zero."""
+    import cupy
+
+    from cupyflash import _launch
+
+    rng = numpy.random.default_rng(11)
+    for n in range(4):
+        q, k, v = random_inputs(rng, "float16", (2, 3, 200, 64), (2, 3, 200, 64))
+        if n == 1:
+            v[:, :, -1, :] = numpy.inf   # only the last query row sees the last key
+        o, m, l = cupyflash.flash_attention_forward(*to_gpu(q, k, v), causal=True, schedule=portable)
+        o_ref, m_ref, l_ref = reference.attention_forward(q, k, v, causal=True)
+        seen = numpy.isfinite(o_ref)
+        assert numpy.array_equal(numpy.isfinite(o.get()), seen), n
+        for name, got, ref in (("o", o.get()[seen], o_ref[seen]), ("m", m.get(), m_ref), ("l", l.get(), l_ref)):
+            assert_near(f"{name} of call {n}", got, ref, "float16")
+    cupy.cuda.get_current_stream().synchronize()
+    kept = [(plan, memory) for plan in _launch.PLANS.values() if isinstance(plan, _launch.ForwardPlan)
+            for memory in plan.scratch.kept.values()]
+    assert kept
+    for plan, memory in kept:
+        words = cupy.ndarray((plan.scratch.block.nbytes,), numpy.uint8, memptr=memory)
+        assert not words.any(), plan
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_merging_parts_gives_the_whole(dtype):
     """Attention over two key ranges, merged on the GPU, against the whole."""
