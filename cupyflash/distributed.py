@@ -71,8 +71,7 @@ def shard(x, rank: int, world: int, layout: str = "zigzag", axis: int = -2):
         raise ValueError(f"x's length {n} along axis {axis} (shape {x.shape}) is not a multiple of the {pieces} "
                          f"chunks of a {layout} layout over {world} ranks")
     c = n // pieces
-    return xp.concatenate([xp.take(x, range(i * c, (i + 1) * c), axis=axis)
-                           for i in chunks_of(rank, world, layout)], axis=axis)
+    return xp.concatenate([_along(x, axis, i * c, c) for i in chunks_of(rank, world, layout)], axis=axis)
 
 
 def unshard(shards, layout: str = "zigzag", axis: int = -2):
@@ -90,8 +89,15 @@ def unshard(shards, layout: str = "zigzag", axis: int = -2):
     pieces = [None] * (world * per)
     for rank, s in enumerate(shards):
         for position, i in enumerate(chunks_of(rank, world, layout)):
-            pieces[i] = xp.take(s, range(position * c, (position + 1) * c), axis=axis)
+            pieces[i] = _along(s, axis, position * c, c)
     return xp.concatenate(pieces, axis=axis)
+
+
+def _along(x, axis: int, start: int, length: int):
+    """The view of ``x`` from ``start``, ``length`` long, along ``axis``."""
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(start, start + length)
+    return x[tuple(index)]
 
 
 # ---------------------------------------------------------------------------------------------------
