@@ -295,12 +295,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             // host), or of the modifiers' S (RawMods: unit > 0)
             const Seq seq = seq_of(p, w.w);
             EntryMods entry = mods_of(p, seq);
-            // The sink's logit (where the call has sinks) is read where the batch index is at hand: here, with
-            // the modifiers, which need it too, else after the loop. Read here by a plain kernel, it held a
-            // register through the loop (forward 3% slower at N 512); read after the loop by a bias kernel, the
-            // batch index did (8% slower at D 64; RESULTS.md, thirteenth session)
+            // The sink's logit (where the call has sinks) is read here, with the modifiers, when a bias or a
+            // mask reads the batch index too, else after the loop. Read here by the other kernels, it held a
+            // register through the loop (the plain forward 3% slower at N 512, softcap's 2%); read after the
+            // loop by a bias kernel, the batch index did (8% slower at D 64; RESULTS.md, thirteenth session)
+            constexpr bool SINK_WITH_MODS = BIAS || BOOL_MASK;
             const bool sinks = SWITCH_ON(SINK, p.uses);
-            const acc_t sink_here = SCORE_MODS && sinks ? sink_of(p, seq, w.split) : (acc_t)0;
+            const acc_t sink_here = SINK_WITH_MODS && sinks ? sink_of(p, seq, w.split) : (acc_t)0;
             const RawMods mods(entry, scale);
             const acc_t unit = SCORE_MODS ? mods.unit : scale, log2_unit = unit * (acc_t)LOG2E;
             acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
@@ -412,7 +413,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             // O_i = diag(l_i)^-1 O_i (the sink folded in where the call has sinks: sink_of); write O_i, m_i
             // (in natural units), l_i to HBM, or to the split's part
             const i64 row0 = seq_of(p, w.w).row0;
-            const acc_t sink = SCORE_MODS ? sink_here : sinks ? sink_of(p, seq_of(p, w.w), w.split) : (acc_t)0;
+            const acc_t sink = SINK_WITH_MODS ? sink_here : sinks ? sink_of(p, seq_of(p, w.w), w.split) : (acc_t)0;
             store_output_rows(p.o_at(w.split, row0), p.m_at(w.split, row0), p.l_at(w.split, row0), O, m_i,
                               l_i, unit, r0, Nq, D, sinks, sink,
                               DROPOUT ? entry.keep_scale : (acc_t)1);
