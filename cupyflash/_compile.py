@@ -280,23 +280,6 @@ def _compile_logged(job):
     return cubin[:4], log
 
 
-class Compiling:
-    """``compile_all`` started in the background: ``result()`` waits for it (the same list)."""
-
-    def __init__(self, jobs, workers=None):
-        jobs = list(jobs)
-        workers = default_workers() if workers is None else workers
-        self.pool = _spawn_pool(max(1, min(workers, len(jobs)))) if jobs else None
-        self.futures = [self.pool.submit(_compile_logged, job) for job in jobs] if jobs else []
-
-    def result(self) -> list[tuple[bytes, str]]:
-        try:
-            return [future.result() for future in self.futures]
-        finally:
-            if self.pool is not None:
-                self.pool.shutdown()
-
-
 def compile_all(jobs, workers=None) -> list[tuple[bytes, str]]:
     """``compile_for_arch(cfg, arch, verbose=True)`` of every ``(cfg, arch)`` in ``jobs``, in worker
     processes (no GPU needed): the first four bytes of each cubin (empty where NVRTC failed) and the

@@ -36,21 +36,6 @@ def pytest_collection_modifyitems(session, config, items):
     session.selects_gpu_tests = any(item.get_closest_marker("gpu") for item in items)
     if config.getoption("--longest-first"):
         items[:] = longest_first(items, measured_durations(), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-    elif "PYTEST_XDIST_WORKER" not in os.environ:
-        compile_in_the_background(items)
-
-
-def compile_in_the_background(items: list):
-    """Where the session runs tests/test_compile.py's specialisations (the ``compiled`` fixture), start
-    compiling them now in worker processes and run that module's tests last, so that the compiles
-    overlap the other tests (CI: two cores, the CPU tests on one)."""
-    compiling = [item for item in items if "compiled" in getattr(item, "fixturenames", ())]
-    if not compiling:
-        return
-    module = compiling[0].module
-    items[:] = ([item for item in items if getattr(item, "module", None) is not module]
-                + [item for item in items if getattr(item, "module", None) is module])
-    module.start_compiling()
 
 
 def longest_first(items: list, seconds: dict, workers: int) -> list:

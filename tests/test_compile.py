@@ -41,23 +41,11 @@ def _specialisations():
 SPECIALISATIONS = _specialisations()
 
 
-_STARTED = []   # the background compile of SPECIALISATIONS, once begun (start_compiling)
-
-
-def start_compiling():
-    """Begin compiling every specialisation in worker processes, one per core, while the session runs
-    other tests (tests/conftest.py calls this after collection and runs this module last): CPU tests
-    run on one core, which would leave the other idle."""
-    if not _STARTED:
-        _STARTED.append(_compile.Compiling((cfg, arch) for arch, cfg in SPECIALISATIONS))
-    return _STARTED[0]
-
-
 @pytest.fixture(scope="module")
 def compiled():
     """(cubin magic, ptxas log) of every specialisation, compiled in parallel (the log holds NVRTC's
     error where one does not compile)."""
-    return dict(zip(SPECIALISATIONS, start_compiling().result()))
+    return dict(zip(SPECIALISATIONS, _compile.compile_all((cfg, arch) for arch, cfg in SPECIALISATIONS)))
 
 
 # ptxas allocates registers differently from one CUDA release to the next; the zero-spill rule holds
