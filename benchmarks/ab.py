@@ -40,9 +40,9 @@ import numpy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402 - the protocol's configurations, inputs and clocks
+import variants  # noqa: E402 - the variants sweep's settings
 
 VARIANTS = ("plain", "window", "softcap", "alibi", "sink", "dropout", "bias", "mask", "varlen")
-VARLEN_SEQS, VARLEN_LENGTHS = 64, (128, 4096)
 WARM_N = 256          # the sequence length of the compile-ahead calls
 WARMUP, REPEATS = 3, 10
 
@@ -80,14 +80,15 @@ def cases(sweeps, dtypes, head_dims, seqlens, variant_seqlens, variants=VARIANTS
 
 
 def make_case(case, small: bool = False):
-    """``(inputs, forward kwargs, backward extra kwargs, visible pairs per head or None)`` of a case;
-    for ``varlen``: q, k, v, do as (H, total, D) views of (total, H, D) memory and the offsets."""
+    """``(inputs, forward kwargs, backward extra kwargs, offsets or None)`` of a case (``small``: at
+    ``WARM_N``); for ``varlen``: q, k, v, do as (H, total, D) views of (total, H, D) memory and the
+    sequences' int32 offsets (variants.py's lengths)."""
     _, variant, dtype, D, N, causal = case
     H = bench.HIDDEN // D
     if variant == "varlen":
         rng = numpy.random.default_rng(0)
-        lo, hi = (WARM_N // 4, WARM_N) if small else VARLEN_LENGTHS
-        lengths = rng.integers(lo, hi + 1, 4 if small else VARLEN_SEQS)
+        lo, hi = (WARM_N // 4, WARM_N) if small else variants.VARLEN_LENGTHS
+        lengths = rng.integers(lo, hi + 1, 4 if small else variants.VARLEN_SEQS)
         total = int(lengths.sum())
         gen = cupy.random.default_rng(bench.SEED)
         q, k, v, do = (gen.standard_normal((total, H, D), dtype=numpy.float32).astype(bench.DTYPES[dtype])
@@ -95,8 +96,7 @@ def make_case(case, small: bool = False):
         cu = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths)]), dtype=numpy.int32)
         longest = int(lengths.max())
         kw = dict(causal=causal, max_seqlen_q=longest, max_seqlen_k=longest)
-        pairs = int(sum(n * (n + 1) // 2 if causal else n * n for n in lengths)) * H
-        return bench.Inputs(q, k, v, do, causal), kw, {}, (cu, pairs)
+        return bench.Inputs(q, k, v, do, causal), kw, {}, cu
     N = WARM_N if small else N
     cfg = bench.protocol_config(dtype, D, N, causal)
     x = bench.make_inputs(cfg, bench.SEED)
@@ -105,13 +105,13 @@ def make_case(case, small: bool = False):
     if variant == "window":
         kw["window"] = (256, 0)
     elif variant == "softcap":
-        kw["softcap"] = 30.0
+        kw["softcap"] = variants.SOFTCAP
     elif variant == "alibi":
-        kw["alibi_slopes"] = cupy.asarray(2.0 ** (-8.0 * numpy.arange(1, cfg.H + 1) / cfg.H), dtype=numpy.float32)
+        kw["alibi_slopes"] = variants.alibi_slopes(cfg.H)
     elif variant == "sink":
         kw["sink"] = rng.standard_normal(cfg.H, dtype=numpy.float32)
     elif variant == "dropout":
-        kw.update(dropout_p=0.1, seed=1)
+        kw.update(dropout_p=variants.DROPOUT_P, seed=1)
     elif variant == "bias":
         kw["bias"] = rng.standard_normal((1, cfg.H, N, N), dtype=numpy.float32).astype(x.q.dtype)
         extra["bias_grad"] = True
@@ -122,13 +122,14 @@ def make_case(case, small: bool = False):
     return x, kw, extra, None
 
 
-def calls(flash, x, kw, extra, packed) -> dict:
+def calls(flash, x, kw, extra, offsets) -> dict:
     """{mode: a zero-argument call} of one checkout's ``flash`` (its cupyflash package)."""
-    if packed is not None:
-        cu = packed[0]
+    if offsets is not None:
+        cu = offsets
         saved = tuple(flash.flash_attention_varlen_forward(x.q, x.k, x.v, cu, cu, **kw))
         return {"fwd": lambda: flash.flash_attention_varlen_forward(x.q, x.k, x.v, cu, cu, **kw),
-                "bwd": lambda: flash.flash_attention_varlen_backward(x.do, x.q, x.k, x.v, *saved, cu, cu, **kw, **extra)}
+                "bwd": lambda: flash.flash_attention_varlen_backward(x.do, x.q, x.k, x.v, *saved, cu, cu, **kw,
+                                                                      **extra)}
     saved = tuple(flash.flash_attention_forward(x.q, x.k, x.v, **kw))
     return {"fwd": lambda: flash.flash_attention_forward(x.q, x.k, x.v, **kw),
             "bwd": lambda: flash.flash_attention_backward(x.do, x.q, x.k, x.v, *saved, **kw, **extra)}
@@ -138,9 +139,9 @@ def _warm(job) -> str:
     """Compile what ``case`` needs in both checkouts (a worker process): one small forward and backward."""
     roots, case = job
     try:
-        x, kw, extra, packed = make_case(case, small=True)
+        x, kw, extra, offsets = make_case(case, small=True)
         for label, root in roots.items():
-            for call in calls(load_tree(label, Path(root)), x, kw, extra, packed).values():
+            for call in calls(load_tree(label, Path(root)), x, kw, extra, offsets).values():
                 call()
         cupy.cuda.Device().synchronize()
         return ""
@@ -150,8 +151,8 @@ def _warm(job) -> str:
 
 def time_case(trees, case, rounds: int) -> dict:
     """``{mode: {label: ms}}`` of one case, the checkouts alternating."""
-    x, kw, extra, packed = make_case(case)
-    runs = {label: calls(flash, x, kw, extra, packed) for label, flash in trees.items()}
+    x, kw, extra, offsets = make_case(case)
+    runs = {label: calls(flash, x, kw, extra, offsets) for label, flash in trees.items()}
     clock = bench.cupy_clock()
     times = {mode: {label: [] for label in trees} for mode in ("fwd", "bwd")}
     labels = list(trees)

@@ -86,7 +86,7 @@ def main() -> None:
     cft._Plan.__init__ = on_the_cuda_path
     cft._cupy()
     # getDevice: device 0 is current; ctxGetCurrent: a context is current (setDevice is never reached)
-    cft._CUPY = (*cft._CUPY[:5], lambda: 0, lambda: 1, cft._CUPY[7])
+    cft._CUPY.getDevice, cft._CUPY.ctxGetCurrent = (lambda: 0), (lambda: 1)
     cft._current_stream = lambda device, stream=NoStream(): stream
 
     q, k, v = (torch.randn(args.shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))

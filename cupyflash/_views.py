@@ -12,17 +12,26 @@ _KEPT: dict = {}
 MAX_KEPT = 4096
 
 
-def device_view(address: int, nbytes: int, shape: tuple, dtype, strides, device: int):
+def view(address: int, nbytes: int, shape: tuple, dtype, strides, device: int, owner=None):
     """A ``cupy.ndarray`` of ``shape`` and NumPy ``dtype`` with ``strides`` in bytes (None: C order) over
-    the ``nbytes`` bytes at ``address`` on ``device``, made once per these values. It holds no memory:
-    the caller uses it only while the owner's memory lives, for the length of one call."""
+    the ``nbytes`` bytes at ``address`` on ``device``, holding ``owner`` (the tensor or buffer whose memory
+    it is; None: the caller keeps that alive while it uses the array). An empty array where ``nbytes`` is
+    0: such a tensor may have no address."""
+    import cupy
+
+    if not nbytes:
+        return cupy.ndarray(shape, dtype)
+    memory = cupy.cuda.UnownedMemory(address, nbytes, owner, device)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), strides)
+
+
+def device_view(address: int, nbytes: int, shape: tuple, dtype, strides, device: int):
+    """``view`` holding no owner, made once per these values: the caller uses it only while the owner's
+    memory lives, for the length of one call."""
     key = (address, nbytes, shape, dtype, strides, device)
     array = _KEPT.get(key)
     if array is None:
-        import cupy
-
-        memory = cupy.cuda.UnownedMemory(address, nbytes, None, device)
-        array = cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), strides)
+        array = view(address, nbytes, shape, dtype, strides, device)
         if len(_KEPT) >= MAX_KEPT:
             _KEPT.clear()
         _KEPT[key] = array

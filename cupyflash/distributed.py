@@ -23,11 +23,12 @@ the CPU (NumPy arrays) any object with ``rank``, ``world`` and ``shift(send, rec
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy
 
-from ._checks import array_module, check_choice
+from ._checks import array_module, check_bool, check_choice
 from ._tiles import accumulator_dtype
 from .api import flash_attention_backward, flash_attention_forward
 from .merge import merge_attention
@@ -41,6 +42,11 @@ def chunks_of(rank: int, world: int, layout: str) -> tuple:
     """The chunks of the sequence rank ``rank`` of ``world`` holds, in order: ``(r,)`` of ``world``
     chunks (contiguous) or ``(r, 2 world - 1 - r)`` of ``2 world`` (zigzag)."""
     return (rank,) if layout == "contiguous" else (rank, 2 * world - 1 - rank)
+
+
+def chunks_per_rank(layout: str) -> int:
+    """How many chunks each rank holds: 1 (contiguous) or 2 (zigzag)."""
+    return 1 if layout == "contiguous" else 2
 
 
 def shard(x, rank: int, world: int, layout: str = "zigzag", axis: int = -2):
@@ -66,7 +72,7 @@ def shard(x, rank: int, world: int, layout: str = "zigzag", axis: int = -2):
     if not (isinstance(world, int) and world >= 1 and isinstance(rank, int) and 0 <= rank < world):
         raise ValueError(f"rank must be in [0, world) and world >= 1, got rank {rank!r}, world {world!r}")
     n = x.shape[axis]
-    pieces = world * len(chunks_of(0, world, layout))
+    pieces = world * chunks_per_rank(layout)
     if n % pieces:
         raise ValueError(f"x's length {n} along axis {axis} (shape {x.shape}) is not a multiple of the {pieces} "
                          f"chunks of a {layout} layout over {world} ranks")
@@ -81,7 +87,7 @@ def unshard(shards, layout: str = "zigzag", axis: int = -2):
     if not shards:
         raise ValueError("shards must hold one array per rank, got none")
     xp = array_module({f"shards[{r}]": s for r, s in enumerate(shards)})
-    world, per = len(shards), len(chunks_of(0, len(shards), layout))
+    world, per = len(shards), chunks_per_rank(layout)
     if any(s.shape != shards[0].shape for s in shards) or shards[0].shape[axis] % per:
         raise ValueError(f"shards must share one shape whose length along axis {axis} is a multiple of {per}, "
                          f"got {[s.shape for s in shards]}")
@@ -189,11 +195,10 @@ def _checked(q, k, v, ring, causal, softmax_scale, layout, more=None):
     """``(xp, chunk length, scale)`` of a ring call; ValueError/TypeError naming what is wrong."""
     check_choice("layout", layout, LAYOUTS)
     xp = array_module({"q": q, "k": k, "v": v, **(more or {})})
-    if not isinstance(causal, (bool, numpy.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool("causal", causal)
     if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim:
         raise ValueError(f"q, k, v must have the same rank >= 2, got {q.shape}, {k.shape}, {v.shape}")
-    n, per = q.shape[-2], len(chunks_of(0, ring.world, layout))
+    n, per = q.shape[-2], chunks_per_rank(layout)
     if k.shape[-2] != n or v.shape[-2] != n:
         raise ValueError(f"each rank's q, k and v shards must hold one length of the sequence (axis -2), got "
                          f"q {q.shape}, k {k.shape}, v {v.shape}")
@@ -269,7 +274,7 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, softmax_scale
     mine = chunks_of(ring.rank, ring.world, layout)
     running = [None] * len(mine)
     shifts = _Shifts(xp, stream)
-    with (shifts.compute if shifts.gpu else _nothing()):
+    with (shifts.compute if shifts.gpu else contextlib.nullcontext()):
         held = [_own(xp, k, ring), _own(xp, v, ring)]
         spare = [xp.empty_like(x) for x in held] if ring.world > 1 else None
         for step in range(ring.world):
@@ -323,7 +328,7 @@ def ring_attention_backward(do, q, k, v, o, m, l, comm, *, causal: bool = False,
                          f"o {o.shape}, m {m.shape}, l {l.shape}")
     acc = accumulator_dtype(q.dtype)
     shifts = _Shifts(xp, stream)
-    with (shifts.compute if shifts.gpu else _nothing()):
+    with (shifts.compute if shifts.gpu else contextlib.nullcontext()):
         dq = xp.zeros(q.shape, acc)
         held = [_own(xp, k, ring), _own(xp, v, ring)]
         spare = [xp.empty_like(x) for x in held] if ring.world > 1 else None
@@ -357,13 +362,3 @@ def ring_attention_backward(do, q, k, v, o, m, l, comm, *, causal: bool = False,
             shifts.finish("dkv")
             sums = arrived
         return dq.astype(q.dtype), sums[0].astype(k.dtype), sums[1].astype(v.dtype)
-
-
-class _nothing:
-    """The context of a CPU call: none."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -30,6 +30,7 @@ call on CUDA tensors.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Optional
 
 import ml_dtypes
@@ -37,8 +38,7 @@ import numpy
 import torch
 import torch.autograd.function
 
-from . import api
-from ._views import device_view
+from . import _views, api
 
 __all__ = ["flash_attention", "flash_attention_varlen"]
 
@@ -113,8 +113,7 @@ def _host_array(tensor, view: _View, device=None):
     return numpy.asarray(_Host(tensor, view)).view(view.dtype)
 
 
-_CUPY = None   # (ndarray, MemoryPointer, UnownedMemory, ExternalStream, Device, getDevice, ctxGetCurrent,
-#                 setDevice) once imported
+_CUPY = None   # what a call uses of CuPy, looked up once it is imported (_cupy)
 
 
 def _cupy():
@@ -122,23 +121,23 @@ def _cupy():
     if _CUPY is None:
         import cupy
 
-        _CUPY = (cupy.ndarray, cupy.cuda.MemoryPointer, cupy.cuda.UnownedMemory, cupy.cuda.ExternalStream,
-                 cupy.cuda.Device, cupy.cuda.runtime.getDevice, cupy.cuda.driver.ctxGetCurrent,
-                 cupy.cuda.runtime.setDevice)
+        _CUPY = SimpleNamespace(ExternalStream=cupy.cuda.ExternalStream, Device=cupy.cuda.Device,
+                                getDevice=cupy.cuda.runtime.getDevice, setDevice=cupy.cuda.runtime.setDevice,
+                                ctxGetCurrent=cupy.cuda.driver.ctxGetCurrent)
     return _CUPY
 
 
 def _held_array(tensor, view: _View, device: int):
     """A CuPy array over the memory of CUDA ``tensor`` on ``device`` (it holds the tensor): no copy."""
-    ndarray, MemoryPointer, UnownedMemory = _CUPY[:3]
-    memory = UnownedMemory(tensor.data_ptr() + view.offset, view.nbytes, tensor, device)
-    return ndarray(view.shape, view.dtype, MemoryPointer(memory, 0), view.strides)
+    return _views.view(tensor.data_ptr() + view.offset, view.nbytes, view.shape, view.dtype, view.strides, device,
+                       tensor)
 
 
 def _device_array(tensor, view: _View, device: int):
     """A CuPy array over the memory of CUDA ``tensor`` (which the caller holds for the call): no copy, kept
     by address and view (``_views.device_view``)."""
-    return device_view(tensor.data_ptr() + view.offset, view.nbytes, view.shape, view.dtype, view.strides, device)
+    return _views.device_view(tensor.data_ptr() + view.offset, view.nbytes, view.shape, view.dtype, view.strides,
+                              device)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -155,7 +154,7 @@ def _current_stream(device: int):
     if stream is None:
         if len(_STREAMS) >= MAX_KEPT:
             _STREAMS.clear()
-        stream = _STREAMS[(device, ptr)] = _cupy()[3](ptr, device)
+        stream = _STREAMS[(device, ptr)] = _cupy().ExternalStream(ptr, device)
     return stream
 
 
@@ -174,7 +173,7 @@ class _OnDevice:
     another device than the current one."""
 
     def __init__(self, device: int, stream):
-        self.device, self.stream = _CUPY[4](device), stream
+        self.device, self.stream = _CUPY.Device(device), stream
 
     def __enter__(self):
         self.device.__enter__()
@@ -194,11 +193,11 @@ def _torch_stream(device):
     if device is None:
         return _NO_STREAM
     stream = _current_stream(device)
-    if not _CUPY[6]():
+    if not _CUPY.ctxGetCurrent():
         # no CUDA context current on this thread (torch's autograd thread, whose backward may make no
         # runtime call of CuPy's before a kernel loads through the driver): the device's primary one
-        _CUPY[7](device)
-    return stream if _CUPY[5]() == device else _OnDevice(device, stream)
+        _CUPY.setDevice(device)
+    return stream if _CUPY.getDevice() == device else _OnDevice(device, stream)
 
 
 # ---------------------------------------------------------------------------------------------------

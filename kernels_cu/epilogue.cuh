@@ -98,8 +98,8 @@ __device__ __forceinline__ KvTurns kv_turns(const BwdParams& p, const Seq& sq, i
 
 // One thread's part of an ordered store of dK_j and dV_j (kv_turns): wait for both turns before the
 // CTA's barrier, hand both on after the next. The counters are found again for the hand-on rather than
-// kept: in the Hopper backwards the ordered sums are a run-time word (SWITCH_ON(ORDERED, p.uses)), and nothing of them
-// should stay live beside dK_j and dV_j in the kernels that do not order.
+// kept: where the ordered sums are a run-time word (SWITCH_ON(ORDERED, p.uses)), nothing of them should
+// stay live beside dK_j and dV_j in the kernels that do not order.
 __device__ __forceinline__ void wait_kv_turns(const BwdParams& p, const Seq& sq, i64 tile, i64 tiles) {
     const KvTurns turns = kv_turns(p, sq, tile, tiles);
     wait_turn(turns.dk, turns.dk_rank);

@@ -97,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams
 
     const int D = p.D;
     const bool vec = p.vec != 0, kv_atomic = p.kv_atomic != 0;
-    const bool ordered = SWITCH_ON(ORDERED, p.uses);               // deterministic: the sums in grid order
+    const bool ordered = SWITCH_ON(ORDERED, p.uses);   // deterministic: the sums in grid order
     const acc_t scale = (acc_t)p.scale;
     const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
     const int g = lane / 4, t = lane % 4;

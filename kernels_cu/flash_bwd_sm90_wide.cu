@@ -150,7 +150,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
 
     const int D = p.D;
     const bool kv_atomic = p.kv_atomic != 0;
-    const bool ordered = SWITCH_ON(ORDERED, p.uses);              // deterministic: the sums in grid order
+    const bool ordered = SWITCH_ON(ORDERED, p.uses);   // deterministic: the sums in grid order
     const int tid = threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid / WG_THREADS, 0);   // from lane 0: the compiler sees it warp-uniform
     const int T_r = (p.mask.Nq + B_R - 1) / B_R, T_c = (p.mask.Nk + B_C - 1) / B_C;   // the grid's tiles per head

@@ -55,9 +55,9 @@ struct Batch {
     __device__ __forceinline__ BatchIndex split(i64 bh) const { return split_batch(bh, n1, n2); }
 };
 
-// The sequences of each batch entry and the work heads the grid walks. Packed (SWITCH_ON(VARLEN, p.uses)), a batch entry's rows
-// hold n packed sequences: sequence s is the query rows cu_q[s] .. cu_q[s+1] - 1 and the key rows
-// cu_k[s] .. cu_k[s+1] - 1, and sees only its own keys, under `band` with its own Nq, Nk (causal
+// The sequences of each batch entry and the work heads the grid walks. Packed (SWITCH_ON(VARLEN, p.uses)),
+// a batch entry's rows hold n packed sequences: sequence s is the query rows cu_q[s] .. cu_q[s+1] - 1 and
+// the key rows cu_k[s] .. cu_k[s+1] - 1, and sees only its own keys, under `band` with its own Nq, Nk (causal
 // and windows bottom-right per sequence). Null offsets make the entry's rows one sequence (n = 1:
 // rows_q queries, rows_k keys), and `len_k`, where given, cuts each batch entry's keys to its first
 // len_k[entry] + len_add (a K/V cache's valid lengths, the new keys appended; clamped to [0, rows_k]).

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cupyflash import reference
-from cupyflash.distributed import (LAYOUTS, chunks_of, ring_attention_backward, ring_attention_forward, shard,
-                                   unshard)
+from cupyflash.distributed import (LAYOUTS, chunks_per_rank, ring_attention_backward, ring_attention_forward,
+                                   shard, unshard)
 from helpers import gpu_test, to_gpu
 from tolerances import BWD_CEILING, FWD_CEILING
 
@@ -86,7 +86,7 @@ def assert_near(name, got, ref, dtype):
 
 def ring_case(world, layout, causal, dtype, batch=(2, 3), n_chunk=5, D=16, kv_batch=None, seed=0):
     rng = numpy.random.default_rng(seed)
-    n = n_chunk * world * len(chunks_of(0, world, layout))
+    n = n_chunk * world * chunks_per_rank(layout)
     q, k, v, do = inputs(rng, dtype, batch, n, D, kv_batch)
     originals = [x.copy() for x in (q, k, v, do)]
 
@@ -222,7 +222,7 @@ def test_the_gpu_path_with_its_transfer_stream(layout):
     import cupy
 
     world, rng = 3, numpy.random.default_rng(4)
-    n = 8 * world * len(chunks_of(0, world, layout))
+    n = 8 * world * chunks_per_rank(layout)
     q, k, v, do = inputs(rng, "float32", (2, 2), n, 32)
 
     def work(ring):

@@ -13,7 +13,8 @@ the compiles the tests need). ``full`` starts the longest tests first, one per w
 (tests/gpu/durations.txt, ``--longest-first`` in tests/conftest.py), with work stealing for the
 rest, and prints every test of 5 s or more; ``--write-durations`` writes them into durations.txt
 (do so when they have moved). Every worker runs NumPy's BLAS on one thread: sixteen workers each
-starting a thread per core only fight over the cores. The last lines printed are pytest's summary and the tier's wall time, compile included.
+starting a thread per core only fight over the cores. The last lines printed are pytest's summary and
+the tier's wall time, compile included.
 """
 
 import argparse
