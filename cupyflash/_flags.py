@@ -36,6 +36,7 @@ AT_RUN_TIME = 2
 FORWARD = ("fwd_v1", "fwd_v2", "fwd_sm90")
 BACKWARD = ("bwd", "bwd_sm90", "bwd_sm90_wide")
 MAIN = FORWARD + BACKWARD            # the kernels whose inner loop computes scores
+MAIN_BUT_V1 = MAIN[1:]               # the same but the V1 forward (FlashAttention's Algorithm 1)
 SCORED = MAIN + ("repair",)          # every family that computes scores (flash_repair.cu: the slow path)
 
 
@@ -116,12 +117,15 @@ class Flag:
 
 # The score modifiers (score_mod.cuh) are compiled into the main kernels (MAIN), where they sit in the inner
 # loop, and read at run time by the repair (SCORED less MAIN), a slow path that only inputs with inf or NaN
-# under a mask reach: one repair specialisation per dtype and head-dim bucket.
+# under a mask reach: one repair specialisation per dtype and head-dim bucket. The V1 forward, which the
+# library picks only for float64 past D 128, reads softcap and ALiBi at run time (a scalar each per score
+# beside a float64 product; RESULTS.md, fourteenth session): that leaves room under 6000 specialisations
+# for the bias backward's flags.
 FLAGS = (
     # s <- c tanh(s / c)
-    Flag("softcap", SCORED, MAIN, scores=True, fields=(("softcap", "f64"),)),
+    Flag("softcap", SCORED, MAIN_BUT_V1, scores=True, fields=(("softcap", "f64"),)),
     # s <- s - slope |i + off - j|, a slope per batch entry
-    Flag("alibi", SCORED, MAIN, scores=True, fields=(("alibi", "entry"),), array="alibi_slopes", per="entry"),
+    Flag("alibi", SCORED, MAIN_BUT_V1, scores=True, fields=(("alibi", "entry"),), array="alibi_slopes", per="entry"),
     # one more key of logit sink and value zero, folded into the forward's final m_i, l_i: only the forwards
     # read it (the backward's P = exp(S - lse) takes it through m, l; the repair reads m, l; dsink is CuPy's),
     # in their epilogues, once per row: a run-time word (types.cuh: SWITCH_ON; params.cuh: sink_of)
@@ -129,9 +133,10 @@ FLAGS = (
     # s <- s + bias_ij
     Flag("bias", SCORED, MAIN, pair_tiles=True, scores=True, fields=(("bias", "pair"),), array="bias", per="pair"),
     # the backward adds dS_ij into dbias_ij: in the bias kernels, a uniform branch per tile of dS (score_mod.cuh:
-    # add_dbias_quad), a run-time word (compiled into bwd_sm90 the bias backward ran no faster: RESULTS.md,
-    # thirteenth session); the wide Hopper backward has no plain dS under a softcap
-    Flag("bias_grad", BACKWARD, (), requires="bias", excludes=(("bwd_sm90_wide", "softcap"),),
+    # add_dbias_quad); compiled into the 16-bit Hopper backward, whose bias kernel (it spills) ran 10-19% slower
+    # with it at run time beside the deterministic order's flag, and a run-time word elsewhere (RESULTS.md,
+    # fourteenth session); the wide Hopper backward has no plain dS under a softcap
+    Flag("bias_grad", BACKWARD, ("bwd_sm90",), requires="bias", excludes=(("bwd_sm90_wide", "softcap"),),
          fields=(("dbias", "pair"), ("dbias_add", "i32"))),
     # s <- -inf where mask_ij is false
     Flag("mask", SCORED, MAIN, pair_tiles=True, scores=True, fields=(("keep", "pair"),), array="mask", per="pair"),

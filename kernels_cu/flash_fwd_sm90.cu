@@ -140,13 +140,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
     // the split's run of them; visit n at ring position kv + n)
     struct Work { i64 w; Mask mask; int i; int split; Visits visits; };
     auto work_at = [&](unsigned index) {
-        const int split = (int)(index % splits);
-        const GridTile at = grid_tile_at(index / splits, heads, T_r, p.head_group);
+        int split = 0;   // without split-KV (splits == 1) no division in the per-tile path
+        if (splits > 1) { split = (int)(index % splits); index /= splits; }
+        const GridTile at = grid_tile_at(index, heads, T_r, p.head_group);
         const Seq sq = seq_of(p, at.bh);
         const Mask mask = mask_of(p, sq);
         const int i = (mask.Nq + B_R - 1) / B_R - 1 - at.tile;
-        const Visits visits = i < 0 ? Visits{nullptr, 0, 0}
-                                    : kv_visits<B_R, B_C>(mask, tiles_of(p, sq), i).split(split, (int)splits);
+        Visits visits = i < 0 ? Visits{nullptr, 0, 0} : kv_visits<B_R, B_C>(mask, tiles_of(p, sq), i);
+        if (splits > 1) visits = visits.split(split, (int)splits);
         return Work{at.bh, mask, i, split, visits};
     };
     // the first tile from `index` on that is not past its sequence's rows (claiming more past those)
