@@ -36,7 +36,6 @@ AT_RUN_TIME = 2
 FORWARD = ("fwd_v1", "fwd_v2", "fwd_sm90")
 BACKWARD = ("bwd", "bwd_sm90", "bwd_sm90_wide")
 MAIN = FORWARD + BACKWARD            # the kernels whose inner loop computes scores
-MAIN_BUT_V1 = MAIN[1:]               # the same but the V1 forward (FlashAttention's Algorithm 1)
 SCORED = MAIN + ("repair",)          # every family that computes scores (flash_repair.cu: the slow path)
 
 
@@ -56,7 +55,8 @@ class Flag:
     requires : str or None
         A flag it needs, where that one is compiled in too (dbias needs the bias).
     excludes : tuple of (str, str)
-        (family, flag): that family never compiles the two together (the host runs another kernel).
+        (family, flag): that family never compiles the two together (the host runs another kernel, or
+        no call takes both).
     beside : tuple of (str, str)
         (family, flag): that family compiles it only in the specialisations that compile that other flag
         too, and reads it at run time in the rest (a switch whose run-time form costs only beside the other).
@@ -117,15 +117,12 @@ class Flag:
 
 # The score modifiers (score_mod.cuh) are compiled into the main kernels (MAIN), where they sit in the inner
 # loop, and read at run time by the repair (SCORED less MAIN), a slow path that only inputs with inf or NaN
-# under a mask reach: one repair specialisation per dtype and head-dim bucket. The V1 forward, which the
-# library picks only for float64 past D 128, reads softcap and ALiBi at run time (a scalar each per score
-# beside a float64 product; RESULTS.md, fourteenth session): that leaves room under 6000 specialisations
-# for the bias backward's flags.
+# under a mask reach: one repair specialisation per dtype and head-dim bucket.
 FLAGS = (
     # s <- c tanh(s / c)
-    Flag("softcap", SCORED, MAIN_BUT_V1, scores=True, fields=(("softcap", "f64"),)),
+    Flag("softcap", SCORED, MAIN, scores=True, fields=(("softcap", "f64"),)),
     # s <- s - slope |i + off - j|, a slope per batch entry
-    Flag("alibi", SCORED, MAIN_BUT_V1, scores=True, fields=(("alibi", "entry"),), array="alibi_slopes", per="entry"),
+    Flag("alibi", SCORED, MAIN, scores=True, fields=(("alibi", "entry"),), array="alibi_slopes", per="entry"),
     # one more key of logit sink and value zero, folded into the forward's final m_i, l_i: only the forwards
     # read it (the backward's P = exp(S - lse) takes it through m, l; the repair reads m, l; dsink is CuPy's),
     # in their epilogues, once per row: a run-time word (types.cuh: SWITCH_ON; params.cuh: sink_of)
@@ -149,8 +146,10 @@ FLAGS = (
     # path and its Mask in registers spill every plain call (fwd_sm90 D64: 0 -> 164 bytes)
     Flag("varlen", SCORED, ("fwd_sm90", "bwd_sm90", "bwd_sm90_wide")),
     # keys in a paged K/V cache (params.cuh: Pages, KeyRows): compiled in where every K/V tile's rows are
-    # found through the table in the loop (fwd_v2, append); a run-time word in the repair
-    Flag("paged", ("fwd_v2", "repair", "append"), ("fwd_v2", "append"), requires="varlen"),
+    # found through the table in the loop (fwd_v2, append); a run-time word in the repair. Only
+    # flash_attention_with_kvcache pages, and it takes no bias, mask or dropout
+    Flag("paged", ("fwd_v2", "repair", "append"), ("fwd_v2", "append"), requires="varlen",
+         excludes=(("fwd_v2", "bias"), ("fwd_v2", "mask"), ("fwd_v2", "dropout"))),
     # the backward's sums over CTAs added in grid order (deterministic=True): a uniform branch around each
     # tile's adds into dQ_i and the dK_j, dV_j stores (SWITCH_ON(ORDERED, p.uses)); compiled into the portable
     # backward, whose float32 kernel ran 2-4% slower with it at run time (RESULTS.md, twelfth session), and

@@ -639,8 +639,9 @@ def modified_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConf
     constexpr`` block of its own, so this compiles every modifier, varlen, paged and ordered line of
     every kernel) at every dtype in its widest head-dim bucket and at every bucket in its first dtype, so
     that each flag meets each dtype and each bucket once (``all_tile_configs`` builds every dtype and
-    bucket plainly); where the family never runs two flags together (``Flag.excludes``: the wide Hopper
-    backward's dbias, whose lines compile only without a softcap), once without each. The per-precision
+    bucket plainly); where the family never runs two flags together (``Flag.excludes``: the paged V2
+    forward has no bias, mask or dropout), once without the row and once without the flags it excludes
+    (and without the family's other such rows). The per-precision
     variants change nothing the flags touch and are not repeated."""
     out = []
     bases = [base for base in _base_configs(smem_limit, arch) if base.fp32_mma in (0, FP32_PRODUCTS["highest"])]
@@ -654,8 +655,10 @@ def modified_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConf
         full = tuple(f.name for f in _flags.compiled_in(base.kernel))
         if not full:
             continue
-        drops = [(f.name,) + tuple(other for family, other in f.excludes if family == base.kernel)
-                 for f in _flags.FLAGS if any(family == base.kernel for family, _ in f.excludes)]
-        sets = [full] if not drops else [tuple(n for n in full if n != drop) for pair in drops for drop in pair]
+        # each row that excludes flags here: once without it, once without what it excludes
+        rows = {f.name: {other for family, other in f.excludes if family == base.kernel} for f in _flags.FLAGS
+                if any(family == base.kernel for family, _ in f.excludes)}
+        sets = [full] if not rows else [tuple(n for n in full if n not in drop) for name, others in rows.items()
+                                        for drop in ({name} | {r for r in rows if r != name}, others)]
         out += list(dict.fromkeys(with_flags(base, names) for names in sets))
     return out
