@@ -105,6 +105,11 @@ _BWD_CANDIDATES = {
     "float64": ((32, 64, 4, 64), (32, 32, 2, 32), (16, 16, 1, 32)),
 }
 # float64 chunks of 64 columns (measured, H200, D = 128: 11.9 TFLOP/s; 8.5 with 32, 8.8 with 128)
+# The portable backward's CTAs per SM that ptxas must leave registers for, by precision class: (largest
+# padded head dim, CTAs). 16-bit up to D = 64: three of 128 threads (168 registers each; left to itself
+# ptxas took 205-238 and two CTAs: the ALiBi backward ran 20% slower, the softcap's 17%; measured, H200,
+# benchmarks/RESULTS.md, fourteenth session). Elsewhere ptxas's own choice.
+_BWD_MIN_CTAS = {"16bit": ((64, 3),)}
 
 # The forward schedule "auto" runs, by precision class and padded head dim: (largest bucket, schedule),
 # measured on the H200 (benchmarks/RESULTS.md). V2 wins wherever its O_i fits the registers: 16-bit
@@ -252,6 +257,15 @@ class TileConfig:
         entry = REGISTER_FILE // self.threads // 8 * 8   # per thread at launch, one CTA per SM
         return producer, min(256, ((1 + consumers) * entry - producer) // consumers // 8 * 8)
 
+    @property
+    def min_ctas(self) -> int:
+        """CTAs per SM the portable backward's ``__launch_bounds__`` asks registers for
+        (``_BWD_MIN_CTAS``); 0: no bound beyond the threads (the other kernels, other buckets)."""
+        if self.kernel != "bwd":
+            return 0
+        return next((ctas for bucket, ctas in _BWD_MIN_CTAS.get(_precision_class(self.dtype), ())
+                     if self.d_pad <= bucket), 0)
+
     def defines(self) -> tuple[str, ...]:
         """NVRTC ``-D`` options of this specialisation."""
         out = [
@@ -274,6 +288,8 @@ class TileConfig:
             out.append(f"-DFLASH_Q_STAGES={self.q_stages}")
         if self.registers:
             out += [f"-DFLASH_PRODUCER_REGS={self.registers[0]}", f"-DFLASH_CONSUMER_REGS={self.registers[1]}"]
+        if self.min_ctas:
+            out.append(f"-DFLASH_MIN_CTAS={self.min_ctas}")
         return tuple(out)
 
 

@@ -84,7 +84,14 @@ __device__ __forceinline__ void probabilities(acc_t (&P)[B_R / 8][4], acc_t (&G)
         }
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS) flash_bwd(const BwdParams p) {
+// CTAs per SM whose registers ptxas must leave room for (cupyflash/_tiles.py: TileConfig.min_ctas), where set
+#ifdef FLASH_MIN_CTAS
+#define BWD_LAUNCH_BOUNDS __launch_bounds__(NTHREADS, FLASH_MIN_CTAS)
+#else
+#define BWD_LAUNCH_BOUNDS __launch_bounds__(NTHREADS)
+#endif
+
+extern "C" __global__ void BWD_LAUNCH_BOUNDS flash_bwd(const BwdParams p) {
     extern __shared__ __align__(16) unsigned char smem[];
     elem_t* s_K = reinterpret_cast<elem_t*>(smem);   // (B_C, DP)
     elem_t* s_V = s_K + B_C * QKV_PITCH;               // (B_C, DP)
