@@ -105,11 +105,13 @@ _BWD_CANDIDATES = {
     "float64": ((32, 64, 4, 64), (32, 32, 2, 32), (16, 16, 1, 32)),
 }
 # float64 chunks of 64 columns (measured, H200, D = 128: 11.9 TFLOP/s; 8.5 with 32, 8.8 with 128)
-# The portable backward's CTAs per SM that ptxas must leave registers for, by precision class: (largest
-# padded head dim, CTAs). 16-bit up to D = 64: three of 128 threads (168 registers each; left to itself
-# ptxas took 205-238 and two CTAs: the ALiBi backward ran 20% slower, the softcap's 17%; measured, H200,
-# benchmarks/RESULTS.md, fourteenth session). Elsewhere ptxas's own choice.
-_BWD_MIN_CTAS = {"16bit": ((64, 3),)}
+# The portable backward's CTAs per SM that ptxas must leave registers for, by precision class and padded
+# head dim. 16-bit at D = 64: three of 128 threads (168 registers each; left to itself ptxas took 205-238
+# and two CTAs: against three, the ALiBi backward ran 20% slower, the softcap's 17%, the bias's 24%, the
+# mask's 16%; measured, H200, benchmarks/RESULTS.md, fourteenth session). At D = 32 the bound was not
+# measured alone (the bias backward there was 15-20% slower than e6f132f with it): ptxas's own choice,
+# as everywhere else.
+_BWD_MIN_CTAS = {"16bit": {64: 3}}
 
 # The forward schedule "auto" runs, by precision class and padded head dim: (largest bucket, schedule),
 # measured on the H200 (benchmarks/RESULTS.md). V2 wins wherever its O_i fits the registers: 16-bit
@@ -263,8 +265,7 @@ class TileConfig:
         (``_BWD_MIN_CTAS``); 0: no bound beyond the threads (the other kernels, other buckets)."""
         if self.kernel != "bwd":
             return 0
-        return next((ctas for bucket, ctas in _BWD_MIN_CTAS.get(_precision_class(self.dtype), ())
-                     if self.d_pad <= bucket), 0)
+        return _BWD_MIN_CTAS.get(_precision_class(self.dtype), {}).get(self.d_pad, 0)
 
     def defines(self) -> tuple[str, ...]:
         """NVRTC ``-D`` options of this specialisation."""
