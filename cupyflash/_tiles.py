@@ -654,28 +654,38 @@ def modified_tile_configs(smem_limit: int, arch: str = "sm_90") -> list[TileConf
     """The flagged specialisations the compile test builds besides ``all_tile_configs(...,
     plain_flags=False)``, a covering set: each family with every flag it compiles in (each an ``if
     constexpr`` block of its own, so this compiles every modifier, varlen, paged and ordered line of
-    every kernel) at every dtype in its widest head-dim bucket and at every bucket in its first dtype, so
-    that each flag meets each dtype and each bucket once (``all_tile_configs`` builds every dtype and
-    bucket plainly); where the family never runs two flags together (``Flag.excludes``: the paged V2
-    forward has no bias, mask or dropout), once without the row and once without the flags it excludes
-    (and without the family's other such rows). The per-precision
-    variants change nothing the flags touch and are not repeated."""
+    every kernel) at as many (dtype, bucket) pairs as the family has dtypes or buckets, whichever is
+    more (``_covering_pairs``), so that each flag meets each dtype and each bucket once (``all_tile_configs``
+    builds every pair plainly); where the family never runs two flags together (``Flag.excludes``: the
+    paged V2 forward has no bias, mask or dropout), once without the row and once without the flags it
+    excludes (and without the family's other such rows). The per-precision variants change nothing the
+    flags touch and are not repeated."""
     out = []
     bases = [base for base in _base_configs(smem_limit, arch) if base.fp32_mma in (0, FP32_PRODUCTS["highest"])]
-    first_dtype = {base.kernel: KERNELS[base.kernel].dtypes[0] for base in bases}
-    widest = {}
-    for base in bases:
-        widest[base.kernel] = max(widest.get(base.kernel, 0), base.d_pad)
-    for base in bases:
-        if base.dtype != first_dtype[base.kernel] and base.d_pad != widest[base.kernel]:
-            continue
-        full = tuple(f.name for f in _flags.compiled_in(base.kernel))
+    for kernel in dict.fromkeys(base.kernel for base in bases):
+        full = tuple(f.name for f in _flags.compiled_in(kernel))
         if not full:
             continue
+        by_pair = {(base.dtype, base.d_pad): base for base in bases if base.kernel == kernel}
         # each row that excludes flags here: once without it, once without what it excludes
-        rows = {f.name: {other for family, other in f.excludes if family == base.kernel} for f in _flags.FLAGS
-                if any(family == base.kernel for family, _ in f.excludes)}
+        rows = {f.name: {other for family, other in f.excludes if family == kernel} for f in _flags.FLAGS
+                if any(family == kernel for family, _ in f.excludes)}
         sets = [full] if not rows else [tuple(n for n in full if n not in drop) for name, others in rows.items()
                                         for drop in ({name} | {r for r in rows if r != name}, others)]
-        out += list(dict.fromkeys(with_flags(base, names) for names in sets))
+        for pair in _covering_pairs(list(by_pair), KERNELS[kernel].dtypes):
+            out += list(dict.fromkeys(with_flags(by_pair[pair], names) for names in sets))
     return out
+
+
+def _covering_pairs(pairs: list, dtypes) -> list:
+    """Few of ``pairs`` (dtype, bucket) among which every dtype and every bucket of them appears: greedily
+    the pair that covers the most not yet covered, the widest bucket first, then ``dtypes``' order."""
+    order = {dtype: i for i, dtype in enumerate(dtypes)}
+    left_dtypes, left_buckets = {d for d, _ in pairs}, {b for _, b in pairs}
+    chosen = []
+    while left_dtypes or left_buckets:
+        best = max(pairs, key=lambda p: ((p[0] in left_dtypes) + (p[1] in left_buckets), p[1], -order[p[0]]))
+        chosen.append(best)
+        left_dtypes.discard(best[0])
+        left_buckets.discard(best[1])
+    return chosen

@@ -265,3 +265,35 @@ def test_an_nccl_communicator_of_one_rank():
     ref = reference.attention_forward(*(x.astype(numpy.float64) for x in (q, k, v)), causal=True)
     for name, g, want in zip("oml", (o, m, l), ref):
         assert_near(name, cupy.asnumpy(g), want, "float32")
+
+
+def _ring_script():
+    """tests/gpu/ring.py, the multi-GPU script, as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent / "gpu" / "ring.py"
+    spec = importlib.util.spec_from_file_location("ring_script_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_multi_gpu_scripts_check_holds_a_right_ring_and_catches_a_wrong_one(layout, monkeypatch):
+    """tests/gpu/ring.py check compares each rank's shard on its own GPU: run here on NumPy through the
+    stand-in ring, its errors are within the ceilings, and a ring whose o is off by 1% is caught."""
+    script = _ring_script()
+    errors = run_ring(2, lambda ring: script.check_case(ring, ring.rank, 2, "float32", layout, True, 8, numpy))
+    assert script.check([(rank, ("float32", layout, True), e) for rank, e in enumerate(errors)])
+    import cupyflash.distributed as cfd
+
+    right = cfd.ring_attention_forward
+    def off(*args, **kw):
+        o, m, l = right(*args, **kw)
+        return o * 1.01, m, l
+
+    monkeypatch.setattr(cfd, "ring_attention_forward", off)
+    errors = run_ring(2, lambda ring: script.check_case(ring, ring.rank, 2, "float32", layout, True, 8, numpy))
+    assert max(e["o"] for e in errors) > FWD_CEILING["float32"]
+    assert not script.check([(rank, ("float32", layout, True), e) for rank, e in enumerate(errors)])

@@ -172,9 +172,9 @@ def test_the_compile_test_meets_every_flag_with_every_dtype_and_every_bucket():
     """``modified_tile_configs`` builds each family with each flag it compiles in (the plain ones too,
     which ``all_tile_configs`` lists both ways for the device and only without for the compile test) at
     every dtype and at every bucket the family runs, so every line of every ``if constexpr`` block
-    compiles beside each dtype and each bucket (a covering set: every dtype in the family's widest bucket,
-    every bucket in its first dtype); a pair a family never compiles together (the wide Hopper backward's
-    dbias under a softcap) is built once without each."""
+    compiles beside each dtype and each bucket (a covering set: as many pairs as the family has dtypes or
+    buckets, whichever is more); a pair a family never compiles together (the paged V2 forward and a bias,
+    a mask or dropout) is built once without each."""
     smem = 227 * 1024
     plain = {(c.kernel, c.dtype, c.d_pad) for c in _tiles.all_tile_configs(smem, plain_flags=False)}
     assert all(not c.flags for c in _tiles.all_tile_configs(smem, plain_flags=False))
@@ -193,6 +193,10 @@ def test_the_compile_test_meets_every_flag_with_every_dtype_and_every_bucket():
             assert {d for d, _ in met} == {d for d, _ in runs} and {b for _, b in met} == {b for _, b in runs}, \
                 (flag.name, family)
     assert len(configs) < len(plain) / 2   # a covering set, not the product
+    for kernel in {c.kernel for c in configs}:   # each (dtype, bucket) pair once per flag set at most
+        built = [c for c in configs if c.kernel == kernel]
+        dtypes, buckets, sets = {c.dtype for c in built}, {c.d_pad for c in built}, {c.flags for c in built}
+        assert len(built) == len(sets) * max(len(dtypes), len(buckets)), kernel
     # a flag's lines that compile only without another (Flag.excludes) are built too: with its requirement,
     # without the other
     for flag in _flags.FLAGS:
