@@ -219,16 +219,27 @@ def precompile(kernels=None, dtypes=None, head_dims=None, workers=None) -> list[
     return chosen
 
 
-def compile_for_arch(cfg: TileConfig, arch: str, *, verbose: bool = False) -> tuple[bytes, str]:
-    """Compile ``cfg`` to a cubin for ``arch`` (e.g. ``'sm_90'``) without a GPU.
+def compile_for_arch(cfg: TileConfig, arch: str, *, verbose: bool = False, assemble: bool = True) -> tuple[bytes, str]:
+    """Compile ``cfg`` to a cubin for ``arch`` (e.g. ``'sm_90'``) without a GPU, or only to PTX.
 
     An architecture-specific kernel (``cfg.spec.arch``) is built for its own architecture.
+
+    Parameters
+    ----------
+    cfg : TileConfig
+    arch : str
+    verbose : bool
+        ptxas reports each entry's registers and spills into the log.
+    assemble : bool
+        False: NVRTC's front end and optimiser only, the PTX for ``compute_XX`` (about half the time of
+        the cubin; ptxas neither runs nor reports).
 
     Returns
     -------
     cubin : bytes
+        Or the PTX text.
     log : str
-        NVRTC's log; with ``verbose`` it holds ptxas' register and spill report.
+        NVRTC's log; with ``verbose`` (and ``assemble``) it holds ptxas' register and spill report.
 
     Raises
     ------
@@ -240,7 +251,9 @@ def compile_for_arch(cfg: TileConfig, arch: str, *, verbose: bool = False) -> tu
     options = list(nvrtc_options(cfg))
     if not cfg.spec.arch:
         options.append(f"-arch={arch}")
-    if verbose:
+    if not assemble:   # the same architecture's virtual one: sm_90 -> compute_90, sm_90a -> compute_90a
+        options = [o.replace("-arch=sm_", "-arch=compute_") for o in options]
+    elif verbose:
         options.append("--ptxas-options=-v")
     source = kernel_source(cfg.kernel) + ("\n" + layout_checks() if nvrtc_has_offsetof() else "")
     prog = nvrtc.createProgram(source, cfg.spec.source, [], [])
@@ -249,7 +262,7 @@ def compile_for_arch(cfg: TileConfig, arch: str, *, verbose: bool = False) -> tu
             nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as err:
             raise RuntimeError(f"NVRTC failed for {cfg} on {arch}:\n{nvrtc.getProgramLog(prog)}") from err
-        return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
+        return (nvrtc.getCUBIN(prog) if assemble else bytes(nvrtc.getPTX(prog))), nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)
 
@@ -272,18 +285,18 @@ def nvrtc_has_offsetof() -> bool:
 
 
 def _compile_logged(job):
-    cfg, arch = job
+    cfg, arch, *assemble = job
     try:
-        cubin, log = compile_for_arch(cfg, arch, verbose=True)
+        cubin, log = compile_for_arch(cfg, arch, verbose=True, assemble=assemble[0] if assemble else True)
     except RuntimeError as error:   # NVRTC rejected it: the log says why
         return b"", str(error)
     return cubin[:4], log
 
 
 def compile_all(jobs, workers=None) -> list[tuple[bytes, str]]:
-    """``compile_for_arch(cfg, arch, verbose=True)`` of every ``(cfg, arch)`` in ``jobs``, in worker
-    processes (no GPU needed): the first four bytes of each cubin (empty where NVRTC failed) and the
-    log, in order."""
+    """``compile_for_arch(cfg, arch, verbose=True, assemble=assemble)`` of every ``(cfg, arch)`` or ``(cfg,
+    arch, assemble)`` in ``jobs``, in worker processes (no GPU needed): the first four bytes of each cubin
+    or PTX (empty where NVRTC failed) and the log, in order."""
     jobs = list(jobs)
     workers = default_workers() if workers is None else workers
     if workers <= 1 or len(jobs) <= 1:
