@@ -36,6 +36,31 @@ def pytest_collection_modifyitems(session, config, items):
     session.selects_gpu_tests = any(item.get_closest_marker("gpu") for item in items)
     if config.getoption("--longest-first"):
         items[:] = longest_first(items, measured_durations(), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    elif "PYTEST_XDIST_WORKER" not in os.environ:
+        compile_while_testing(items)
+
+
+def compile_while_testing(items: list):
+    """Where the session runs tests/test_compile.py's specialisations (its ``compiled`` fixture), start
+    compiling them now, below the tests' priority, and run that module last: the compiles take the
+    cores the CPU tests leave (CI: two cores, the CPU tests on one and a bit)."""
+    compiling = [item for item in items if "compiled" in getattr(item, "fixturenames", ())]
+    if not compiling:
+        return
+    module = compiling[0].module
+    items[:] = ([item for item in items if getattr(item, "module", None) is not module]
+                + [item for item in items if getattr(item, "module", None) is module])
+    module.compile_in_the_background()
+    _COMPILING.append(module)
+
+
+_COMPILING = []   # the module whose compiles run in the background (compile_while_testing)
+
+
+def pytest_sessionfinish(session):
+    # a session that stops before the compile test (-x, a keyboard interrupt) does not wait for its compiles
+    for module in _COMPILING:
+        module.stop_compiling()
 
 
 def longest_first(items: list, seconds: dict, workers: int) -> list:

@@ -44,10 +44,41 @@ def _specialisations():
 SPECIALISATIONS = _specialisations()
 
 
+_BACKGROUND = []   # the compile of SPECIALISATIONS started during the session's other tests, if it was
+
+
+def _lower_priority():
+    os.nice(10)
+
+
+def compile_in_the_background():
+    """Start compiling SPECIALISATIONS in worker processes, one per core, at a lower priority than the
+    tests (tests/conftest.py calls this after collection and runs this module last): the CPU tests keep
+    their share of the cores and the compiles take the rest (CI has two)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    if not _BACKGROUND:
+        pool = ProcessPoolExecutor(_compile.default_workers(), mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_lower_priority)
+        _BACKGROUND.append((pool, [pool.submit(_compile._compile_logged, (cfg, arch, assembled(cfg)))
+                                   for arch, cfg in SPECIALISATIONS]))
+
+
+def stop_compiling():
+    """Cancel what the background compile has not begun (the session ends)."""
+    for pool, _ in _BACKGROUND:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
 @pytest.fixture(scope="module")
 def compiled():
     """(the first bytes of the cubin or PTX, the log) of every specialisation, compiled in parallel (the log
     holds NVRTC's error where one does not compile, and ptxas' report where ``assembled``)."""
+    if _BACKGROUND:
+        pool, futures = _BACKGROUND[0]
+        with pool:
+            return dict(zip(SPECIALISATIONS, [future.result() for future in futures]))
     jobs = [(cfg, arch, assembled(cfg)) for arch, cfg in SPECIALISATIONS]
     return dict(zip(SPECIALISATIONS, _compile.compile_all(jobs)))
 
