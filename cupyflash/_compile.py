@@ -285,9 +285,9 @@ def nvrtc_has_offsetof() -> bool:
 
 
 def _compile_logged(job):
-    cfg, arch, *assemble = job
+    cfg, arch, assemble = (*job, True)[:3]
     try:
-        cubin, log = compile_for_arch(cfg, arch, verbose=True, assemble=assemble[0] if assemble else True)
+        cubin, log = compile_for_arch(cfg, arch, verbose=True, assemble=assemble)
     except RuntimeError as error:   # NVRTC rejected it: the log says why
         return b"", str(error)
     return cubin[:4], log

@@ -107,10 +107,10 @@ _BWD_CANDIDATES = {
 # float64 chunks of 64 columns (measured, H200, D = 128: 11.9 TFLOP/s; 8.5 with 32, 8.8 with 128)
 # The portable backward's CTAs per SM that ptxas must leave registers for, by precision class and padded
 # head dim. 16-bit at D = 64: three of 128 threads (168 registers each; left to itself ptxas took 205-238
-# and two CTAs: against three, the ALiBi backward ran 20% slower, the softcap's 17%, the bias's 24%, the
-# mask's 16%; measured, H200, benchmarks/RESULTS.md, fourteenth session). At D = 32 the bound was not
-# measured alone (the bias backward there was 15-20% slower than e6f132f with it): ptxas's own choice,
-# as everywhere else.
+# and two CTAs). Against e6f132f's kernels (H200, benchmarks/RESULTS.md, fourteenth session): ALiBi 0.80x
+# -> 0.98x with the bound, plain 0.99x -> 1.00x, and softcap 1.2x, bias 1.3x, mask 1.2x, dropout 1.16x.
+# At D = 32 the bound was not measured alone (the bias backward there was 15-20% slower than e6f132f
+# with it): ptxas's own choice, as everywhere else.
 _BWD_MIN_CTAS = {"16bit": {64: 3}}
 
 # The forward schedule "auto" runs, by precision class and padded head dim: (largest bucket, schedule),

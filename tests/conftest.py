@@ -32,6 +32,7 @@ def measured_durations() -> dict:
     return table
 
 
+@pytest.hookimpl(trylast=True)   # after -k and -m have deselected
 def pytest_collection_modifyitems(session, config, items):
     session.selects_gpu_tests = any(item.get_closest_marker("gpu") for item in items)
     if config.getoption("--longest-first"):
