@@ -17,6 +17,7 @@ the pointers into a copy of the struct and launches; a like call reuses it
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import sys
 from dataclasses import dataclass, field
@@ -555,6 +556,8 @@ TILE_MAP_THREADS = 128          # tile_map.cuh: TILE_MAP_THREADS
 TILE_MAP_CTAS_PER_SM = 16       # the map kernels' grids (grid-stride loops) past this many CTAs an SM
 KEPT_MAPS: dict = {}            # maps that depend on nothing a call brings, by their plan's key and stream
 MAX_KEPT_MAPS = 16              # past this many the cache starts over
+# the maps of the BlockMask a call passes (cupyflash.blockmask), by plan key and stream, while it runs
+BLOCK_MAPS: contextvars.ContextVar = contextvars.ContextVar("cupyflash_block_maps", default=None)
 
 
 def tile_map_bytes(T_r: int, T_c: int) -> int:
@@ -566,29 +569,37 @@ def tile_map_bytes(T_r: int, T_c: int) -> int:
 
 @dataclass(frozen=True)
 class TileMapPlan:
-    """mask_mod's tile map of a plan: its bytes, the launches of the module's two map kernels and the key
-    it is kept under from call to call, or None where a call must write it (mask_mod reads a mod_args
-    array, whose values may change, or packed sequences' offsets come with the call)."""
+    """mask_mod's tile map of a plan: its bytes, the launches of the module's two map kernels, the key it
+    is kept under from call to call (None where packed sequences' offsets come with the call) and whether
+    every like call may share it (not where mask_mod reads a mod_args array, whose values may change,
+    unless the call passes a BlockMask, whose arrays are promised not to: ``BLOCK_MAPS``)."""
 
     nbytes: int
     launches: tuple
     key: tuple | None
+    shared: bool = True
 
     def locate(self, alloc, stream: int):
         """``(address, memory, fresh)``: where this call's map lies, what holds it and whether the call
         writes it (launches ``launches`` before the main kernel). A kept map is per stream, so the call
-        that wrote it is ordered before every call that reads it; none is kept during graph capture."""
+        that wrote it is ordered before every call that reads it. A call under graph capture makes none to
+        keep and reads only a block mask's (which the caller keeps alive, as it keeps the graph)."""
         import cupy
 
-        if self.key is None or capturing():
-            memory = alloc(self.nbytes)
-            return memory.ptr, memory, True
-        kept = KEPT_MAPS.get((self.key, stream))
+        block = BLOCK_MAPS.get()
+        maps = block if block is not None else KEPT_MAPS if self.shared else None
+        capture = capturing()
+        kept = None
+        if maps is not None and self.key is not None and not (capture and block is None):
+            kept = maps.get((self.key, stream))
         if kept is not None:
             return kept.data.ptr, kept, False
-        if len(KEPT_MAPS) >= MAX_KEPT_MAPS:
+        if maps is None or self.key is None or capture:
+            memory = alloc(self.nbytes)
+            return memory.ptr, memory, True
+        if maps is KEPT_MAPS and len(KEPT_MAPS) >= MAX_KEPT_MAPS:
             KEPT_MAPS.clear()
-        kept = KEPT_MAPS[(self.key, stream)] = cupy.empty(self.nbytes, numpy.uint8)
+        kept = maps[(self.key, stream)] = cupy.empty(self.nbytes, numpy.uint8)
         return kept.data.ptr, kept, True
 
 
@@ -609,10 +620,11 @@ def tile_map_plan(cfg: TileConfig, kernels: dict, mods: "Mods", geometry: MaskGe
     launches = (launch(kernels["flash_tile_map"], min(map_heads * T_r * T_c, cap), TILE_MAP_THREADS),
                 launch(kernels["flash_tile_lists"], min(-(-map_heads * (T_r + T_c) // warps), cap), TILE_MAP_THREADS))
     key = None
-    if packed is None and not mods.user.mask_reads_arrays:
+    if packed is None:
         key = (cfg, geometry.kernel_fields(), mods.user_slots, heads if by_entry else 0,
                mods.batch0 if by_entry else 0, _current_device())
-    return TileMapPlan(map_heads * head_bytes, launches, key), (0, head_bytes, T_r, T_c, int(by_entry))
+    return (TileMapPlan(map_heads * head_bytes, launches, key, not mods.user.mask_reads_arrays),
+            (0, head_bytes, T_r, T_c, int(by_entry)))
 
 
 def _current_device() -> int:

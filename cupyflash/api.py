@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Optional, Union
 import numpy
 
 from . import _launch, blocked
+from .blockmask import BlockMask
 from ._flags import ARRAY_FLAGS, BY_NAME, call_arrays
 from ._expr import GPU_ARRAY_TYPES, MAX_ARGS, user_code, user_mods
 from ._fold import fold_of, foldable, keeps_the_gpu_busy
@@ -32,9 +33,10 @@ Window = tuple[Optional[int], Optional[int]]
 FORWARD_OUTPUTS = ("o", "m", "l")
 BACKWARD_OUTPUTS = ("dq", "dk", "dv")
 # the keywords of a forward that its backward takes too, with the same values (ForwardResult.backward)
-BACKWARD_KEYWORDS = ("causal", "softmax_scale", "window", "softcap", "alibi_slopes", "bias", "mask", "sink",
-                     "dropout_p", "seed", "score_mod", "mask_mod", "mod_args", "schedule", "precision")
-VARLEN_BACKWARD_KEYWORDS = ("max_seqlen_q", "max_seqlen_k", *BACKWARD_KEYWORDS)
+_SHARED_KEYWORDS = ("causal", "softmax_scale", "window", "softcap", "alibi_slopes", "bias", "mask", "sink",
+                    "dropout_p", "seed", "score_mod", "mask_mod", "mod_args", "schedule", "precision")
+BACKWARD_KEYWORDS = (*_SHARED_KEYWORDS, "block_mask")
+VARLEN_BACKWARD_KEYWORDS = ("max_seqlen_q", "max_seqlen_k", *_SHARED_KEYWORDS)   # packed: no block mask
 
 
 class ForwardResult(tuple):
@@ -140,7 +142,7 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
                             sink=None, dropout_p: float = 0.0, seed: Optional[int] = None, score_mod: Optional[str] = None,
                             mask_mod: Optional[str] = None, mod_args: Optional[dict] = None, schedule: str = "auto",
                             precision: str = "highest", num_splits: Optional[int] = None,
-                            out: Optional[Outputs] = None) -> ForwardResult:
+                            out: Optional[Outputs] = None, block_mask: Optional[BlockMask] = None) -> ForwardResult:
     """Exact attention with its softmax statistics (FlashAttention's fused forward).
 
     Parameters
@@ -251,6 +253,12 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         also 16-byte aligned), sharing memory with no input and with each
         other. They are the result's items (an earlier result may be passed
         as ``out``).
+    block_mask : BlockMask, optional
+        A ``mask_mod`` with its ``mod_args`` whose tile maps are kept
+        (:func:`cupyflash.block_mask`): the call takes its expression and
+        arguments (give no other ``mask_mod``, no ``mod_args``) and its q, k
+        must have the shapes it was made for. The first GPU call of a kernel
+        on a stream writes the map, later ones read it.
 
     Returns
     -------
@@ -312,11 +320,39 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     cupyflash.reference.attention_forward : the naive float64 reference.
     cupyflash.blocked.forward : the NumPy Algorithm 1 (CPU path).
     """
-    outputs = _forward(q, k, v, None, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision,
-                       out, bias, mask, dropout_p, seed, (score_mod, None, mask_mod, mod_args), num_splits)
+    user = (score_mod, None, *_with_block_mask(block_mask, q, k, mask_mod, mod_args))
+    outputs = _with_block_maps(block_mask, _forward, q, k, v, None, causal, softmax_scale, window, softcap,
+                               alibi_slopes, sink, schedule, precision, out, bias, mask, dropout_p, seed, user,
+                               num_splits)
     return ForwardResult(outputs, flash_attention_backward, (q, k, v), (), BACKWARD_KEYWORDS,
                          (causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed,
-                          score_mod, mask_mod, mod_args, schedule, precision))
+                          score_mod, mask_mod, mod_args, schedule, precision, block_mask))
+
+
+def _with_block_mask(block_mask, q, k, mask_mod, mod_args) -> tuple:
+    """``(mask_mod, mod_args)`` of a call that passes ``block_mask`` (as given without one): its
+    expression and arguments, the arrays on the inputs' GPU (``BlockMask.args_on``)."""
+    if block_mask is None:
+        return mask_mod, mod_args
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a cupyflash.BlockMask (cupyflash.block_mask(...)), got "
+                        f"{type(block_mask).__name__}")
+    block_mask.check_call(q, k, mask_mod, mod_args)
+    cupy = sys.modules.get("cupy")
+    on_gpu = cupy is not None and isinstance(q, cupy.ndarray)
+    return block_mask.mask_mod, block_mask.args_on(q.device.id) if on_gpu else block_mask.mod_args
+
+
+def _with_block_maps(block_mask, call, *args):
+    """``call(*args)`` with ``block_mask``'s maps as the ones its kernels read and keep
+    (``_launch.BLOCK_MAPS``); a plain call without one."""
+    if block_mask is None:
+        return call(*args)
+    token = _launch.BLOCK_MAPS.set(block_mask._maps)
+    try:
+        return call(*args)
+    finally:
+        _launch.BLOCK_MAPS.reset(token)
 
 
 def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, out,
@@ -657,7 +693,8 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
                              dropout_p: float = 0.0, seed: Optional[int] = None, score_mod: Optional[str] = None,
                              score_mod_grad: Optional[str] = None, mask_mod: Optional[str] = None,
                              mod_args: Optional[dict] = None, schedule: str = "auto", precision: str = "highest",
-                             deterministic: bool = False, out: Optional[Outputs] = None) -> Outputs:
+                             deterministic: bool = False, out: Optional[Outputs] = None,
+                             block_mask: Optional[BlockMask] = None) -> Outputs:
     """Gradients of exact attention from the forward's outputs (FlashAttention's recomputation backward).
 
     For callers that keep ``o``, ``m``, ``l`` themselves. Every argument but
@@ -715,6 +752,9 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     out : tuple of three ndarrays, optional
         ``(dq, dk, dv)`` to write into, under the forward's rules for ``out``;
         returned.
+    block_mask : BlockMask, optional
+        As in :func:`flash_attention_forward` (the backward's kernel has maps
+        of its own tiles, kept in the same block mask).
 
     Returns
     -------
@@ -759,9 +799,10 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     cupyflash.reference.attention_backward : the naive float64 reference.
     cupyflash.blocked.backward : the NumPy version (CPU path).
     """
-    return _backward(do, q, k, v, o, m, l, None, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,
-                     precision, deterministic, out, bias, mask, bias_grad, dropout_p, seed,
-                     (score_mod, score_mod_grad, mask_mod, mod_args))
+    user = (score_mod, score_mod_grad, *_with_block_mask(block_mask, q, k, mask_mod, mod_args))
+    return _with_block_maps(block_mask, _backward, do, q, k, v, o, m, l, None, causal, softmax_scale, window, softcap,
+                            alibi_slopes, sink, schedule, precision, deterministic, out, bias, mask, bias_grad,
+                            dropout_p, seed, user)
 
 
 def _backward(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,
@@ -916,13 +957,14 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
                     window: Optional[Window] = None, softcap: Optional[float] = None, alibi_slopes=None,
                     bias=None, mask=None, sink=None, dropout_p: float = 0.0, seed: Optional[int] = None,
                     score_mod: Optional[str] = None, mask_mod: Optional[str] = None, mod_args: Optional[dict] = None,
-                    schedule: str = "auto", precision: str = "highest") -> Array:
+                    schedule: str = "auto", precision: str = "highest",
+                    block_mask: Optional[BlockMask] = None) -> Array:
     """Exact attention ``softmax(softmax_scale · q kᵀ) v``; the ``o`` of :func:`flash_attention_forward`.
 
     Parameters
     ----------
     q, k, v, causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed, score_mod,
-    mask_mod, mod_args, schedule, precision
+    mask_mod, mod_args, schedule, precision, block_mask
         As in :func:`flash_attention_forward`.
 
     Returns
@@ -936,7 +978,8 @@ def flash_attention(q: Array, k: Array, v: Array, *, causal: bool = False, softm
     return flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
                                    softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask, sink=sink,
                                    dropout_p=dropout_p, seed=seed, score_mod=score_mod, mask_mod=mask_mod,
-                                   mod_args=mod_args, schedule=schedule, precision=precision)[0]
+                                   mod_args=mod_args, schedule=schedule, precision=precision,
+                                   block_mask=block_mask)[0]
 
 
 def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqlens_k: Array, *,

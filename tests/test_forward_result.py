@@ -242,7 +242,8 @@ def test_backward_hands_on_the_forwards_own_objects(varlen, monkeypatch):
     if varlen:
         kw.update(max_seqlen_q=12, max_seqlen_k=10)
         result = cupyflash.flash_attention_varlen_forward(q, k, v, CU_Q, CU_K, **kw)
-    else:
+    else:   # the block mask serves the same mask_mod and mod_args, the very dict
+        kw["block_mask"] = cupyflash.block_mask(kw["mask_mod"], batch, 17, 23, mod_args=kw["mod_args"])
         result = cupyflash.flash_attention_forward(q, k, v, num_splits=1, **kw)
     own = dict(score_mod_grad=SOFTCAP_MOD_GRAD, bias_grad=True, deterministic=True, out=None)
     assert result.backward(do, **own) == "gradients"
