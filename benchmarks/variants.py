@@ -28,8 +28,11 @@ Varlen: 64 sequences of lengths drawn uniformly from 128-4096 (seed 0), packed, 
 and not: ``cupyflash`` (``flash_attention_varlen_forward``/``_backward`` with CuPy offsets and both
 ``max_seqlen``: no host copy) against ``fa2``, FlashAttention-2's varlen through
 ``torch.ops.aten._flash_attention_forward``/``_backward`` with ``cum_seq_q/k`` on the same packed
-(total, H, D) memory (ours reads it as (H, total, D) through DLPack, no copy). TFLOP/s count each
-sequence's visible pairs.
+(total, H, D) memory (ours reads it as (H, total, D) through DLPack, no copy), and ``cupyflash-documents``:
+the same memory as one (1, H, total, D) sequence under a document mask by expression,
+``doc[q_idx] == doc[kv_idx]`` (causal: ``&& kv_idx <= q_idx``) over an int32 ``mod_args`` array, its tile
+maps kept in a ``cupyflash.block_mask`` (issue #38's target: >= 0.9x the varlen functions). TFLOP/s count
+each sequence's visible pairs.
 
 Bias (default N 1024 2048 4096, not causal): a bias ``(1, H, N, N)`` of the inputs' dtype, the backward
 with ``bias_grad=True`` (dbias summed over the batch with atomics), against torch SDPA with the same
@@ -402,11 +405,16 @@ def table(records) -> str:
 VARLEN_SEQS, VARLEN_LENGTHS = 64, (128, 4096)
 
 
+def varlen_lengths():
+    """The varlen sweep's sequence lengths (a fixed draw)."""
+    return numpy.random.default_rng(0).integers(VARLEN_LENGTHS[0], VARLEN_LENGTHS[1] + 1, VARLEN_SEQS)
+
+
 def varlen_case(dtype: str, D: int, causal: bool):
     """(torch q, k, v, do as (total, H, D), offsets, longest, visible pairs) of the varlen sweep."""
     import torch
 
-    lengths = numpy.random.default_rng(0).integers(VARLEN_LENGTHS[0], VARLEN_LENGTHS[1] + 1, VARLEN_SEQS)
+    lengths = varlen_lengths()
     cu = torch.tensor(numpy.concatenate([[0], numpy.cumsum(lengths)]), dtype=torch.int32, device="cuda")
     H, total = 2048 // D, int(lengths.sum())
     gen = torch.Generator(device="cuda").manual_seed(bench.SEED)
@@ -427,6 +435,14 @@ def varlen_runs(system, q, k, v, do, cu, longest, causal) -> dict:
                 "bwd": lambda: torch.ops.aten._flash_attention_backward(do, q, k, v, out, lse, cu, cu, longest, longest,
                                                                         0.0, causal, rng_state, unused)}
     qc, kc, vc, doc = (cupy.from_dlpack(x).transpose(1, 0, 2) for x in (q, k, v, do))   # (H, total, D) views
+    if system == "cupyflash-documents":   # one sequence of every document, a block mask between them
+        qc, kc, vc, doc = (x[None] for x in (qc, kc, vc, doc))
+        ids = cupy.repeat(cupy.arange(VARLEN_SEQS, dtype=cupy.int32), cupy.asarray(varlen_lengths()))
+        mask = cupyflash.block_mask("doc[q_idx] == doc[kv_idx]" + (" && kv_idx <= q_idx" if causal else ""),
+                                    qc.shape[:2], qc.shape[2], kc.shape[2], mod_args={"doc": ids})
+        saved = cupyflash.flash_attention_forward(qc, kc, vc, block_mask=mask)
+        return {"fwd": lambda: cupyflash.flash_attention_forward(qc, kc, vc, block_mask=mask),
+                "bwd": lambda: saved.backward(doc)}
     cuc = cupy.from_dlpack(cu)
     kw = dict(causal=causal, max_seqlen_q=longest, max_seqlen_k=longest)
     saved = cupyflash.flash_attention_varlen_forward(qc, kc, vc, cuc, cuc, **kw)
@@ -441,7 +457,8 @@ def run_varlen(args) -> list:
             for causal in (False, True):
                 q, k, v, do, cu, longest, pairs = varlen_case(dtype, D, causal)
                 cfg = bench.Config(dtype, D, longest, causal, B=1, H=2048 // D)
-                for name, clock_of in (("cupyflash", bench.cupy_clock), ("fa2", bench.torch_clock)):
+                for name, clock_of in (("cupyflash", bench.cupy_clock), ("fa2", bench.torch_clock),
+                                       ("cupyflash-documents", bench.cupy_clock)):
                     try:
                         runs = varlen_runs(name, q, k, v, do, cu, longest, causal)
                     except Exception as error:  # noqa: BLE001 - recorded: a system that cannot run this case
@@ -462,15 +479,18 @@ def varlen_table(records) -> str:
     index = {(r["system"], r["mode"], r["dtype"], r["D"], r["causal"]): r
              for r in records if r.get("sweep") == "varlen" and "mode" in r}
     lines = ["| dtype | D | causal | mode | cupyflash TFLOP/s (queued / single) | FA2 varlen (queued / single) "
-             "| ratio queued | ratio single |", "|---|---:|---|---|---:|---:|---:|---:|"]
+             "| ratio queued | ratio single | documents by block mask (queued / single) | documents / varlen "
+             "(queued) |", "|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     pair = lambda r: f"{r['tflops_queued']:.1f} / {r['tflops_single']:.1f}" if r else "—"   # noqa: E731
     for (system, mode, *case), r in index.items():
         if system != "cupyflash":
             continue
-        fa2 = index.get(("fa2", mode, *case))
+        fa2, docs = index.get(("fa2", mode, *case)), index.get(("cupyflash-documents", mode, *case))
         ratios = [f"{r[key] / fa2[key]:.2f}" if fa2 else "—" for key in ("tflops_queued", "tflops_single")]
+        by_docs = f"{docs['tflops_queued'] / r['tflops_queued']:.2f}" if docs else "—"
         dtype, D, causal = case
-        lines.append(f"| {dtype} | {D} | {causal} | {mode} | {pair(r)} | {pair(fa2)} | {ratios[0]} | {ratios[1]} |")
+        lines.append(f"| {dtype} | {D} | {causal} | {mode} | {pair(r)} | {pair(fa2)} | {ratios[0]} | {ratios[1]} "
+                     f"| {pair(docs)} | {by_docs} |")
     return "\n".join(lines) + "\n"
 
 
