@@ -62,8 +62,8 @@ def load_tree(label: str, root: Path):
     return module
 
 
-def cases(sweeps, dtypes, head_dims, seqlens, variant_seqlens, variants=VARIANTS[1:]):
-    """(sweep, variant, dtype, D, N, causal) of every point (``variants``: the variants sweep's; "plain" is the
+def cases(sweeps, dtypes, head_dims, seqlens, variant_seqlens, names=VARIANTS[1:]):
+    """(sweep, variant, dtype, D, N, causal) of every point (``names``: the variants sweep's; "plain" is the
     protocol's, and with the variants' lengths where named)."""
     for sweep in sweeps:
         for dtype in dtypes:
@@ -73,7 +73,7 @@ def cases(sweeps, dtypes, head_dims, seqlens, variant_seqlens, variants=VARIANTS
                         for causal in (False, True):
                             yield ("protocol", "plain", dtype, D, N, causal)
                 else:
-                    for variant in variants:
+                    for variant in names:
                         for N in (variant_seqlens if variant != "varlen" else [0]):
                             for causal in (False, True):
                                 yield ("variants", variant, dtype, D, N, causal)
@@ -86,9 +86,8 @@ def make_case(case, small: bool = False, schedule: str = "auto"):
     _, variant, dtype, D, N, causal = case
     H = bench.HIDDEN // D
     if variant == "varlen":
-        rng = numpy.random.default_rng(0)
-        lo, hi = (WARM_N // 4, WARM_N) if small else variants.VARLEN_LENGTHS
-        lengths = rng.integers(lo, hi + 1, 4 if small else variants.VARLEN_SEQS)
+        lengths = (numpy.random.default_rng(0).integers(WARM_N // 4, WARM_N + 1, 4) if small
+                   else variants.varlen_lengths())
         total = int(lengths.sum())
         gen = cupy.random.default_rng(bench.SEED)
         q, k, v, do = (gen.standard_normal((total, H, D), dtype=numpy.float32).astype(bench.DTYPES[dtype])
@@ -125,7 +124,7 @@ def make_case(case, small: bool = False, schedule: str = "auto"):
 def calls(flash, x, kw, extra, offsets) -> dict:
     """{mode: a zero-argument call} of one checkout's ``flash`` (its cupyflash package)."""
     if offsets is not None:
-        cu = offsets
+        cu = offsets   # the same offsets for queries and keys
         saved = tuple(flash.flash_attention_varlen_forward(x.q, x.k, x.v, cu, cu, **kw))
         return {"fwd": lambda: flash.flash_attention_varlen_forward(x.q, x.k, x.v, cu, cu, **kw),
                 "bwd": lambda: flash.flash_attention_varlen_backward(x.do, x.q, x.k, x.v, *saved, cu, cu, **kw,

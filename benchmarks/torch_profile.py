@@ -81,9 +81,14 @@ def main() -> None:
     def through_torch():
         torch.autograd.grad(flash_attention(*leaves, causal=True), leaves, do)
 
-    def on_one_thread():
-        with torch.autograd.set_multithreading_enabled(False):
-            through_torch()
+    def on_calling_thread(call):
+        """``call`` with torch's backward on the calling thread."""
+        def run():
+            with torch.autograd.set_multithreading_enabled(False):
+                call()
+        return run
+
+    on_one_thread = on_calling_thread(through_torch)
 
     def torch_forward():
         with torch.no_grad():
@@ -100,10 +105,6 @@ def main() -> None:
     def sdpa():
         torch.autograd.grad(F.scaled_dot_product_attention(*leaves, is_causal=True), leaves, do)
 
-    def sdpa_on_one_thread():
-        with torch.autograd.set_multithreading_enabled(False):
-            sdpa()
-
     class Empty(torch.autograd.Function):   # no work at all: torch's cost of a Python Function
         @staticmethod
         def forward(ctx, q, k, v):
@@ -116,10 +117,6 @@ def main() -> None:
     def floor():
         torch.autograd.grad(Empty.apply(*leaves), leaves, do)
 
-    def floor_on_one_thread():
-        with torch.autograd.set_multithreading_enabled(False):
-            floor()
-
     rows = [
         ("cupyflash.torch forward + backward (autograd thread)", through_torch),
         ("cupyflash.torch forward + backward (calling thread)", on_one_thread),
@@ -129,9 +126,9 @@ def main() -> None:
         ("cupyflash direct forward", direct(backward=False)),
         ("cupyflash direct forward, out=", direct(outs, backward=False)),
         ("torch SDPA forward + backward (autograd thread)", sdpa),
-        ("torch SDPA forward + backward (calling thread)", sdpa_on_one_thread),
+        ("torch SDPA forward + backward (calling thread)", on_calling_thread(sdpa)),
         ("an empty Python autograd.Function forward + backward (autograd thread)", floor),
-        ("an empty Python autograd.Function forward + backward (calling thread)", floor_on_one_thread),
+        ("an empty Python autograd.Function forward + backward (calling thread)", on_calling_thread(floor)),
     ]
     print(f"{tuple(args.shape)} bfloat16 causal, {args.calls} back-to-back calls, torch {torch.__version__}\n")
     print("| call | host µs | GPU µs |")

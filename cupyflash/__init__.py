@@ -17,5 +17,5 @@ from . import distributed
 __version__ = "0.1.0"
 __all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward", "flash_attention_varlen_forward",
            "flash_attention_varlen_backward", "ForwardResult", "flash_attention_with_kvcache", "merge_attention",
-           "merge_attention_stacked", "dropout_mask", "block_mask", "BlockMask", "precompile", "reference", "distributed",
-           "__version__"]
+           "merge_attention_stacked", "dropout_mask", "block_mask", "BlockMask", "precompile", "reference",
+           "distributed", "__version__"]

@@ -581,14 +581,15 @@ class TileMapPlan:
 
     def locate(self, alloc, stream: int):
         """``(address, memory, fresh)``: where this call's map lies, what holds it and whether the call
-        writes it (launches ``launches`` before the main kernel). A kept map is per stream, so the call
-        that wrote it is ordered before every call that reads it. A call under graph capture makes none to
-        keep and reads only a block mask's (which the caller keeps alive, as it keeps the graph)."""
+        writes it (launches ``launches`` before the main kernel); ``alloc`` the call's allocator
+        (``call_stream``). A kept map is per stream, so the call that wrote it is ordered before every call
+        that reads it. A call under graph capture makes none to keep and reads only a block mask's (which
+        the caller keeps alive, as it keeps the graph)."""
         import cupy
 
         block = BLOCK_MAPS.get()
         maps = block if block is not None else KEPT_MAPS if self.shared else None
-        capture = capturing()
+        capture = alloc is not cupy.cuda.alloc   # call_stream's stream-ordered allocator: capturing
         kept = None
         if maps is not None and self.key is not None and not (capture and block is None):
             kept = maps.get((self.key, stream))

@@ -19,8 +19,9 @@ def view(address: int, nbytes: int, shape: tuple, dtype, strides, device: int, o
     0: such a tensor may have no address."""
     import cupy
 
-    if not nbytes:
-        return cupy.ndarray(shape, dtype)
+    if not nbytes:   # on ``device``, which need not be the current one
+        with cupy.cuda.Device(device):
+            return cupy.ndarray(shape, dtype)
     memory = cupy.cuda.UnownedMemory(address, nbytes, owner, device)
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), strides)
 

@@ -320,39 +320,33 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
     cupyflash.reference.attention_forward : the naive float64 reference.
     cupyflash.blocked.forward : the NumPy Algorithm 1 (CPU path).
     """
-    user = (score_mod, None, *_with_block_mask(block_mask, q, k, mask_mod, mod_args))
-    outputs = _with_block_maps(block_mask, _forward, q, k, v, None, causal, softmax_scale, window, softcap,
-                               alibi_slopes, sink, schedule, precision, out, bias, mask, dropout_p, seed, user,
-                               num_splits)
+    user, token = (score_mod, None, mask_mod, mod_args), None
+    if block_mask is not None:
+        user, token = _enter_block_mask(block_mask, q, k, user)
+    try:
+        outputs = _forward(q, k, v, None, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,
+                           precision, out, bias, mask, dropout_p, seed, user, num_splits)
+    finally:
+        if token is not None:
+            _launch.BLOCK_MAPS.reset(token)
     return ForwardResult(outputs, flash_attention_backward, (q, k, v), (), BACKWARD_KEYWORDS,
                          (causal, softmax_scale, window, softcap, alibi_slopes, bias, mask, sink, dropout_p, seed,
                           score_mod, mask_mod, mod_args, schedule, precision, block_mask))
 
 
-def _with_block_mask(block_mask, q, k, mask_mod, mod_args) -> tuple:
-    """``(mask_mod, mod_args)`` of a call that passes ``block_mask`` (as given without one): its
-    expression and arguments, the arrays on the inputs' GPU (``BlockMask.args_on``)."""
-    if block_mask is None:
-        return mask_mod, mod_args
+def _enter_block_mask(block_mask, q, k, user) -> tuple:
+    """``(user, token)`` of a call that passes ``block_mask``: its expressions (score_mod, score_mod_grad,
+    mask_mod, mod_args) with the block mask's mask_mod and arguments, the arrays on the inputs' GPU
+    (``BlockMask.args_on``), and the token that ends its maps' being the ones the call's kernels read and
+    keep (``_launch.BLOCK_MAPS``; the caller resets it)."""
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be a cupyflash.BlockMask (cupyflash.block_mask(...)), got "
                         f"{type(block_mask).__name__}")
-    block_mask.check_call(q, k, mask_mod, mod_args)
+    block_mask.check_call(q, k, user[2], user[3])
     cupy = sys.modules.get("cupy")
     on_gpu = cupy is not None and isinstance(q, cupy.ndarray)
-    return block_mask.mask_mod, block_mask.args_on(q.device.id) if on_gpu else block_mask.mod_args
-
-
-def _with_block_maps(block_mask, call, *args):
-    """``call(*args)`` with ``block_mask``'s maps as the ones its kernels read and keep
-    (``_launch.BLOCK_MAPS``); a plain call without one."""
-    if block_mask is None:
-        return call(*args)
-    token = _launch.BLOCK_MAPS.set(block_mask._maps)
-    try:
-        return call(*args)
-    finally:
-        _launch.BLOCK_MAPS.reset(token)
+    args = block_mask.args_on(q.device.id) if on_gpu else block_mask.mod_args
+    return (*user[:2], block_mask.mask_mod, args), _launch.BLOCK_MAPS.set(block_mask._maps)
 
 
 def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule, precision, out,
@@ -799,10 +793,15 @@ def flash_attention_backward(do: Array, q: Array, k: Array, v: Array, o: Array, 
     cupyflash.reference.attention_backward : the naive float64 reference.
     cupyflash.blocked.backward : the NumPy version (CPU path).
     """
-    user = (score_mod, score_mod_grad, *_with_block_mask(block_mask, q, k, mask_mod, mod_args))
-    return _with_block_maps(block_mask, _backward, do, q, k, v, o, m, l, None, causal, softmax_scale, window, softcap,
-                            alibi_slopes, sink, schedule, precision, deterministic, out, bias, mask, bias_grad,
-                            dropout_p, seed, user)
+    user, token = (score_mod, score_mod_grad, mask_mod, mod_args), None
+    if block_mask is not None:
+        user, token = _enter_block_mask(block_mask, q, k, user)
+    try:
+        return _backward(do, q, k, v, o, m, l, None, causal, softmax_scale, window, softcap, alibi_slopes, sink,
+                         schedule, precision, deterministic, out, bias, mask, bias_grad, dropout_p, seed, user)
+    finally:
+        if token is not None:
+            _launch.BLOCK_MAPS.reset(token)
 
 
 def _backward(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,

@@ -24,7 +24,6 @@ the CPU (NumPy arrays) any object with ``rank``, ``world`` and ``shift(send, rec
 from __future__ import annotations
 
 import contextlib
-import math
 
 import numpy
 
@@ -191,8 +190,9 @@ def _transfer_stream(device: int):
 # ---------------------------------------------------------------------------------------------------
 # Forward and backward
 
-def _checked(q, k, v, ring, causal, softmax_scale, layout, more=None):
-    """``(xp, chunk length, scale)`` of a ring call; ValueError/TypeError naming what is wrong."""
+def _checked(q, k, v, ring, causal, layout, more=None):
+    """``(xp, chunk length)`` of a ring call; ValueError/TypeError naming what is wrong (softmax_scale is
+    checked by the attention calls it reaches unchanged)."""
     check_choice("layout", layout, LAYOUTS)
     xp = array_module({"q": q, "k": k, "v": v, **(more or {})})
     check_bool("causal", causal)
@@ -207,8 +207,7 @@ def _checked(q, k, v, ring, causal, softmax_scale, layout, more=None):
                          f"not a multiple of {per}")
     if ring.world > 1 and xp is numpy and isinstance(ring, _NcclRing):
         raise TypeError("an NCCL ring moves CuPy arrays; q, k, v are NumPy arrays")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    return xp, n // per, scale
+    return xp, n // per
 
 
 def _own(xp, x, ring):
@@ -269,7 +268,7 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, softmax_scale
         A bad layout, comm, or shards of different lengths; and what ``flash_attention_forward`` raises.
     """
     ring = _ring(comm)
-    xp, c, scale = _checked(q, k, v, ring, causal, softmax_scale, layout)
+    xp, c = _checked(q, k, v, ring, causal, layout)
     acc = accumulator_dtype(q.dtype)
     mine = chunks_of(ring.rank, ring.world, layout)
     running = [None] * len(mine)
@@ -283,7 +282,7 @@ def ring_attention_forward(q, k, v, comm, *, causal: bool = False, softmax_scale
             source = (ring.rank - step) % ring.world
             for qp, kp, diagonal in _pairs(ring.rank, source, ring.world, layout, causal):
                 o, m, l = flash_attention_forward(_rows(q, qp, c), _rows(held[0], kp, c), _rows(held[1], kp, c),
-                                                  causal=diagonal, softmax_scale=scale)
+                                                  causal=diagonal, softmax_scale=softmax_scale)
                 part = (o.astype(acc, copy=False), m, l)
                 running[qp] = part if running[qp] is None else tuple(merge_attention([running[qp], part]))
             if step + 1 < ring.world:
@@ -322,7 +321,7 @@ def ring_attention_backward(do, q, k, v, o, m, l, comm, *, causal: bool = False,
         As in the forward; and what ``flash_attention_backward`` raises.
     """
     ring = _ring(comm)
-    xp, c, scale = _checked(q, k, v, ring, causal, softmax_scale, layout, {"do": do, "o": o, "m": m, "l": l})
+    xp, c = _checked(q, k, v, ring, causal, layout, {"do": do, "o": o, "m": m, "l": l})
     if do.shape != q.shape or o.shape != q.shape or m.shape != q.shape[:-1] or l.shape != q.shape[:-1]:
         raise ValueError(f"do and o must have q's shape {q.shape}, m and l {q.shape[:-1]}; got do {do.shape}, "
                          f"o {o.shape}, m {m.shape}, l {l.shape}")
@@ -343,7 +342,7 @@ def ring_attention_backward(do, q, k, v, o, m, l, comm, *, causal: bool = False,
                 rows = slice(qp * c, (qp + 1) * c)
                 grads = flash_attention_backward(_rows(do, qp, c), _rows(q, qp, c), _rows(held[0], kp, c),
                                                  _rows(held[1], kp, c), _rows(o, qp, c), m[..., rows], l[..., rows],
-                                                 causal=diagonal, softmax_scale=scale)
+                                                 causal=diagonal, softmax_scale=softmax_scale)
                 dq[..., rows, :] += grads[0]
                 part[0][..., kp * c:(kp + 1) * c, :] += grads[1]
                 part[1][..., kp * c:(kp + 1) * c, :] += grads[2]

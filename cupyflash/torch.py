@@ -376,8 +376,6 @@ def _forward(q, k, v, sink, bias, call: _Call):
     o = torch.empty_strided(plan.o_shape, plan.o_strides, dtype=plan.dtype, device=plan.torch_device)
     ml = torch.empty(plan.l_start + plan.stats_size, dtype=plan.stats_dtype, device=plan.torch_device)
     array, device = plan.array, plan.device
-    if device is not None:
-        _cupy()
     inputs = (array(q, plan.q, device), array(k, plan.k, device), array(v, plan.v, device))
     out = (array(o, plan.o, device), array(ml, plan.m, device), array(ml, plan.l, device))
     run = api.flash_attention_forward if call.varlen is None else _varlen_forward

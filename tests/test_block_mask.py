@@ -100,21 +100,24 @@ def locate_here(monkeypatch):
     made = []
     monkeypatch.setattr(cupy, "empty", lambda n, dtype: made.append(("kept", n)) or _Memory(1000 + len(made)))
     monkeypatch.setattr(_launch, "KEPT_MAPS", {})
-    monkeypatch.setattr(_launch, "capturing", lambda stream=None: False)
 
-    def alloc(n):
+    def alloc(n):   # CuPy's pool, as call_stream gives it outside a capture
         made.append(("call", n))
         return _Memory(len(made))
 
-    return made, alloc
+    def capturing_alloc(n):   # call_stream's stream-ordered allocator during a capture
+        return alloc(n)
+
+    monkeypatch.setattr(cupy.cuda, "alloc", alloc)
+    return made, alloc, capturing_alloc
 
 
 @pytest.mark.parametrize("shared", [True, False])
-def test_where_a_call_finds_its_map(locate_here, monkeypatch, shared):
+def test_where_a_call_finds_its_map(locate_here, shared):
     """Kept where every like call may share it (in KEPT_MAPS) or where the call passes a block mask (in its
     store), per stream; written at every call otherwise, and under graph capture (which reads only a
     block mask's kept map)."""
-    made, alloc = locate_here
+    made, alloc, capturing_alloc = locate_here
     plan = _launch.TileMapPlan(64, (), ("key",), shared)
     first, second = plan.locate(alloc, 7), plan.locate(alloc, 7)
     assert first[2] and not second[2] if shared else first[2] and second[2]
@@ -125,14 +128,12 @@ def test_where_a_call_finds_its_map(locate_here, monkeypatch, shared):
     try:
         written, read = plan.locate(alloc, 7), plan.locate(alloc, 7)
         assert written[2] and not read[2] and written[0] == read[0] and list(store) == [(("key",), 7)]
-        monkeypatch.setattr(_launch, "capturing", lambda stream=None: True)
-        assert plan.locate(alloc, 7) == read   # the block mask's, also under capture
-        captured = plan.locate(alloc, 9)       # none kept for this stream: the graph's own, not kept
+        assert plan.locate(capturing_alloc, 7) == read   # the block mask's, also under capture
+        captured = plan.locate(capturing_alloc, 9)       # none kept for this stream: the graph's own, not kept
         assert captured[2] and list(store) == [(("key",), 7)]
     finally:
         _launch.BLOCK_MAPS.reset(token)
-    assert plan.locate(alloc, 7)[2]            # under capture without a block mask: never a kept map
-    monkeypatch.setattr(_launch, "capturing", lambda stream=None: False)
+    assert plan.locate(capturing_alloc, 7)[2]            # under capture without a block mask: never a kept map
     packed = _launch.TileMapPlan(64, (), None, shared)   # offsets come with the call: never kept
     assert packed.locate(alloc, 7)[2] and packed.locate(alloc, 7)[2]
 

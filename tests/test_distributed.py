@@ -48,13 +48,15 @@ class ThreadRing:
         self.shifts += 1
 
 
-def run_ring(world: int, work):
-    """``work(ring)`` on every rank of a thread ring, its results in rank order (a rank's error raised)."""
+def run_ring(world: int, work, ring_type=None):
+    """``work(ring)`` on every rank of a thread ring (``ring_type``, default ``ThreadRing``), its results in
+    rank order (a rank's error raised)."""
     board, results, errors = Board(world), [None] * world, []
+    ring_type = ring_type or ThreadRing
 
     def rank_main(rank):
         try:
-            results[rank] = work(ThreadRing(rank, world, board))
+            results[rank] = work(ring_type(rank, world, board))
         except BaseException as error:  # noqa: BLE001 - re-raised in the caller
             errors.append(error)
             board.barrier.abort()
@@ -189,6 +191,9 @@ def test_refusals_name_what_is_wrong():
         shard(q, 2, 2)
     with pytest.raises(ValueError, match="q's shape"):
         ring_attention_backward(q[:, :4], q, q, q, q, q[..., 0], q[..., 0], ring)
+    for scale in (True, "0.5"):   # reaches the attention calls as given: refused as they refuse it
+        with pytest.raises(TypeError, match="softmax_scale must be a real number"):
+            ring_attention_forward(q, q, q, ThreadRing(0, 1, Board(1)), softmax_scale=scale)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -232,16 +237,7 @@ def test_the_gpu_path_with_its_transfer_stream(layout):
         cupy.cuda.get_current_stream().synchronize()
         return [x.get() for x in (o, m, l, *grads)]
 
-    board = Board(world)
-    results, threads = [None] * world, []
-    for r in range(world):
-        def rank_main(rank=r):
-            results[rank] = work(StreamRing(rank, world, board))
-        threads.append(threading.Thread(target=rank_main))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = run_ring(world, work, StreamRing)
     got = [unshard([res[i] for res in results], layout, axis=-1 if i in (1, 2) else -2) for i in range(6)]
     f64 = [x.astype(numpy.float64) for x in (q, k, v, do)]
     ref = reference.attention_forward(*f64[:3], causal=True)

@@ -99,12 +99,6 @@ def comm_barrier(comm):
     cupy.cuda.get_current_stream().synchronize()
 
 
-def _numpy_dtype(name):
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16 if name == "bfloat16" else numpy.dtype(name)
-
-
 def check_case(comm, rank, world, dtype, layout, causal, n_per_gpu, xp) -> dict:
     """{name: error} of this rank's ring results for one case against its shard of one GPU's attention
     over the whole sequence, each relative to the largest magnitude of the whole (``xp``: cupy, or numpy
@@ -113,7 +107,9 @@ def check_case(comm, rank, world, dtype, layout, causal, n_per_gpu, xp) -> dict:
     import cupyflash.distributed as cfd
 
     n = n_per_gpu * world
-    whole = inputs(0, _numpy_dtype(dtype), CHECK["batch"], n, CHECK["D"], xp)
+    from helpers import DTYPE_BY_NAME
+
+    whole = inputs(0, DTYPE_BY_NAME[dtype], CHECK["batch"], n, CHECK["D"], xp)
     q, k, v, do = (cfd.shard(x, rank, world, layout) for x in whole)
     o, m, l = cfd.ring_attention_forward(q, k, v, comm, causal=causal, layout=layout)
     got = (o, m, l, *cfd.ring_attention_backward(do, q, k, v, o, m, l, comm, causal=causal, layout=layout))
