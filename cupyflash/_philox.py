@@ -3,7 +3,8 @@ vectorised over NumPy arrays: the counter-based generator behind dropout's keep 
 
 A counter-based generator maps (counter, key) to random words with no state, so any tile of any
 kernel can draw the word of any (batch entry, query, key) on its own and every schedule draws the
-same. The kernels' twin is to come (issue #17); this module is the definition both follow.
+same. This module is the definition; kernels_cu/philox.cuh is the kernels' twin (tests/test_philox_cuh.py
+checks them bit for bit).
 """
 
 import numpy as np

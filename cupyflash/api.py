@@ -1027,9 +1027,10 @@ def flash_attention_varlen_forward(q: Array, k: Array, v: Array, cu_seqlens_q: A
         reads the block of its own rows and keys (pairs between two
         sequences are never read).
     dropout_p, seed
-        As in :func:`flash_attention_forward` over the packed pairs: pair
-        ``(i, j)`` of the packed rows and keys, so sequence ``s`` drops its
-        own block of ``dropout_mask(seed, p, batch, total_q, total_k)``.
+        As in :func:`flash_attention_forward` over the packed query rows and
+        each sequence's own keys: sequence ``s`` keeps its pair ``(i, j)``
+        where ``dropout_mask(seed, p, batch, total_q, n_k)`` keeps pair
+        ``(cu_seqlens_q[s] + i, j)``.
     score_mod, mask_mod, mod_args
         As in :func:`flash_attention_forward`, per sequence: ``q_idx``,
         ``kv_idx`` are the pair's positions in its sequence.

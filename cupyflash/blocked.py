@@ -398,7 +398,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
     spans = packed_spans(cu_seqlens_q, cu_seqlens_k, q.shape[-2], k.shape[-2]) or [(slice(0, 0), slice(0, 0))]
     bias, mask = kw.pop("bias", None), kw.pop("mask", None)
     parts = [forward(q[..., rq, :], k[..., rk, :], v[..., rk, :], bias=pair_view(bias, rq, rk),
-                     mask=pair_view(mask, rq, rk), dropout_origin=(rq.start, rk.start), **kw) for rq, rk in spans]
+                     mask=pair_view(mask, rq, rk), dropout_origin=(rq.start, 0), **kw) for rq, rk in spans]
     return (np.concatenate([p[0] for p in parts], axis=-2), np.concatenate([p[1] for p in parts], axis=-1),
             np.concatenate([p[2] for p in parts], axis=-1))
 
@@ -414,7 +414,7 @@ def varlen_backward(do, q, k, v, o, m, l, cu_seqlens_q, cu_seqlens_k, **kw):
     for rq, rk in spans:
         part = list(backward(do[..., rq, :], q[..., rq, :], k[..., rk, :], v[..., rk, :], o[..., rq, :], m[..., rq],
                              l[..., rq], bias=pair_view(bias, rq, rk), mask=pair_view(mask, rq, rk),
-                             dropout_origin=(rq.start, rk.start), **kw))
+                             dropout_origin=(rq.start, 0), **kw))
         if dbias is not None:   # its block of the packed pairs (a broadcast dim sums over the sequences)
             block = part.pop(3)
             dbias.reshape((1,) * max(0, 2 - dbias.ndim) + dbias.shape)[pair_span(dbias.shape, rq, rk)] += block

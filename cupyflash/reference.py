@@ -185,7 +185,7 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, window=None,
         Names the expressions read: numbers, or arrays read as 1-D in C order (``name[index]``).
     dropout_origin : (int, int), optional
         The (query row, key) of this problem's pair (0, 0) in the keep set's coordinates: a packed
-        sequence's first row and key (`attention_varlen_forward`). Default (0, 0).
+        sequence's first row and key 0 (`attention_varlen_forward`). Default (0, 0).
 
     Returns
     -------
@@ -345,8 +345,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=Fals
     bias, mask : array_like, optional
         Broadcastable to ``(*batch, total_q, total_k)``: sequence ``s`` reads its own block.
     dropout_p, seed : optional
-        As in `attention_forward`, the keep set over the packed pairs: sequence ``s`` drops its own
-        block of ``dropout_keep(seed, p, batch, total_q, total_k)``.
+        As in `attention_forward`, over the packed query rows and each sequence's own keys: sequence
+        ``s`` keeps its pair ``(i, j)`` where `dropout_keep` keeps pair ``(cu_seqlens_q[s] + i, j)``.
     score_mod, mask_mod, mod_args : optional
         As in `attention_forward`, per sequence: ``q_idx``, ``kv_idx`` are positions in the sequence.
 
@@ -360,7 +360,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=Fals
               sink=sink, score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args)
     parts = [attention_forward(np.asarray(q)[..., rq, :], np.asarray(k)[..., rk, :], np.asarray(v)[..., rk, :],
                                bias=pair_view(bias, rq, rk), mask=pair_view(mask, rq, rk), dropout_p=dropout_p,
-                               seed=seed, dropout_origin=(rq.start, rk.start), **kw)
+                               seed=seed, dropout_origin=(rq.start, 0), **kw)
              for rq, rk in packed_spans(cu_seqlens_q, cu_seqlens_k, np.shape(q)[-2], np.shape(k)[-2])]
     if not parts:
         batch = np.broadcast_shapes(np.shape(q)[:-2], np.shape(k)[:-2], np.shape(v)[:-2])
@@ -407,7 +407,7 @@ def attention_varlen_backward(do, q, k, v, o, m, l, cu_seqlens_q, cu_seqlens_k, 
         part = attention_backward(do[..., rq, :], q[..., rq, :], k[..., rk, :], v[..., rk, :], o[..., rq, :],
                                   m[..., rq], l[..., rq], bias=pair_view(bias, rq, rk), mask=pair_view(mask, rq, rk),
                                   bias_grad=bias_grad, dropout_p=dropout_p, seed=seed,
-                                  dropout_origin=(rq.start, rk.start), **kw)
+                                  dropout_origin=(rq.start, 0), **kw)
         grads[0][..., rq, :] += part[0]
         grads[1][..., rk, :] += part[1]
         grads[2][..., rk, :] += part[2]

@@ -186,9 +186,9 @@ struct EntryMods {
     Pairs<const unsigned char> keep;   // the boolean mask, 1 = visible
     Pairs<acc_t> dbias;   // BIAS: where the call asks for dbias (uses & USES_BIAS_GRAD), else null
     bool dbias_add;       // several CTAs or lanes add into one dbias element (atomics), else one stores it
-    // dropout: the batch entry's flat index b (two words), the sequence's first packed row and key,
-    // the Philox key (the seed's two words), the threshold round(p 2^32) and 1 / (1 - p)
-    unsigned b_lo, b_hi, pq0, pk0, seed_lo, seed_hi, threshold;
+    // dropout: the batch entry's flat index b (two words), the sequence's first packed row, the Philox
+    // key (the seed's two words), the threshold round(p 2^32) and 1 / (1 - p)
+    unsigned b_lo, b_hi, pq0, seed_lo, seed_hi, threshold;
     acc_t keep_scale;
     long long b;          // user expressions: the flat batch index
     UserArgs user;        // ... and mod_args
@@ -211,19 +211,19 @@ struct EntryMods {
         return (w & 2) ? ((w & 1) ? r.w[3] : r.w[2]) : ((w & 1) ? r.w[1] : r.w[0]);
     }
 
-    // dropout keeps pair (i, j) of the sequence: word (k0 + j) % 4 of Philox at counter
-    // ((k0 + j) / 4, q0 + i, b) is at least the threshold (cupyflash/_philox.py: dropout_keep)
+    // dropout keeps pair (i, j) of the sequence: word j % 4 of Philox at counter (j / 4, q0 + i, b), q0
+    // the sequence's first packed row, is at least the threshold (cupyflash/_philox.py: dropout_keep).
+    // Keys count from the sequence's first, so a group of four keys never straddles two sequences.
     __device__ __forceinline__ bool kept(int i, int j) const {
-        const unsigned key = pk0 + (unsigned)j;
-        return word(philox4x32(key >> 2, pq0 + (unsigned)i, b_lo, b_hi, seed_lo, seed_hi), key & 3) >= threshold;
+        return word(philox4x32((unsigned)j >> 2, pq0 + (unsigned)i, b_lo, b_hi, seed_lo, seed_hi), (unsigned)j & 3) >=
+               threshold;
     }
 
-    // ... of the pairs (i, j) and (i, j + 1), from one Philox result where both keys share it
+    // ... of the pairs (i, j) and (i, j + 1), j even: one Philox result holds both words
     __device__ __forceinline__ void kept2(int i, int j, bool& first, bool& second) const {
-        const unsigned key = pk0 + (unsigned)j;
-        const Words4 r = philox4x32(key >> 2, pq0 + (unsigned)i, b_lo, b_hi, seed_lo, seed_hi);
-        first = word(r, key & 3) >= threshold;
-        second = (key & 3) != 3 ? word(r, (key & 3) + 1) >= threshold : kept(i, j + 1);
+        const Words4 r = philox4x32((unsigned)j >> 2, pq0 + (unsigned)i, b_lo, b_hi, seed_lo, seed_hi);
+        first = word(r, (unsigned)j & 3) >= threshold;
+        second = word(r, ((unsigned)j & 3) + 1) >= threshold;
     }
 
     // the boolean mask or mask_mod hides pair (i, j) (always false without either); pairs past the
@@ -344,7 +344,6 @@ struct ScoreMods {
             e.b_lo = (unsigned)b;
             e.b_hi = (unsigned)(b >> 32);
             e.pq0 = (unsigned)q0;
-            e.pk0 = (unsigned)k0;
             e.seed_lo = (unsigned)seed;
             e.seed_hi = (unsigned)(seed >> 32);
             e.threshold = threshold;
@@ -378,19 +377,19 @@ __device__ __forceinline__ bool may_hide(const Mask& mask, int q0, int rows, int
 // in pair_at): bit e set where element e's pair is kept.
 //
 // TRANSPOSED (rows keys, the backward's S^T): a lane's four elements are four Philox results, one word
-// of each (keys g and g + 8, queries c and c + 1). Where the warp's first key starts a group of four
-// in the keep set (always but for packed sequences that start off one), the four lanes g = 4m .. 4m+3
-// of one t need the same four results, word g % 4 of each: lane r = g % 4 draws result r (element r),
-// and four shuffles hand each lane its word of each: one draw per lane instead of four.
+// of each (keys g and g + 8, queries c and c + 1). The warp's first key starts a group of four in the
+// keep set (it is a multiple of 16), so the four lanes g = 4m .. 4m+3 of one t need the same four
+// results, word g % 4 of each: lane r = g % 4 draws result r (element r), and four shuffles hand each
+// lane its word of each: one draw per lane instead of four.
 template <bool TRANSPOSED>
 __device__ __forceinline__ unsigned keep_bits(const EntryMods& mods, int r0, int c0, int n) {
     if constexpr (TRANSPOSED) {
-        if (((mods.pk0 + (unsigned)r0) & 3) == 0) {
+        if ((r0 & 3) == 0) {
             const int lane = threadIdx.x % WARP_SIZE, r = lane / 4 & 3;
             int i, j;
             pair_at<true>(r0, c0, n, r, i, j);   // element r: key g + 8 (r / 2), query c + r % 2
-            const Words4 mine = philox4x32((mods.pk0 + (unsigned)j) >> 2, mods.pq0 + (unsigned)i, mods.b_lo, mods.b_hi,
-                                           mods.seed_lo, mods.seed_hi);
+            const Words4 mine =
+                philox4x32((unsigned)j >> 2, mods.pq0 + (unsigned)i, mods.b_lo, mods.b_hi, mods.seed_lo, mods.seed_hi);
             unsigned bits = 0;
 #pragma unroll
             for (int k = 0; k < 4; ++k) {   // round k: receive word r of the result of lane r - k (its element)

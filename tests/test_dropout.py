@@ -96,9 +96,10 @@ def test_bad_dropout_is_refused_naming_the_argument(kw, error, words, call):
 @settings(deadline=None, max_examples=20)
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=4), st.lists(st.integers(0, 40), min_size=1, max_size=4),
        st.integers(0, 2**64 - 1), st.booleans())
-def test_packed_sequences_drop_their_block_of_the_packed_pairs(lens_q, lens_k, seed, causal):
-    """Dropout over packed sequences keys on the packed rows and keys: the NumPy path equals the reference,
-    and sequence s's output is that of its own problem with its block of the packed keep set."""
+def test_packed_sequences_drop_on_packed_rows_and_their_own_keys(lens_q, lens_k, seed, causal):
+    """Dropout over packed sequences keys on the packed query rows and each sequence's own keys: the NumPy
+    path equals the reference, and sequence s's output is that of its own problem with rows
+    cu_q[s].. and keys 0.. of the keep set."""
     n = min(len(lens_q), len(lens_k))
     cu_q, cu_k = (numpy.concatenate([[0], numpy.cumsum(x[:n])]) for x in (lens_q, lens_k))
     rng = numpy.random.default_rng(seed % 2**32)
@@ -111,12 +112,13 @@ def test_packed_sequences_drop_their_block_of_the_packed_pairs(lens_q, lens_k, s
     ref_grads = reference.attention_varlen_backward(do, q, k, v, *refs, cu_q, cu_k, **kw)
     for name, got, ref in zip(("o", "m", "l", "dq", "dk", "dv"), (*out, *grads), (*refs, *ref_grads)):
         assert_float64_close(name, got, ref)
-    keep = cupyflash.dropout_mask(seed, 0.3, (2,), int(cu_q[-1]), int(cu_k[-1]))
+    keep = cupyflash.dropout_mask(seed, 0.3, (2,), int(cu_q[-1]), int(max(numpy.diff(cu_k), default=0)))
     for s in range(n):
         rq, rk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
         if rq.stop > rq.start and rk.stop > rk.start:
             P = reference.attention_forward(q[:, rq], k[:, rk], numpy.eye(rk.stop - rk.start)[None], causal=causal)[0]
-            numpy.testing.assert_allclose(out[0][:, rq], P * keep[:, rq, rk] / 0.7 @ v[:, rk], atol=1e-12)
+            own = keep[:, rq, :rk.stop - rk.start]
+            numpy.testing.assert_allclose(out[0][:, rq], P * own / 0.7 @ v[:, rk], atol=1e-12)
 
 
 # ---------------------------------------------------------------------------
