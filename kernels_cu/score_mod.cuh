@@ -226,28 +226,38 @@ struct EntryMods {
         second = word(r, ((unsigned)j & 3) + 1) >= threshold;
     }
 
+    // The pair at which a user expression is evaluated for pair (i, j): (i, j) itself inside the lengths,
+    // else the nearest pair inside (its result is then not used). An expression may read its arrays at
+    // q_idx and kv_idx, so it never sees a pair past the lengths; and as the evaluation is not behind a
+    // branch, the compiler loads an array element that a tile's row or key column shares once, not once
+    // per pair (a document mask doc[q_idx] == doc[kv_idx]: 2 + B_C / 4 loads per thread and tile, not 2 per
+    // pair). Only tiles of a sequence with queries and keys reach here (Nq, Nk >= 1).
+    __device__ __forceinline__ long long user_q(int i) const { return min(i, Nq - 1); }
+    __device__ __forceinline__ long long user_kv(int j) const { return min(j, Nk - 1); }
+
     // the boolean mask or mask_mod hides pair (i, j) (always false without either); pairs past the
     // lengths are hidden
     __device__ __forceinline__ bool hidden(int i, int j) const {
         if constexpr (HIDES) {
-            if (i >= Nq || j >= Nk) return true;
+            bool hide = i >= Nq || j >= Nk;
+            if constexpr (USER_MASK)
+                hide |= !user_all && !user_visible(b, user_q(i), user_kv(j), user);
+            if (hide) return true;
             if constexpr (BOOL_MASK)
                 if (SWITCH_ON(MASK, uses) && !keep(i, j)) return true;
-            if constexpr (USER_MASK)
-                if (!user_all && !user_visible(b, i, j, user)) return true;
         }
         return false;
     }
 
     // score_mod of pair (i, j) at s (natural units, after the softcap); DERIV: grad *= score_mod_grad at s.
-    // Pairs past the lengths (a tile's ragged end, hidden by the band) are not evaluated: an expression
-    // may read its arrays at q_idx or kv_idx.
+    // Pairs past the lengths (a tile's ragged end, hidden by the band) keep s (user_q, user_kv).
     template <bool DERIV = false>
     __device__ __forceinline__ acc_t user_mod(acc_t s, int i, int j, acc_t& grad) const {
         if constexpr (USER_SCORE) {
-            if (i >= Nq || j >= Nk) return s;
-            if constexpr (DERIV) grad *= user_score_grad(s, b, i, j, user);
-            return user_score(s, b, i, j, user);
+            const bool inside = i < Nq && j < Nk;
+            const long long q_idx = user_q(i), kv_idx = user_kv(j);
+            if constexpr (DERIV) grad *= inside ? user_score_grad(s, b, q_idx, kv_idx, user) : (acc_t)1;
+            return inside ? user_score(s, b, q_idx, kv_idx, user) : s;
         }
         return s;
     }
