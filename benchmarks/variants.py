@@ -4,7 +4,7 @@ modifiers (softcap, ALiBi, sink), packed variable-length sequences, a bias with 
 boolean mask.
 
     python benchmarks/variants.py [--sweep windows mods varlen bias] [--dtypes fp16 bf16] [--head-dims 64 128]
-                                  [--seqlens ...] [--windows 256 1024] [--out DIR]
+                                  [--seqlens ...] [--windows 256 1024] [--varlen-multiple 128] [--out DIR]
 
 Windows (default N 4096 8192 16384): for each case of the FlashAttention papers' protocol
 (batch = 16384/N, H = 2048/D), causal with a window ``(w, 0)``, the forward and the backward of
@@ -32,7 +32,8 @@ and not: ``cupyflash`` (``flash_attention_varlen_forward``/``_backward`` with Cu
 the same memory as one (1, H, total, D) sequence under a document mask by expression,
 ``doc[q_idx] == doc[kv_idx]`` (causal: ``&& kv_idx <= q_idx``) over an int32 ``mod_args`` array, its tile
 maps kept in a ``cupyflash.block_mask`` (issue #38's target: >= 0.9x the varlen functions). TFLOP/s count
-each sequence's visible pairs.
+each sequence's visible pairs. ``--varlen-multiple 128`` rounds every length up to a multiple of 128, so
+that no 128-row tile spans two documents: what the mask's partial tiles cost is the difference.
 
 Bias (default N 1024 2048 4096, not causal): a bias ``(1, H, N, N)`` of the inputs' dtype, the backward
 with ``bias_grad=True`` (dbias summed over the batch with atomics), against torch SDPA with the same
@@ -405,9 +406,13 @@ def table(records) -> str:
 VARLEN_SEQS, VARLEN_LENGTHS = 64, (128, 4096)
 
 
+VARLEN_MULTIPLE = 1   # --varlen-multiple: each length rounded up to a multiple of it
+
+
 def varlen_lengths():
-    """The varlen sweep's sequence lengths (a fixed draw)."""
-    return numpy.random.default_rng(0).integers(VARLEN_LENGTHS[0], VARLEN_LENGTHS[1] + 1, VARLEN_SEQS)
+    """The varlen sweep's sequence lengths (a fixed draw, rounded up to ``VARLEN_MULTIPLE``)."""
+    drawn = numpy.random.default_rng(0).integers(VARLEN_LENGTHS[0], VARLEN_LENGTHS[1] + 1, VARLEN_SEQS)
+    return -(-drawn // VARLEN_MULTIPLE) * VARLEN_MULTIPLE
 
 
 def varlen_case(dtype: str, D: int, causal: bool):
@@ -502,8 +507,12 @@ def main(argv=None) -> int:
                         choices=["windows", "mods", "varlen", "bias", "expressions"])
     parser.add_argument("--seqlens", nargs="+", type=int, default=None, help="default: per sweep (module doc)")
     parser.add_argument("--windows", nargs="+", type=int, default=[256, 1024])
+    parser.add_argument("--varlen-multiple", type=int, default=1,
+                        help="varlen: round each length up to a multiple of this (128: no tile spans two documents)")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args(argv)
+    global VARLEN_MULTIPLE
+    VARLEN_MULTIPLE = args.varlen_multiple
     records = ((run_windows(args) if "windows" in args.sweep else []) + (run_mods(args) if "mods" in args.sweep else [])
                + (run_varlen(args) if "varlen" in args.sweep else [])
                + (run_bias(args) if "bias" in args.sweep else [])
