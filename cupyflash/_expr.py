@@ -129,7 +129,8 @@ class Expr:
         """The expression in CUDA C, fully parenthesised, its float arithmetic in ``real`` ("float":
         literals as ``1.5f`` and the functions' float forms, ``expf``; "double": ``1.5`` and ``exp``);
         ints as ``long long``. ``fast`` (float only; the kernels of 16-bit inputs): the functions of
-        ``FAST`` as the hardware's approximations and float division as ``__fdividef``."""
+        ``FAST`` as the hardware's approximations and float division ``x / y`` as ``x * __fdividef(1.0f, y)``
+        (a reciprocal the compiler computes once where ``y`` does not change from pair to pair)."""
         return _render(self, real, fast and real == "float")
 
     def _render(self, real: str, fast: bool) -> str:
@@ -160,8 +161,8 @@ class Expr:
             return f"(!{sub(a[0])})"
         if op == "neg":
             return f"(-{sub(a[0])})"
-        if fast and op == "/" and self.kind == FLOAT:
-            return f"__fdividef({sub(a[0], FLOAT)}, {sub(a[1], FLOAT)})"
+        if fast and op == "/" and self.kind == FLOAT:   # a divisor the loop does not change: one reciprocal
+            return f"({sub(a[0], FLOAT)} * __fdividef(1.0f, {sub(a[1], FLOAT)}))"
         return f"({sub(a[0])} {op} {sub(a[1])})"
 
 

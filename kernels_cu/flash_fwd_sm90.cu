@@ -311,10 +311,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             acc_t m_new[2], alpha[2], rowsum[2];
 
             // S_ij -> P~_ij, its statistics into m_new, alpha, rowsum (masked online softmax); modified
-            // scores (score_mod.cuh) in the modifiers' units
-            auto softmax_step = [&](int j) {
-                const int kv0 = w.visits.tile(w.visits.begin + j) * B_C;
-                entry.user_all = w.visits.all(w.visits.begin + j);
+            // scores (score_mod.cuh) in the modifiers' units. `visit`: Visits::entry of step j, loaded
+            // before the step's waits (a tile map's list is in global memory)
+            auto softmax_step = [&](int visit) {
+                const int kv0 = Visits::tile_of(visit) * B_C;
+                entry.user_all = Visits::all_of(visit);
                 if (SCORE_MODS && entry.modifies()) modify_raw_scores(S, mods, r0, kv0);
                 mask_scores(S, mask, r0, kv0);
                 online_softmax(S, m_i, m_new, alpha, rowsum, log2_unit);
@@ -360,6 +361,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
 
             if (my_stop > 0) {
                 // step 0: S_i0 alone
+                const int visit0 = w.visits.entry(w.visits.begin);
                 wait_full(k_full, kv);
                 my_turn();
                 wgmma_fence();
@@ -369,12 +371,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
                 wgmma_pin(S);
                 if (my_stop == 1) release_q();
                 mbar_arrive(&k_empty[kv % STAGES]);
-                softmax_step(0);
+                softmax_step(visit0);
                 rescale();
 
                 // step j: S_ij and P~_{i,j-1} V_{j-1} in flight together, the softmax of S_ij under the latter
                 for (int j = 1; j < my_stop; ++j) {
                     const int s = (kv + j) % STAGES, sp = (kv + j - 1) % STAGES;
+                    const int visit = w.visits.entry(w.visits.begin + j);
                     wait_full(k_full, kv + j);
                     wait_full(v_full, kv + j - 1);
                     my_turn();
@@ -386,7 +389,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
                     wgmma_pin(S);
                     if (j == my_stop - 1) release_q();
                     mbar_arrive(&k_empty[s]);
-                    softmax_step(j);
+                    softmax_step(visit);
                     wgmma_wait<0>();
                     wgmma_pin(O);
                     wgmma_pin_a(P);

@@ -151,9 +151,14 @@ struct Visits {
     int begin, end;
 
     __device__ __forceinline__ int count() const { return end - begin; }
-    __device__ __forceinline__ int tile(int p) const { return TILE_MAP ? list[p] & ~TileMap::ALL_BIT : p; }
-    // mask_mod hides no pair of the tile at p that the band leaves visible (always without a map)
-    __device__ __forceinline__ bool all(int p) const { return !TILE_MAP || (list[p] & TileMap::ALL_BIT) != 0; }
+    // what tile_of and all_of read of position p: the map's list entry, or p itself without a map (a
+    // loop can load it ahead of its waits)
+    __device__ __forceinline__ int entry(int p) const { return TILE_MAP ? list[p] : p; }
+    __device__ __forceinline__ static int tile_of(int e) { return TILE_MAP ? e & ~TileMap::ALL_BIT : e; }
+    // mask_mod hides no pair of the tile that the band leaves visible (always without a map)
+    __device__ __forceinline__ static bool all_of(int e) { return !TILE_MAP || (e & TileMap::ALL_BIT) != 0; }
+    __device__ __forceinline__ int tile(int p) const { return tile_of(entry(p)); }
+    __device__ __forceinline__ bool all(int p) const { return all_of(entry(p)); }
     // one past the position of the last tile below `stop`
     __device__ __forceinline__ int below(int stop) const {
         if constexpr (!TILE_MAP) return max(begin, min(end, stop));

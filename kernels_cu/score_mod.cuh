@@ -239,10 +239,9 @@ struct EntryMods {
     // lengths are hidden
     __device__ __forceinline__ bool hidden(int i, int j) const {
         if constexpr (HIDES) {
-            bool hide = i >= Nq || j >= Nk;
-            if constexpr (USER_MASK)
-                hide |= !user_all && !user_visible(b, user_q(i), user_kv(j), user);
-            if (hide) return true;
+            if constexpr (USER_MASK)   // first: not behind the bounds' branch (user_q, user_kv)
+                if (!user_all && !user_visible(b, user_q(i), user_kv(j), user)) return true;
+            if (i >= Nq || j >= Nk) return true;
             if constexpr (BOOL_MASK)
                 if (SWITCH_ON(MASK, uses) && !keep(i, j)) return true;
         }
@@ -250,14 +249,20 @@ struct EntryMods {
     }
 
     // score_mod of pair (i, j) at s (natural units, after the softcap); DERIV: grad *= score_mod_grad at s.
-    // Pairs past the lengths (a tile's ragged end, hidden by the band) keep s (user_q, user_kv).
+    // A pair past the lengths (a tile's ragged end) gets score_mod at the nearest pair inside (user_q,
+    // user_kv) where the band hides it afterwards (the forwards: no branch per pair, so a divisor's
+    // reciprocal is taken once); the backward keeps its s and a derivative of 1 there (dS must stay 0).
     template <bool DERIV = false>
     __device__ __forceinline__ acc_t user_mod(acc_t s, int i, int j, acc_t& grad) const {
         if constexpr (USER_SCORE) {
-            const bool inside = i < Nq && j < Nk;
             const long long q_idx = user_q(i), kv_idx = user_kv(j);
-            if constexpr (DERIV) grad *= inside ? user_score_grad(s, b, q_idx, kv_idx, user) : (acc_t)1;
-            return inside ? user_score(s, b, q_idx, kv_idx, user) : s;
+            if constexpr (DERIV) {
+                const bool inside = i < Nq && j < Nk;
+                const acc_t d = user_score_grad(s, b, q_idx, kv_idx, user), t = user_score(s, b, q_idx, kv_idx, user);
+                grad *= inside ? d : (acc_t)1;
+                return inside ? t : s;
+            }
+            return user_score(s, b, q_idx, kv_idx, user);
         }
         return s;
     }

@@ -175,9 +175,11 @@ def test_every_expression_of_the_language_compiles_for_the_gpu():
 
 def test_the_fast_form_takes_the_hardware_approximations_of_float_functions_and_division():
     """For 16-bit inputs' kernels (``fast``): tanhf as score_mod.cuh's tanh_acc (tanh.approx), expf and the
-    like as their intrinsics, float division as __fdividef; int division and double kernels keep C's."""
+    like as their intrinsics, float division x / y as x times __fdividef(1.0f, y) (a reciprocal the compiler
+    hoists where y is the same for every pair); int division and double kernels keep C's."""
     tree = _expr.parse("c * tanhf(s / c) + expf(-s) / (1 + q_idx / 64)", {**NAMES, "c": ("float", False)})
     fast = tree.render("float", fast=True)
-    assert "tanh_acc(" in fast and "__expf(" in fast and fast.count("__fdividef(") == 2 and "(q_idx / 64)" in fast
+    assert "tanh_acc(" in fast and "__expf(" in fast and fast.count("__fdividef(1.0f, ") == 2 and "(q_idx / 64)" in fast
+    assert "(s * __fdividef(1.0f, c))" in fast
     assert "tanhf(" in tree.render("float") and "__fdividef" not in tree.render("float")
     assert tree.render("double", fast=True) == tree.render("double")
