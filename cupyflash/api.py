@@ -358,10 +358,11 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
     expressions = user_mods(*user)
     arrays = call_arrays(alibi_slopes=alibi_slopes, sink=sink, bias=bias, mask=mask)
     inputs = _with_arrays({"q": q, "k": k, "v": v}, arrays)
+    mod_key = _mod_args_key(user[3])
     flags = (causal, softmax_scale, window, softcap, schedule, precision, dropout[0], tuple(arrays), *user[:3],
-             num_splits, _mod_args_key(user[3]))
+             num_splits, mod_key)
     offsets, flags = _with_offsets(inputs, flags, varlen)
-    plan, key = _kept_plan(inputs, out, FORWARD_OUTPUTS, flags, _plan_keepable(varlen) and flags[-1] is not None)
+    plan, key = _kept_plan(inputs, out, FORWARD_OUTPUTS, flags, _plan_keepable(varlen) and mod_key is not None)
     if plan is not None:
         return plan(q, k, v, out, arrays, offsets, dropout[1])
     prob = with_softcap(check_forward(q, k, v, causal, softmax_scale, window), softcap)
@@ -823,10 +824,11 @@ def _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, soft
     expressions = user_mods(*user, backward=True)
     arrays = call_arrays(alibi_slopes=alibi_slopes, sink=sink, bias=bias, mask=mask)
     inputs = _with_arrays({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}, arrays)
+    mod_key = _mod_args_key(user[3])
     flags = (causal, softmax_scale, window, softcap, schedule, precision, deterministic, bias_grad, dropout[0],
-             tuple(arrays), *user[:3], _mod_args_key(user[3]))
+             tuple(arrays), *user[:3], mod_key)
     offsets, flags = _with_offsets(inputs, flags, varlen)
-    plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS, flags, _plan_keepable(varlen) and flags[-1] is not None)
+    plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS, flags, _plan_keepable(varlen) and mod_key is not None)
     if plan is not None:
         return _with_sink_grad(plan(do, q, k, v, o, m, l, out, arrays, offsets, dropout[1]), do, o, m, l,
                                arrays.get("sink"))

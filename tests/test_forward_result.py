@@ -294,15 +294,8 @@ def test_backward_of_a_gpu_result_is_the_free_backward(variant, dtype):
     assert_same_bits(got, cupyflash.flash_attention_backward(do, q, k, v, *result, deterministic=True, **kw, **own))
 
 
-# Seen on the H200: two deterministic backwards of packed sequences under a mask_mod (fp16, D 16, the
-# Hopper backward, a sequence of no query rows) differed in their bits; the cause is not found yet
-NOT_REPRODUCIBLE = pytest.mark.xfail(reason="deterministic varlen backward with a mask_mod: bits differ between "
-                                            "two calls (open bug)", strict=False)
-
-
 @gpu_test
-@pytest.mark.parametrize("variant", [pytest.param(v, marks=NOT_REPRODUCIBLE) if v == "mask_mod" else v
-                                     for v in VARLEN_VARIANTS])
+@pytest.mark.parametrize("variant", VARLEN_VARIANTS)
 def test_backward_of_a_gpu_varlen_result_is_the_free_varlen_backward(variant):
     import cupy
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import cupyflash
 from cupyflash import blocked, reference
 from helpers import assert_refused, gpu_test, random_inputs
 
@@ -399,3 +400,62 @@ def test_tile_maps_per_entry_from_arrays_and_packed(schedule, case, monkeypatch)
     if case == "documents":  # the kept plan, the array changed in place: its map is written anew
         kw["mod_args"]["doc"][...] = cupy.asarray(numpy.repeat(numpy.arange(3), [30, 200, 100]).astype(numpy.int32))
         assert_matches_reference(q, k, v, do, "float16", schedule, varlen=varlen, **kw)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("mod_args, keepable", [({"c": 2.0}, True), ({"w": numpy.array([4, 9])}, False)])
+def test_a_call_that_copies_a_mod_args_array_keeps_no_plan(varlen, mod_args, keepable, monkeypatch):
+    """A NumPy mod_args array is copied to the GPU each call, so no launch plan may keep the copy's
+    address; numbers may be kept. With packed sequences the maxima join the plan's flags after mod_args'
+    key, which once hid it: varlen calls kept plans pointing at the first call's freed copy."""
+    import cupyflash.api as api
+
+    seen = []
+    kept_plan = api._kept_plan
+
+    def record(inputs, out, names, flags, keepable=True):
+        seen.append(keepable)
+        return kept_plan(inputs, out, names, flags, keepable)
+
+    monkeypatch.setattr(api, "_kept_plan", record)
+    q, k, v = inputs()
+    kw = dict(score_mod="s + (float)w[kv_idx % 2]" if "w" in mod_args else "c * s",
+              score_mod_grad="1.0f" if "w" in mod_args else "c", mod_args=mod_args)
+    if varlen:
+        cu_q, cu_k = numpy.array([0, 30, 70], numpy.int32), numpy.array([0, 50, 90], numpy.int32)
+        lens = dict(max_seqlen_q=40, max_seqlen_k=50)
+        o, m, l = cupyflash.flash_attention_varlen_forward(q, k, v, cu_q, cu_k, score_mod=kw["score_mod"],
+                                                           mod_args=mod_args, **lens)
+        cupyflash.flash_attention_varlen_backward(o, q, k, v, o, m, l, cu_q, cu_k, **kw, **lens)
+    else:
+        o, m, l = cupyflash.flash_attention_forward(q, k, v, score_mod=kw["score_mod"], mod_args=mod_args)
+        cupyflash.flash_attention_backward(o, q, k, v, o, m, l, **kw)
+    assert seen == [keepable, keepable]
+
+
+@gpu_test
+def test_a_numpy_mod_args_array_changed_between_varlen_calls_is_read_anew():
+    """Two varlen calls with a NumPy mod_args array of new values: each reads its own (the second call
+    once read the first call's freed copy through a kept plan), and a deterministic backward run twice
+    gives the same bits."""
+    import cupy
+
+    rng = numpy.random.default_rng(3)
+    q, k, v = random_inputs(rng, "float16", (3, 17, 16), (3, 23, 16))
+    do = rng.standard_normal(q.shape).astype(q.dtype)
+    cu_q, cu_k = numpy.array([0, 5, 5, 17], numpy.int32), numpy.array([0, 9, 13, 23], numpy.int32)
+    gq, gk, gv, gdo, gcu_q, gcu_k = (cupy.asarray(x) for x in (q, k, v, do, cu_q, cu_k))
+    lens = dict(max_seqlen_q=12, max_seqlen_k=10)
+    mask_mod = "(q_idx + kv_idx) % 3 != 0 || kv_idx < w[b % 2]"
+    for w in ([4, 9], [1, 2], [7, 3]):
+        kw = dict(mask_mod=mask_mod, mod_args={"w": numpy.array(w)})
+        o, m, l = cupyflash.flash_attention_varlen_forward(gq, gk, gv, gcu_q, gcu_k, **kw, **lens)
+        ref = reference.attention_varlen_forward(q, k, v, cu_q, cu_k, **kw)
+        for name, got, want in zip(("o", "m", "l"), (o, m, l), ref):
+            numpy.testing.assert_allclose(got.get(), want, rtol=2e-2, atol=2e-2, err_msg=f"{name}, w = {w}")
+        grads = [cupyflash.flash_attention_varlen_backward(gdo, gq, gk, gv, o, m, l, gcu_q, gcu_k,
+                                                           deterministic=True, **kw, **lens) for _ in range(2)]
+        ref_grads = reference.attention_varlen_backward(do, q, k, v, *ref, cu_q, cu_k, **kw)
+        for name, a, b, want in zip(("dq", "dk", "dv"), *grads, ref_grads):
+            assert a.get().tobytes() == b.get().tobytes(), f"{name}, w = {w}"
+            numpy.testing.assert_allclose(a.get(), want, rtol=2e-2, atol=5e-2, err_msg=f"{name}, w = {w}")
