@@ -85,7 +85,10 @@ __device__ __forceinline__ void produce_bwd(const BwdParams& p, const BwdRing& r
     // it to them (nonfinite.cuh): flag dQ_i and dK_j, dV_j for the repair. The producer scans
     // while it waits anyway: a step's tiles just before it waits to refill their buffers, K_j and
     // V_j before the first such wait, the rest as the CTA ends.
-    auto masked = [&](int n) { return may_hide(mask, visits.tile(visits.begin + n) * B_R, B_R, kv0, B_C); };
+    auto masked = [&](int n) {
+        const int visit = visits.entry(visits.begin + n);
+        return may_hide(mask, Visits::tile_of(visit) * B_R, B_R, kv0, B_C, Visits::all_of(visit));
+    };
     auto flag_pair = [&](int n) {
         p.dq_flags[w * T_r + visits.tile(visits.begin + n)] = 1u;
         p.kv_flags[w * T_c + j] = 1u;

@@ -172,8 +172,8 @@ extern "C" __global__ void BWD_LAUNCH_BOUNDS flash_bwd(const BwdParams p) {
             && (rows_nonfinite(s_K, B_C, DP, QKV_PITCH, tid, NTHREADS)
                 || rows_nonfinite(s_V, B_C, DP, QKV_PITCH, tid, NTHREADS)))
             for (int u = visits.begin; u < visits.end; ++u)
-                if (may_hide(mask, visits.tile(u) * B_R, B_R, kv0, B_C)) flag_pair(visits.tile(u));
-        if (may_hide(mask, q0, B_R, kv0, B_C)
+                if (may_hide(mask, visits.tile(u) * B_R, B_R, kv0, B_C, visits.all(u))) flag_pair(visits.tile(u));
+        if (may_hide(mask, q0, B_R, kv0, B_C, mods.user_all)
             && (rows_nonfinite(s_Q, B_R, DP, QKV_PITCH, tid, NTHREADS)
                 || rows_nonfinite(s_dO, B_R, DP, QKV_PITCH, tid, NTHREADS) || values_nonfinite(s_D, B_R, tid, NTHREADS)))
             flag_pair(i);

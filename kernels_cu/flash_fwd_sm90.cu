@@ -239,7 +239,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
                 *s_claim = gridDim.x + atomicAdd(p.tile_counter, 1u);   // under the wait for K_0's buffer
             }
             for (int t = w.visits.begin; t < w.visits.end; ++t) {
-                const int j = w.visits.tile(t), pos = kv + t - w.visits.begin, s = pos % STAGES, use = pos / STAGES;
+                const int visit = w.visits.entry(t), j = Visits::tile_of(visit);
+                const int pos = kv + t - w.visits.begin, s = pos % STAGES, use = pos / STAGES;
                 const int rows = min(B_C, Nk - j * B_C);
                 if (use > 0) mbar_wait(&k_empty[s], (use - 1) & 1);
                 produce_tile<B_C>(s_K + s * TILE_KV, k_h + (i64)j * B_C * k_sn, k_sn, rows, D, vec, &k_full[s], ptid);
@@ -248,7 +249,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
                     mbar_wait(&v_empty[s], (use - 1) & 1);
                 }
                 produce_tile<B_C>(s_V + s * TILE_KV, v_h + (i64)j * B_C * v_sn, v_sn, rows, D, vec, &v_full[s], ptid);
-                const unsigned flag = may_hide(mask, w.i * B_R, B_R, j * B_C, B_C) ? (unsigned)(w.w * T_r + w.i) : NONE;
+                const unsigned flag = may_hide(mask, w.i * B_R, B_R, j * B_C, B_C, Visits::all_of(visit))
+                                          ? (unsigned)(w.w * T_r + w.i) : NONE;
                 if (s == 0) pending0 = flag;
                 else        pending1 = flag;
             }

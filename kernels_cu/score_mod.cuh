@@ -383,9 +383,11 @@ __device__ __forceinline__ void pair_at(int r0, int c0, int n, int e, int& i, in
 __device__ __forceinline__ bool may_hide_any(const Mask& mask) { return HIDES || mask.banded(); }
 
 // The tile of rows [q0, q0 + rows) x keys [k0, k0 + cols) may hold a hidden pair that is not past a
-// ragged end (nonfinite.cuh): the band's answer, and under a boolean mask or a mask_mod any tile
-__device__ __forceinline__ bool may_hide(const Mask& mask, int q0, int rows, int k0, int cols) {
-    return HIDES || mask.has_masked_pairs(q0, rows, k0, cols);
+// ragged end (nonfinite.cuh): the band's answer, and under a boolean mask any tile, under a mask_mod
+// any tile but one its tile map marks ALL (`all`: Visits::all_of of the tile's visit; a caller that
+// leaves it false counts every tile under a mask_mod)
+__device__ __forceinline__ bool may_hide(const Mask& mask, int q0, int rows, int k0, int cols, bool all = false) {
+    return BOOL_MASK || (USER_MASK && !all) || mask.has_masked_pairs(q0, rows, k0, cols);
 }
 
 // Dropout's keep bits of the four elements of n-tile n of a warp's tile (rows r0 .., columns c0 .. as
