@@ -459,3 +459,43 @@ def test_a_numpy_mod_args_array_changed_between_varlen_calls_is_read_anew():
         for name, a, b, want in zip(("dq", "dk", "dv"), *grads, ref_grads):
             assert a.get().tobytes() == b.get().tobytes(), f"{name}, w = {w}"
             numpy.testing.assert_allclose(a.get(), want, rtol=2e-2, atol=5e-2, err_msg=f"{name}, w = {w}")
+
+
+@gpu_test
+@pytest.mark.parametrize("schedule", ["v1", "v2", "v2-mma"])
+@pytest.mark.parametrize("dtype, D", [("float16", 64), ("float16", 128), ("float32", 64)])
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_a_key_or_value_that_is_not_finite_reaches_only_the_rows_a_mask_mod_lets_see_it(schedule, dtype, D, where,
+                                                                                          monkeypatch):
+    """The exact-masked-pairs rule under a document mask by expression: NaN and inf in keys and values
+    reach only the rows of their own document, in o and in every gradient, both where their tile is
+    one the tile map marks ALL (no scan needed there) and where it spans two documents (the scan flags
+    it and the repair kernels redo the rows)."""
+    import cupy
+    from cupyflash import _launch
+    from helpers import DTYPE_BY_NAME, to_gpu
+
+    monkeypatch.setattr(_launch, "USE_WGMMA", schedule != "v2-mma")
+    rng = numpy.random.default_rng(10)
+    q, k, v = random_inputs(rng, dtype, (2, 2, 400, D), (2, 2, 400, D))
+    bad = {"k": k, "v": v}[where]
+    bad[0, 1, 250, 3] = numpy.nan     # document 1 (rows and keys 100 .. 299): tile (128.., 128..) is ALL
+    bad[1, 0, 40, 0] = numpy.inf      # document 0 (0 .. 99), beside document 1's rows in the first tiles
+    bad[1, 1, 330, 5] = -numpy.inf    # document 2 (300 .. 399)
+    doc = numpy.repeat(numpy.arange(3), [100, 200, 100]).astype(numpy.int32)
+    kw = dict(mask_mod="doc[q_idx] == doc[kv_idx]", mod_args={"doc": doc})
+    gkw = dict(kw, mod_args={"doc": cupy.asarray(doc)})
+    o, m, l = cupyflash.flash_attention_forward(*to_gpu(q, k, v), schedule=schedule[:2], **gkw)
+    refs = reference.attention_forward(q, k, v, **kw)
+    got = o.get().astype(numpy.float64)
+    numpy.testing.assert_array_equal(numpy.isfinite(got), numpy.isfinite(refs[0]))
+    assert not numpy.isfinite(refs[0]).all() and numpy.isfinite(refs[0]).any()
+    fine = numpy.isfinite(refs[0])
+    numpy.testing.assert_allclose(got[fine], refs[0][fine], atol=2e-2 if dtype == "float16" else 1e-4)
+    do = rng.standard_normal(o.shape).astype(DTYPE_BY_NAME[dtype])
+    grads = cupyflash.flash_attention_backward(cupy.asarray(do), *to_gpu(q, k, v), o, m, l, schedule=schedule[:2],
+                                               **gkw)
+    ref_grads = reference.attention_backward(do, q, k, v, *refs, **kw)
+    for name, g, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+        numpy.testing.assert_array_equal(numpy.isfinite(g.get().astype(numpy.float64)), numpy.isfinite(ref),
+                                         err_msg=name)
