@@ -15,7 +15,10 @@ Sweeps (forward and backward each, causal and not):
 - ``protocol``: the FlashAttention papers' (batch = 16384/N, H = 2048/D), N 512 ... 16384.
 - ``variants``: at N 1024 and 4096 (``--variant-seqlens``) a window ``(256, 0)``, ``softcap=30``,
   ALiBi slopes, a sink logit per head, dropout 0.1, a bias ``(1, H, N, N)`` with its gradient, a
-  key-padding mask ``(B, 1, 1, N)``, and packed sequences (64 of 128-4096 keys, ``varlen``).
+  key-padding mask ``(B, 1, 1, N)``, packed sequences (64 of 128-4096 keys, ``varlen``), the softcap by
+  expression (``score_mod``, with its derivative) and a document mask by expression in a block mask
+  (``documents``: four documents, their ends off the tiles' edges). A checkout without a variant's
+  keywords (expressions came after e6f132f) reports the case as one it cannot run.
 
 Times: CUDA events around each of back-to-back calls, the median after warm-up calls (bench.py's
 ``median_ms``), the checkouts alternating call sets for ``--rounds`` rounds (in order, then reversed,
@@ -42,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402 - the protocol's configurations, inputs and clocks
 import variants  # noqa: E402 - the variants sweep's settings
 
-VARIANTS = ("plain", "window", "softcap", "alibi", "sink", "dropout", "bias", "mask", "varlen")
+VARIANTS = ("plain", "window", "softcap", "alibi", "sink", "dropout", "bias", "mask", "varlen", "score_mod", "documents")
+DOCUMENTS = (0.3, 0.55, 0.8)   # ``documents``: where the next document starts, as fractions of N
 WARM_N = 256          # the sequence length of the compile-ahead calls
 WARMUP, REPEATS = 3, 10
 
@@ -118,6 +122,12 @@ def make_case(case, small: bool = False, schedule: str = "auto"):
         keep = cupy.ones((cfg.B, 1, 1, N), bool)
         keep[..., N - N // 8:] = False
         kw["mask"] = keep
+    elif variant == "score_mod":
+        kw.update(score_mod=variants.SOFTCAP_MOD, mod_args={"c": variants.SOFTCAP})
+        extra["score_mod_grad"] = variants.SOFTCAP_MOD_GRAD
+    elif variant == "documents":   # the document of each position; calls() makes each checkout's block mask
+        starts = [0, *(int(f * N) for f in DOCUMENTS), N]
+        kw["documents"] = cupy.asarray(numpy.repeat(numpy.arange(len(starts) - 1), numpy.diff(starts)), numpy.int32)
     return x, kw, extra, None
 
 
@@ -129,6 +139,11 @@ def calls(flash, x, kw, extra, offsets) -> dict:
         return {"fwd": lambda: flash.flash_attention_varlen_forward(x.q, x.k, x.v, cu, cu, **kw),
                 "bwd": lambda: flash.flash_attention_varlen_backward(x.do, x.q, x.k, x.v, *saved, cu, cu, **kw,
                                                                       **extra)}
+    if "documents" in kw:   # this checkout's block mask of the document mask
+        kw = dict(kw)
+        doc = kw.pop("documents")
+        kw["block_mask"] = flash.block_mask("doc[q_idx] == doc[kv_idx]", x.q.shape[:-2], x.q.shape[-2], x.k.shape[-2],
+                                            mod_args={"doc": doc})
     saved = tuple(flash.flash_attention_forward(x.q, x.k, x.v, **kw))
     return {"fwd": lambda: flash.flash_attention_forward(x.q, x.k, x.v, **kw),
             "bwd": lambda: flash.flash_attention_backward(x.do, x.q, x.k, x.v, *saved, **kw, **extra)}

@@ -117,6 +117,7 @@ def fa2_runs(x: bench.Inputs, window) -> dict:
 
 
 SOFTCAP = 30.0   # Gemma 2's attention softcap is 50, Grok's 30
+SOFTCAP_MOD, SOFTCAP_MOD_GRAD = "c * tanhf(s / c)", "1 - tanhf(s / c) * tanhf(s / c)"   # the softcap by expression
 DROPOUT_P = 0.1  # the usual attention dropout
 
 
@@ -315,7 +316,7 @@ def run_expressions(args) -> list:
             for N in args.seqlens or [1024, 4096, 16384]:
                 cfg = bench.protocol_config(dtype, D, N, True)
                 x = bench.make_inputs(cfg, bench.SEED)
-                cap = dict(score_mod="c * tanhf(s / c)", grad="1 - tanhf(s / c) * tanhf(s / c)", mod_args={"c": SOFTCAP})
+                cap = dict(score_mod=SOFTCAP_MOD, grad=SOFTCAP_MOD_GRAD, mod_args={"c": SOFTCAP})
                 systems = {"cupyflash": dict(causal=True), "cupyflash-mask-mod": dict(mask_mod="kv_idx <= q_idx"),
                            "cupyflash-softcap": dict(causal=True, softcap=SOFTCAP),
                            "cupyflash-score-mod": dict(causal=True, **cap)}
