@@ -523,7 +523,7 @@ def _as_tensor(grad, like, plan: _Plan):
 # The public functions
 
 def _settings(causal, softmax_scale, window, softcap, dropout_p, seed, score_mod, mask_mod, mod_args, schedule,
-              precision) -> dict:
+              precision, block_mask=None) -> dict:
     """The keywords the forward and the backward both take; a dropout seed drawn from torch's default
     generator where none is given (so ``torch.manual_seed`` repeats it)."""
     if dropout_p and seed is None:
@@ -532,6 +532,8 @@ def _settings(causal, softmax_scale, window, softcap, dropout_p, seed, score_mod
               seed=seed, schedule=schedule, precision=precision)
     if score_mod is not None or mask_mod is not None or mod_args is not None:
         kw.update(score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args)
+    if block_mask is not None:
+        kw["block_mask"] = block_mask
     return kw
 
 
@@ -565,7 +567,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     seed: Optional[int] = None, layout: str = "bhnd", return_lse: bool = False,
                     deterministic: bool = False, score_mod: Optional[str] = None,
                     score_mod_grad: Optional[str] = None, mask_mod: Optional[str] = None,
-                    mod_args: Optional[dict] = None, schedule: str = "auto", precision: str = "highest"):
+                    mod_args: Optional[dict] = None, block_mask=None, schedule: str = "auto",
+                    precision: str = "highest"):
     """Exact attention ``softmax(softmax_scale · q kᵀ) v`` on torch tensors, differentiable.
 
     Runs cupyflash's fused forward and, through autograd, its backward, on the tensors' memory (no copies)
@@ -617,6 +620,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         User expressions, as in :func:`cupyflash.flash_attention_forward` and
         :func:`cupyflash.flash_attention_backward` (``b`` counts the batch entries of the kernels'
         batch shape: ``(B, H)``, or ``(B, H_kv, H / H_kv)`` under GQA).
+    block_mask : cupyflash.BlockMask, optional
+        A ``mask_mod`` with its tile maps kept (:func:`cupyflash.block_mask`), in place of ``mask_mod``
+        and ``mod_args``, made for the kernels' batch shape (as ``b`` above), ``Nq`` and ``Nk``; both
+        passes read it.
     schedule : {'auto', 'v1', 'v2'}, optional
     precision : {'highest', 'tf32'}, optional
         As in :func:`cupyflash.flash_attention_forward` (float32 inputs: 3xTF32 or plain TF32).
@@ -660,7 +667,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     _check_tensors(q, k, v)
     kw = _settings(causal, softmax_scale, window, softcap, dropout_p, seed, score_mod, mask_mod, mod_args,
-                   schedule, precision)
+                   schedule, precision, block_mask)
     stats = STATS_DTYPES.get(q.dtype, torch.float32)
     backward_kw = {"deterministic": deterministic}
     if score_mod_grad is not None:

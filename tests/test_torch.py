@@ -262,6 +262,30 @@ def test_modifiers_and_their_gradients_match_the_reference(kv_heads):
                    names=("o", "dq", "dk", "dv", "dbias", "dsink"))
 
 
+@pytest.mark.parametrize("layout, kv_heads", [("bhnd", 4), ("bnhd", 2)])
+def test_a_block_mask_gives_what_its_mask_mod_gives(layout, kv_heads):
+    """``block_mask=`` passes to both passes: the values and gradients of its mask_mod given as keywords, for
+    the kernels' batch shape ((B, H), or (B, H_kv, H / H_kv) under GQA); another batch shape is refused."""
+    import cupyflash
+
+    q, k, v, do = random_qkv((2, 4, 24, 16), (2, kv_heads, 30, 16), layout=layout)
+    doc = numpy.repeat([0, 1, 2], [10, 9, 11]).astype(numpy.int32)
+    mask_mod, mod_args = "doc[q_idx + 6] == doc[kv_idx] && kv_idx <= q_idx + 6", {"doc": doc}
+    batch = (2, 4) if kv_heads == 4 else (2, kv_heads, 4 // kv_heads)
+    bm = cupyflash.block_mask(mask_mod, batch, 24, 30, mod_args=mod_args)
+    o = flash_attention(q, k, v, block_mask=bm, layout=layout)
+    got = (o, *torch.autograd.grad(o, (q, k, v), do))
+    o = flash_attention(q, k, v, mask_mod=mask_mod, mod_args=mod_args, layout=layout)
+    want = (o, *torch.autograd.grad(o, (q, k, v), do))
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+    assert not torch.equal(got[0], flash_attention(q, k, v, layout=layout))   # the mask hides pairs
+    if kv_heads != 4:
+        wrong = cupyflash.block_mask(mask_mod, (2, 4), 24, 30, mod_args=mod_args)
+        with pytest.raises(ValueError, match="block_mask serves batch_shape"):
+            flash_attention(q, k, v, block_mask=wrong, layout=layout)
+
+
 def test_dropout_repeats_under_one_seed_and_matches_the_reference():
     q, k, v, do = random_qkv((1, 2, 20, 8), (1, 2, 20, 8))
     got = ours(q, k, v, do, dropout_p=0.3, seed=7)
