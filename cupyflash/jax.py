@@ -12,8 +12,9 @@ Both targets are Python functions registered as XLA FFI handlers through ctypes
   the rest of the program.
 - on the CPU the same handlers run cupyflash's NumPy path over XLA's host buffers.
 
-The options (causal, scale, window, softcap, precision, deterministic) travel as XLA attributes,
-checked when the call is traced, by cupyflash's own checks. The handlers run Python at every call
+The options (causal, scale, window, softcap, precision, deterministic, the user expressions and the
+numbers of their ``mod_args``) travel as XLA attributes, checked when the call is traced, by
+cupyflash's own checks. The handlers run Python at every call
 (tens of microseconds of host time) and are not recorded into XLA's command buffers (CUDA graphs).
 
 Importing this module imports JAX; ``import cupyflash`` does not.
@@ -33,6 +34,7 @@ import numpy
 
 from . import _xla_ffi
 from ._checks import check_bool, check_choice, check_forward, with_softcap
+from ._expr import user_mods
 from ._tiles import PRECISIONS, accumulator_dtype
 from ._views import device_view
 from .api import FreshOut, flash_attention_backward, flash_attention_forward
@@ -43,6 +45,8 @@ FORWARD_TARGET = "cupyflash_forward"
 BACKWARD_TARGET = "cupyflash_backward"
 NO_SIDE = -1            # a window side that is None, as an int attribute
 NO_SOFTCAP = 0.0        # softcap None, as a float attribute
+NO_EXPRESSION = ""      # score_mod, score_mod_grad or mask_mod None, as a string attribute
+ARG_PREFIX = "mod_arg_"  # a mod_args number's attribute: its name after this prefix
 MAX_HEAD_DIM = 256      # the lse gradient adds one column to D (``_lse_backward``)
 
 
@@ -56,15 +60,24 @@ class Options:
     softcap: Optional[float]
     precision: str
     deterministic: bool
+    score_mod: Optional[str] = None
+    score_mod_grad: Optional[str] = None
+    mask_mod: Optional[str] = None
+    mod_args: tuple = ()    # ((name, int64 or float64), ...) in the order given
 
     def attributes(self) -> dict:
         """The XLA attributes the handlers read (``keywords`` reads them back)."""
         left, right = self.window
+        expressions = {name: NO_EXPRESSION if text is None else text for name, text in
+                       (("score_mod", self.score_mod), ("score_mod_grad", self.score_mod_grad),
+                        ("mask_mod", self.mask_mod))}
         return dict(causal=numpy.bool_(self.causal), softmax_scale=numpy.float64(self.softmax_scale),
                     window_left=numpy.int64(NO_SIDE if left is None else left),
                     window_right=numpy.int64(NO_SIDE if right is None else right),
                     softcap=numpy.float64(NO_SOFTCAP if self.softcap is None else self.softcap),
-                    precision=self.precision, deterministic=numpy.bool_(self.deterministic))
+                    precision=self.precision, deterministic=numpy.bool_(self.deterministic), **expressions,
+                    mod_arg_names=",".join(name for name, _ in self.mod_args),
+                    **{ARG_PREFIX + name: value for name, value in self.mod_args})
 
 
 def keywords(attrs: dict, backward: bool) -> dict:
@@ -74,6 +87,12 @@ def keywords(attrs: dict, backward: bool) -> dict:
                window=(side(attrs["window_left"]), side(attrs["window_right"])),
                softcap=None if attrs["softcap"] == NO_SOFTCAP else float(attrs["softcap"]),
                precision=attrs["precision"])
+    expressions = ("score_mod", "mask_mod", "score_mod_grad") if backward else ("score_mod", "mask_mod")
+    for name in expressions:
+        if attrs[name] != NO_EXPRESSION:
+            out[name] = attrs[name]
+    if attrs["mod_arg_names"]:
+        out["mod_args"] = {name: attrs[ARG_PREFIX + name] for name in attrs["mod_arg_names"].split(",")}
     if backward:
         out["deterministic"] = bool(attrs["deterministic"])
     return out
@@ -84,16 +103,32 @@ def _stand_in(x):
     return numpy.broadcast_to(numpy.zeros((), numpy.dtype(x.dtype)), numpy.shape(x))
 
 
-def check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic):
-    """``(Problem, Options)`` of a call, by cupyflash's own checks (``_checks``): a TypeError or
-    ValueError naming the argument, raised while the call is traced."""
+def check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic, score_mod=None,
+          score_mod_grad=None, mask_mod=None, mod_args=None):
+    """``(Problem, Options)`` of a call, by cupyflash's own checks (``_checks``, ``_expr.user_mods``): a
+    TypeError or ValueError naming the argument, raised while the call is traced."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     prob = with_softcap(check_forward(*(_stand_in(x) for x in (q, k, v)), causal, softmax_scale, window), softcap)
     check_choice("precision", precision, PRECISIONS)
     check_bool("deterministic", deterministic)
-    return prob, Options(prob.causal, prob.scale, prob.window, prob.softcap, precision, bool(deterministic))
+    user = user_mods(score_mod, score_mod_grad, mask_mod, mod_args)
+    args = ()
+    if user is not None:
+        arrays = [name for name, value in user.args.items() if numpy.ndim(value)]
+        if arrays:
+            raise TypeError(f"mod_args[{arrays[0]!r}] is an array: cupyflash.jax takes numbers in mod_args "
+                            f"(ints and floats, attributes of the XLA call), not arrays")
+        args = tuple(user.args.items())
+    return prob, Options(prob.causal, prob.scale, prob.window, prob.softcap, precision, bool(deterministic),
+                         score_mod, score_mod_grad, mask_mod, args)
+
+
+def _check_backward(options: Options):
+    """ValueError, while the gradient is traced, where a score_mod has no score_mod_grad."""
+    user_mods(options.score_mod, options.score_mod_grad, options.mask_mod, dict(options.mod_args) or None,
+              backward=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -282,6 +317,7 @@ def _attention_fwd(q, k, v, options):
 
 
 def _attention_bwd(options, saved, do):
+    _check_backward(options)
     q, k, v, o, m, l = saved
     return flash_attention_backward_ffi(do, q, k, v, o, m, l, options)
 
@@ -302,6 +338,7 @@ def _attention_lse_fwd(q, k, v, options):
 
 
 def _attention_lse_bwd(options, saved, cotangents):
+    _check_backward(options)
     q, k, v, o, m, l = saved
     do, dlse = cotangents
     if isinstance(do, jax.custom_derivatives.SymbolicZero):
@@ -332,7 +369,9 @@ def _lse_backward(do, dlse, q, k, v, o, m, l, options):
 
 def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None,
                     window=None, softcap: Optional[float] = None, precision: str = "highest",
-                    deterministic: bool = False, return_lse: bool = False):
+                    deterministic: bool = False, return_lse: bool = False, score_mod: Optional[str] = None,
+                    score_mod_grad: Optional[str] = None, mask_mod: Optional[str] = None,
+                    mod_args: Optional[dict] = None):
     """Exact attention on JAX arrays, differentiable, inside or outside ``jax.jit``.
 
     Parameters
@@ -351,6 +390,13 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[fl
         Also return ``lse = m + log l``, shape ``(*batch, Nq)``, float32 (float64
         for float64 inputs). It is differentiable too (for ``D < 256``): its
         gradient takes one backward over a head dim one wider.
+    score_mod, score_mod_grad, mask_mod : str, optional
+        User expressions, as in :func:`cupyflash.flash_attention_forward` and
+        :func:`cupyflash.flash_attention_backward`; a gradient through a
+        ``score_mod`` needs ``score_mod_grad`` (a ValueError while the gradient is traced).
+    mod_args : dict, optional
+        The numbers the expressions read (ints and floats; arrays are not taken
+        here). Static, as the other options.
 
     Returns
     -------
@@ -378,7 +424,8 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[fl
     cupyflash.flash_attention_forward, cupyflash.flash_attention_backward : the calls each handler makes.
     cupyflash.reference.attention_forward : the naive float64 reference.
     """
-    _, options = check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic)
+    _, options = check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic, score_mod,
+                       score_mod_grad, mask_mod, mod_args)
     if return_lse:
         return _attention_lse(q, k, v, options)
     return _attention(q, k, v, options)

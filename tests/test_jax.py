@@ -353,6 +353,46 @@ def test_vmap_runs_the_batch_in_one_call():
         numpy.testing.assert_allclose(numpy.asarray(got), numpy.asarray(want), rtol=1e-5, atol=1e-6)
 
 
+# expressions restating built-in variants (mod_args numbers travel as XLA attributes)
+EXPRESSIONS = {
+    "softcap": (dict(score_mod="c * tanhf(s / c)", score_mod_grad="1 - tanhf(s / c) * tanhf(s / c)",
+                     mod_args={"c": 2.0}), dict(softcap=2.0)),
+    "causal": (dict(mask_mod="kv_idx <= q_idx + off", mod_args={"off": 7}), dict(causal=True)),
+    "window, scaled": (dict(mask_mod="kv_idx >= q_idx + 7 - 5 && kv_idx <= q_idx + 7 + 3", score_mod="s * 2.0f",
+                            score_mod_grad="2.0f"), dict(window=(5, 3), softmax_scale=2 / numpy.sqrt(16))),
+}
+
+
+def expressions_against_builtin(device, dtype, case, tolerance):
+    """Values and gradients (jitted) of the expressions of ``case`` and of the built-in variant they restate,
+    on (2, 3, 20, 16) queries against 27 keys, within ``tolerance`` of each other (relative to the largest)."""
+    user, builtin = EXPRESSIONS[case]
+    rng = numpy.random.default_rng(3)
+    q, k, v = random_inputs(rng, dtype, (2, 3, 20, 16), (2, 3, 27, 16))
+    do = rng.standard_normal(q.shape).astype(q.dtype)
+    got = attention_and_grads(device, q, k, v, do, **user)
+    want = attention_and_grads(device, q, k, v, do, **builtin)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        a, b = a.astype(numpy.float64), b.astype(numpy.float64)
+        assert numpy.abs(a - b).max() <= tolerance * numpy.abs(b).max(), name
+
+
+@pytest.mark.parametrize("case", EXPRESSIONS)
+def test_expressions_give_the_builtin_variants_they_restate(case):
+    with jax.enable_x64(True):
+        expressions_against_builtin(jax.devices("cpu")[0], "float64", case, 1e-12)
+
+
+def test_expressions_refuse_arrays_in_mod_args_and_a_gradient_without_score_mod_grad():
+    q = jnp.zeros((1, 4, 8), jnp.float32)
+    with pytest.raises(TypeError, match=r"mod_args\['w'\] is an array"):
+        cfj.flash_attention(q, q, q, mask_mod="w[kv_idx] > 0", mod_args={"w": numpy.ones(4)})
+    with pytest.raises(ValueError, match="score_mod_grad"):
+        jax.grad(lambda q: jnp.sum(cfj.flash_attention(q, q, q, score_mod="s * 2.0f")))(q)
+    with pytest.raises(ValueError, match="score_mod"):
+        cfj.flash_attention(q, q, q, score_mod="s * nope")
+
+
 @pytest.mark.parametrize("change, error, words", [
     (dict(k=numpy.zeros((2, 9, 8), numpy.float16)), TypeError, "share one dtype"),
     (dict(q=numpy.zeros((2, 9, 300), numpy.float32), k=numpy.zeros((2, 9, 300), numpy.float32),
@@ -388,6 +428,13 @@ def test_the_gradient_through_lse_needs_room_for_one_more_column():
 @gpu_test
 def test_gpu_values_and_gradients_match_reference(case, dtype):
     check_against_reference(gpu_device(), dtype, *CASES[case])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("case", EXPRESSIONS)
+@gpu_test
+def test_gpu_expressions_give_the_builtin_variants_they_restate(case, dtype):
+    expressions_against_builtin(gpu_device(), dtype, case, 2e-2 if dtype == "float16" else 1e-4)
 
 
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, (5, 3))])
