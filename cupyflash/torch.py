@@ -682,8 +682,9 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            max_seqlen_k: Optional[int] = None, *, causal: bool = False,
                            softmax_scale: Optional[float] = None, window=None, softcap: Optional[float] = None,
                            alibi_slopes=None, sink=None, dropout_p: float = 0.0, seed: Optional[int] = None,
-                           return_lse: bool = False, deterministic: bool = False, schedule: str = "auto",
-                           precision: str = "highest"):
+                           return_lse: bool = False, deterministic: bool = False, score_mod: Optional[str] = None,
+                           score_mod_grad: Optional[str] = None, mask_mod: Optional[str] = None,
+                           mod_args: Optional[dict] = None, schedule: str = "auto", precision: str = "highest"):
     """Exact attention over packed variable-length sequences, differentiable (FlashAttention's
     ``flash_attn_varlen_func`` layout).
 
@@ -704,6 +705,9 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     causal, softmax_scale, window, softcap, alibi_slopes, sink, dropout_p, seed, return_lse, deterministic, schedule, precision
         As in :func:`flash_attention` (per sequence, bottom-right aligned in each; ``alibi_slopes`` and
         ``sink`` of shape ``(H,)``).
+    score_mod, score_mod_grad, mask_mod, mod_args : optional
+        As in :func:`flash_attention`, per sequence: ``q_idx``, ``kv_idx`` are the pair's positions in
+        its sequence, ``b`` the head (``(H,)``, or ``(H_kv, H / H_kv)`` under GQA).
 
     Returns
     -------
@@ -722,11 +726,15 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     cupyflash.flash_attention_varlen_forward, cupyflash.flash_attention_varlen_backward : the calls made.
     """
     _check_tensors(q, k, v)
-    kw = _settings(causal, softmax_scale, window, softcap, dropout_p, seed, None, None, None, schedule, precision)
+    kw = _settings(causal, softmax_scale, window, softcap, dropout_p, seed, score_mod, mask_mod, mod_args, schedule,
+                   precision)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of int32 offsets, got {type(cu).__name__}")
     stats = STATS_DTYPES.get(q.dtype, torch.float32)
+    backward_kw = {"deterministic": deterministic}
+    if score_mod_grad is not None:
+        backward_kw["score_mod_grad"] = score_mod_grad
     call = _Call("varlen", kw, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                 _tensor(alibi_slopes, stats, q.device), None, return_lse, {"deterministic": deterministic})
+                 _tensor(alibi_slopes, stats, q.device), None, return_lse, backward_kw)
     return _apply(q, k, v, call, _tensor(sink, stats, q.device), None)

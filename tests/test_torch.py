@@ -323,6 +323,34 @@ def test_packed_sequences_match_the_reference(kv_heads):
     assert_matches((o, lse, *grads), (o_ref.swapaxes(0, 1), lse_ref, dq.swapaxes(0, 1), dk, dv), FLOAT64_TOL)
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_packed_sequences_take_expressions_per_sequence(kv_heads):
+    """score_mod (with its derivative) and mask_mod on packed sequences, positions per sequence: values and
+    gradients of the float64 reference's varlen call with the same expressions."""
+    lengths_q, lengths_k = [5, 0, 17, 9], [7, 3, 17, 12]
+    cu_q, cu_k = (numpy.cumsum([0] + n).astype(numpy.int32) for n in (lengths_q, lengths_k))
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(sum(lengths_q), 4, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(sum(lengths_k), kv_heads, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    do = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    kw = dict(score_mod="c * tanhf(s / c)", mask_mod="kv_idx <= q_idx + n && kv_idx % 4 != 1",
+              mod_args={"c": 3.0, "n": 2})
+    o = flash_attention_varlen(q, k, v, torch.from_numpy(cu_q), torch.from_numpy(cu_k), 17, 17,
+                               score_mod_grad="1 - tanhf(s / c) * tanhf(s / c)", **kw)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    group = 4 // kv_heads
+    qn, don = (to_numpy(x).swapaxes(0, 1) for x in (q, do))          # (H, total, D)
+    kn, vn = (numpy.repeat(to_numpy(x).swapaxes(0, 1), group, axis=0) for x in (k, v))
+    o_ref, m, l = reference.attention_varlen_forward(qn, kn, vn, cu_q, cu_k, **kw)
+    dq, dk, dv = reference.attention_varlen_backward(don, qn, kn, vn, o_ref, m, l, cu_q, cu_k,
+                                                     score_mod_grad="1 - tanhf(s / c) * tanhf(s / c)", **kw)
+    dk, dv = (g.reshape(kv_heads, group, *g.shape[1:]).sum(1).swapaxes(0, 1) for g in (dk, dv))
+    assert_matches((o, *grads), (o_ref.swapaxes(0, 1), dq.swapaxes(0, 1), dk, dv), FLOAT64_TOL)
+    plain = flash_attention_varlen(q, k, v, torch.from_numpy(cu_q), torch.from_numpy(cu_k), 17, 17)
+    assert not torch.allclose(o, plain)   # the expressions change the attention
+
+
 @pytest.mark.parametrize("call, error, words", [
     (lambda q, k, v: flash_attention(q.numpy(), k, v), TypeError, "q must be a torch.Tensor"),
     (lambda q, k, v: flash_attention(q, k, v, layout="nhd"), ValueError, "layout"),
