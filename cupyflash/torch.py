@@ -681,8 +681,9 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            cu_seqlens_k: torch.Tensor, max_seqlen_q: Optional[int] = None,
                            max_seqlen_k: Optional[int] = None, *, causal: bool = False,
                            softmax_scale: Optional[float] = None, window=None, softcap: Optional[float] = None,
-                           alibi_slopes=None, sink=None, dropout_p: float = 0.0, seed: Optional[int] = None,
-                           return_lse: bool = False, deterministic: bool = False, score_mod: Optional[str] = None,
+                           alibi_slopes=None, sink=None, bias=None, mask=None, dropout_p: float = 0.0,
+                           seed: Optional[int] = None, return_lse: bool = False, deterministic: bool = False,
+                           score_mod: Optional[str] = None,
                            score_mod_grad: Optional[str] = None, mask_mod: Optional[str] = None,
                            mod_args: Optional[dict] = None, schedule: str = "auto", precision: str = "highest"):
     """Exact attention over packed variable-length sequences, differentiable (FlashAttention's
@@ -705,6 +706,9 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     causal, softmax_scale, window, softcap, alibi_slopes, sink, dropout_p, seed, return_lse, deterministic, schedule, precision
         As in :func:`flash_attention` (per sequence, bottom-right aligned in each; ``alibi_slopes`` and
         ``sink`` of shape ``(H,)``).
+    bias, mask : torch.Tensor, broadcastable to (H, total_q, total_k), optional
+        As in :func:`flash_attention` over the packed pairs: sequence ``s`` reads the block of its own
+        rows and keys (a bias that requires grad gets ``dbias`` there, zero between sequences).
     score_mod, score_mod_grad, mask_mod, mod_args : optional
         As in :func:`flash_attention`, per sequence: ``q_idx``, ``kv_idx`` are the pair's positions in
         its sequence, ``b`` the head (``(H,)``, or ``(H_kv, H / H_kv)`` under GQA).
@@ -736,5 +740,5 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     if score_mod_grad is not None:
         backward_kw["score_mod_grad"] = score_mod_grad
     call = _Call("varlen", kw, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                 _tensor(alibi_slopes, stats, q.device), None, return_lse, backward_kw)
-    return _apply(q, k, v, call, _tensor(sink, stats, q.device), None)
+                 _tensor(alibi_slopes, stats, q.device), _tensor(mask, torch.bool, q.device), return_lse, backward_kw)
+    return _apply(q, k, v, call, _tensor(sink, stats, q.device), _tensor(bias, q.dtype, q.device))

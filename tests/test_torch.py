@@ -351,6 +351,35 @@ def test_packed_sequences_take_expressions_per_sequence(kv_heads):
     assert not torch.allclose(o, plain)   # the expressions change the attention
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_packed_sequences_take_a_bias_with_its_gradient_and_a_mask(kv_heads):
+    """A bias (H, total_q, total_k) that requires grad and a boolean mask over the packed pairs: each sequence
+    reads its own block; values, gradients and dbias (zero between sequences) as the float64 reference's."""
+    lengths_q, lengths_k = [5, 0, 17, 9], [7, 3, 17, 12]
+    cu_q, cu_k = (numpy.cumsum([0] + n).astype(numpy.int32) for n in (lengths_q, lengths_k))
+    gen = torch.Generator().manual_seed(9)
+    tq, tk = sum(lengths_q), sum(lengths_k)
+    q = torch.randn(tq, 4, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(tk, kv_heads, 16, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    do = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    bias = torch.randn(4, tq, tk, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(tq, tk, generator=gen) > 0.25
+    o = flash_attention_varlen(q, k, v, torch.from_numpy(cu_q), torch.from_numpy(cu_k), 17, 17, causal=True,
+                               bias=bias, mask=mask)
+    grads = torch.autograd.grad(o, (q, k, v, bias), do)
+    group = 4 // kv_heads
+    qn, don = (to_numpy(x).swapaxes(0, 1) for x in (q, do))          # (H, total, D)
+    kn, vn = (numpy.repeat(to_numpy(x).swapaxes(0, 1), group, axis=0) for x in (k, v))
+    kw = dict(causal=True, bias=to_numpy(bias), mask=mask.numpy())
+    o_ref, m, l = reference.attention_varlen_forward(qn, kn, vn, cu_q, cu_k, **kw)
+    dq, dk, dv, dbias = reference.attention_varlen_backward(don, qn, kn, vn, o_ref, m, l, cu_q, cu_k, bias_grad=True,
+                                                            **kw)
+    dk, dv = (g.reshape(kv_heads, group, *g.shape[1:]).sum(1).swapaxes(0, 1) for g in (dk, dv))
+    assert_matches((o, *grads), (o_ref.swapaxes(0, 1), dq.swapaxes(0, 1), dk, dv, dbias), FLOAT64_TOL,
+                   names=("o", "dq", "dk", "dv", "dbias"))
+    assert not grads[3][:, :5, 7:].any()   # pairs between sequences
+
+
 @pytest.mark.parametrize("call, error, words", [
     (lambda q, k, v: flash_attention(q.numpy(), k, v), TypeError, "q must be a torch.Tensor"),
     (lambda q, k, v: flash_attention(q, k, v, layout="nhd"), ValueError, "layout"),
