@@ -537,6 +537,14 @@ def _settings(causal, softmax_scale, window, softcap, dropout_p, seed, score_mod
     return kw
 
 
+def _backward_settings(deterministic, score_mod_grad) -> dict:
+    """The keywords only the backward takes."""
+    kw = {"deterministic": deterministic}
+    if score_mod_grad is not None:
+        kw["score_mod_grad"] = score_mod_grad
+    return kw
+
+
 def _check_tensors(q, k, v):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -669,11 +677,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     kw = _settings(causal, softmax_scale, window, softcap, dropout_p, seed, score_mod, mask_mod, mod_args,
                    schedule, precision, block_mask)
     stats = STATS_DTYPES.get(q.dtype, torch.float32)
-    backward_kw = {"deterministic": deterministic}
-    if score_mod_grad is not None:
-        backward_kw["score_mod_grad"] = score_mod_grad
     call = _Call(layout, kw, None, _tensor(alibi_slopes, stats, q.device), _tensor(mask, torch.bool, q.device),
-                 return_lse, backward_kw)
+                 return_lse, _backward_settings(deterministic, score_mod_grad))
     return _apply(q, k, v, call, _tensor(sink, stats, q.device), _tensor(bias, q.dtype, q.device))
 
 
@@ -683,9 +688,9 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            softmax_scale: Optional[float] = None, window=None, softcap: Optional[float] = None,
                            alibi_slopes=None, sink=None, bias=None, mask=None, dropout_p: float = 0.0,
                            seed: Optional[int] = None, return_lse: bool = False, deterministic: bool = False,
-                           score_mod: Optional[str] = None,
-                           score_mod_grad: Optional[str] = None, mask_mod: Optional[str] = None,
-                           mod_args: Optional[dict] = None, schedule: str = "auto", precision: str = "highest"):
+                           score_mod: Optional[str] = None, score_mod_grad: Optional[str] = None,
+                           mask_mod: Optional[str] = None, mod_args: Optional[dict] = None, schedule: str = "auto",
+                           precision: str = "highest"):
     """Exact attention over packed variable-length sequences, differentiable (FlashAttention's
     ``flash_attn_varlen_func`` layout).
 
@@ -736,9 +741,7 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of int32 offsets, got {type(cu).__name__}")
     stats = STATS_DTYPES.get(q.dtype, torch.float32)
-    backward_kw = {"deterministic": deterministic}
-    if score_mod_grad is not None:
-        backward_kw["score_mod_grad"] = score_mod_grad
     call = _Call("varlen", kw, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-                 _tensor(alibi_slopes, stats, q.device), _tensor(mask, torch.bool, q.device), return_lse, backward_kw)
+                 _tensor(alibi_slopes, stats, q.device), _tensor(mask, torch.bool, q.device), return_lse,
+                 _backward_settings(deterministic, score_mod_grad))
     return _apply(q, k, v, call, _tensor(sink, stats, q.device), _tensor(bias, q.dtype, q.device))

@@ -298,55 +298,60 @@ def test_dropout_repeats_under_one_seed_and_matches_the_reference():
     assert torch.equal(drawn, flash_attention(q, k, v, dropout_p=0.3))   # the seed comes from torch's generator
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])
-def test_packed_sequences_match_the_reference(kv_heads):
-    lengths_q, lengths_k = [5, 0, 17, 9], [7, 3, 17, 12]
-    cu_q = torch.tensor(numpy.cumsum([0] + lengths_q), dtype=torch.int32)
-    cu_k = torch.tensor(numpy.cumsum([0] + lengths_k), dtype=torch.int32)
-    gen = torch.Generator().manual_seed(5)
-    q = torch.randn(sum(lengths_q), 4, 16, generator=gen, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(sum(lengths_k), kv_heads, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+# four packed sequences, one with no query rows, against more keys each
+PACKED_Q, PACKED_K = [5, 0, 17, 9], [7, 3, 17, 12]
+
+
+def packed_inputs(kv_heads, seed):
+    """q (total_q, 4, 16), k, v (total_k, kv_heads, 16) requiring gradients, do, and the int32 offsets."""
+    cu_q, cu_k = (numpy.cumsum([0] + n).astype(numpy.int32) for n in (PACKED_Q, PACKED_K))
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(PACKED_Q), 4, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(sum(PACKED_K), kv_heads, 16, generator=gen, dtype=torch.float64, requires_grad=True)
             for _ in range(2))
     do = torch.randn(q.shape, generator=gen, dtype=torch.float64)
-    o, lse = flash_attention_varlen(q, k, v, cu_q, cu_k, 17, 17, causal=True, return_lse=True)
-    grads = torch.autograd.grad(o, (q, k, v), do)
-    assert o.shape == q.shape and lse.shape == (4, sum(lengths_q))
-    group = 4 // kv_heads
+    return q, k, v, do, cu_q, cu_k
+
+
+def packed_reference(q, k, v, do, cu_q, cu_k, backward_kw=None, **kw):
+    """The float64 reference's varlen o, m, l and gradients (dq, dk, dv, and dbias where asked) in the
+    tensors' (total, H, D) layout, K/V heads repeated for GQA and their gradients summed back."""
+    group = q.shape[1] // k.shape[1]
     qn, don = (to_numpy(x).swapaxes(0, 1) for x in (q, do))          # (H, total, D)
     kn, vn = (numpy.repeat(to_numpy(x).swapaxes(0, 1), group, axis=0) for x in (k, v))
-    o_ref, m, l = reference.attention_varlen_forward(qn, kn, vn, cu_q.numpy(), cu_k.numpy(), causal=True)
-    dq, dk, dv = reference.attention_varlen_backward(don, qn, kn, vn, o_ref, m, l, cu_q.numpy(), cu_k.numpy(),
-                                                     causal=True)
-    dk, dv = (g.reshape(kv_heads, group, *g.shape[1:]).sum(1).swapaxes(0, 1) for g in (dk, dv))
+    o, m, l = reference.attention_varlen_forward(qn, kn, vn, cu_q, cu_k, **kw)
+    dq, dk, dv, *rest = reference.attention_varlen_backward(don, qn, kn, vn, o, m, l, cu_q, cu_k,
+                                                            **(backward_kw or {}), **kw)
+    dk, dv = (g.reshape(k.shape[1], group, *g.shape[1:]).sum(1).swapaxes(0, 1) for g in (dk, dv))
+    return o.swapaxes(0, 1), m, l, dq.swapaxes(0, 1), dk, dv, *rest
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_packed_sequences_match_the_reference(kv_heads):
+    q, k, v, do, cu_q, cu_k = packed_inputs(kv_heads, 5)
+    o, lse = flash_attention_varlen(q, k, v, torch.from_numpy(cu_q), torch.from_numpy(cu_k), 17, 17, causal=True,
+                                    return_lse=True)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    assert o.shape == q.shape and lse.shape == (4, sum(PACKED_Q))
+    o_ref, m, l, *grads_ref = packed_reference(q, k, v, do, cu_q, cu_k, causal=True)
     with numpy.errstate(divide="ignore"):
         lse_ref = m + numpy.log(l)
-    assert_matches((o, lse, *grads), (o_ref.swapaxes(0, 1), lse_ref, dq.swapaxes(0, 1), dk, dv), FLOAT64_TOL)
+    assert_matches((o, lse, *grads), (o_ref, lse_ref, *grads_ref), FLOAT64_TOL)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_packed_sequences_take_expressions_per_sequence(kv_heads):
     """score_mod (with its derivative) and mask_mod on packed sequences, positions per sequence: values and
     gradients of the float64 reference's varlen call with the same expressions."""
-    lengths_q, lengths_k = [5, 0, 17, 9], [7, 3, 17, 12]
-    cu_q, cu_k = (numpy.cumsum([0] + n).astype(numpy.int32) for n in (lengths_q, lengths_k))
-    gen = torch.Generator().manual_seed(8)
-    q = torch.randn(sum(lengths_q), 4, 16, generator=gen, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(sum(lengths_k), kv_heads, 16, generator=gen, dtype=torch.float64, requires_grad=True)
-            for _ in range(2))
-    do = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    q, k, v, do, cu_q, cu_k = packed_inputs(kv_heads, 8)
     kw = dict(score_mod="c * tanhf(s / c)", mask_mod="kv_idx <= q_idx + n && kv_idx % 4 != 1",
               mod_args={"c": 3.0, "n": 2})
+    grad = "1 - tanhf(s / c) * tanhf(s / c)"
     o = flash_attention_varlen(q, k, v, torch.from_numpy(cu_q), torch.from_numpy(cu_k), 17, 17,
-                               score_mod_grad="1 - tanhf(s / c) * tanhf(s / c)", **kw)
+                               score_mod_grad=grad, **kw)
     grads = torch.autograd.grad(o, (q, k, v), do)
-    group = 4 // kv_heads
-    qn, don = (to_numpy(x).swapaxes(0, 1) for x in (q, do))          # (H, total, D)
-    kn, vn = (numpy.repeat(to_numpy(x).swapaxes(0, 1), group, axis=0) for x in (k, v))
-    o_ref, m, l = reference.attention_varlen_forward(qn, kn, vn, cu_q, cu_k, **kw)
-    dq, dk, dv = reference.attention_varlen_backward(don, qn, kn, vn, o_ref, m, l, cu_q, cu_k,
-                                                     score_mod_grad="1 - tanhf(s / c) * tanhf(s / c)", **kw)
-    dk, dv = (g.reshape(kv_heads, group, *g.shape[1:]).sum(1).swapaxes(0, 1) for g in (dk, dv))
-    assert_matches((o, *grads), (o_ref.swapaxes(0, 1), dq.swapaxes(0, 1), dk, dv), FLOAT64_TOL)
+    o_ref, _, _, *grads_ref = packed_reference(q, k, v, do, cu_q, cu_k, {"score_mod_grad": grad}, **kw)
+    assert_matches((o, *grads), (o_ref, *grads_ref), FLOAT64_TOL)
     plain = flash_attention_varlen(q, k, v, torch.from_numpy(cu_q), torch.from_numpy(cu_k), 17, 17)
     assert not torch.allclose(o, plain)   # the expressions change the attention
 
@@ -355,28 +360,16 @@ def test_packed_sequences_take_expressions_per_sequence(kv_heads):
 def test_packed_sequences_take_a_bias_with_its_gradient_and_a_mask(kv_heads):
     """A bias (H, total_q, total_k) that requires grad and a boolean mask over the packed pairs: each sequence
     reads its own block; values, gradients and dbias (zero between sequences) as the float64 reference's."""
-    lengths_q, lengths_k = [5, 0, 17, 9], [7, 3, 17, 12]
-    cu_q, cu_k = (numpy.cumsum([0] + n).astype(numpy.int32) for n in (lengths_q, lengths_k))
-    gen = torch.Generator().manual_seed(9)
-    tq, tk = sum(lengths_q), sum(lengths_k)
-    q = torch.randn(tq, 4, 16, generator=gen, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(tk, kv_heads, 16, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    do = torch.randn(q.shape, generator=gen, dtype=torch.float64)
-    bias = torch.randn(4, tq, tk, generator=gen, dtype=torch.float64, requires_grad=True)
-    mask = torch.rand(tq, tk, generator=gen) > 0.25
+    q, k, v, do, cu_q, cu_k = packed_inputs(kv_heads, 9)
+    gen = torch.Generator().manual_seed(10)
+    bias = torch.randn(4, sum(PACKED_Q), sum(PACKED_K), generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(sum(PACKED_Q), sum(PACKED_K), generator=gen) > 0.25
     o = flash_attention_varlen(q, k, v, torch.from_numpy(cu_q), torch.from_numpy(cu_k), 17, 17, causal=True,
                                bias=bias, mask=mask)
     grads = torch.autograd.grad(o, (q, k, v, bias), do)
-    group = 4 // kv_heads
-    qn, don = (to_numpy(x).swapaxes(0, 1) for x in (q, do))          # (H, total, D)
-    kn, vn = (numpy.repeat(to_numpy(x).swapaxes(0, 1), group, axis=0) for x in (k, v))
-    kw = dict(causal=True, bias=to_numpy(bias), mask=mask.numpy())
-    o_ref, m, l = reference.attention_varlen_forward(qn, kn, vn, cu_q, cu_k, **kw)
-    dq, dk, dv, dbias = reference.attention_varlen_backward(don, qn, kn, vn, o_ref, m, l, cu_q, cu_k, bias_grad=True,
-                                                            **kw)
-    dk, dv = (g.reshape(kv_heads, group, *g.shape[1:]).sum(1).swapaxes(0, 1) for g in (dk, dv))
-    assert_matches((o, *grads), (o_ref.swapaxes(0, 1), dq.swapaxes(0, 1), dk, dv, dbias), FLOAT64_TOL,
-                   names=("o", "dq", "dk", "dv", "dbias"))
+    o_ref, _, _, *grads_ref = packed_reference(q, k, v, do, cu_q, cu_k, {"bias_grad": True}, causal=True,
+                                               bias=to_numpy(bias), mask=mask.numpy())
+    assert_matches((o, *grads), (o_ref, *grads_ref), FLOAT64_TOL, names=("o", "dq", "dk", "dv", "dbias"))
     assert not grads[3][:, :5, 7:].any()   # pairs between sequences
 
 
