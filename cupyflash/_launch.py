@@ -639,10 +639,11 @@ class ForwardPlan:
     """A forward with everything but its arrays settled; ``plan(q, k, v)`` returns ``(o, m, l)``.
 
     One ``FwdParams`` serves the main kernel and, masked, ``flash_fwd_repair`` after it, which
-    recomputes the Q tiles the main kernel flagged (a masked pair met an inf or NaN).
+    recomputes the Q tiles the main kernel flagged (a masked pair met an inf or NaN); the Hopper forward
+    recomputes its own, but after split-KV, whose merge comes first.
     """
 
-    launches: tuple           # Launch of the main kernel, then of flash_fwd_repair when masked
+    launches: tuple           # Launch of the main kernel, then of flash_fwd_repair where it runs
     device: int
     outputs: tuple            # ((shape, dtype) of o, m, l)
     fresh: Block              # o, m, l and the splits' parts
@@ -771,7 +772,7 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
     # masked: the kernel flags the Q tiles where a masked pair met an inf or NaN, flash_fwd_repair redoes them
     flags = heads * T_r if _masked_pairs(geometry, packed, mods) else 0
     launches = [launch(kernel, grid, cfg.threads, cfg.smem_bytes)]
-    if flags:
+    if flags and (cfg.kernel != "fwd_sm90" or kv_splits > 1):   # the Hopper forward repairs its own rows
         kernels, repair_grid = _repair(D, q.dtype, flags, mods, used)
         launches.append(launch(kernels["flash_fwd_repair"], repair_grid, KERNELS_THREADS["repair"]))
     tile_map, tile_fields = tile_map_plan(cfg, get_kernels(cfg), mods, geometry, packed, heads, Nq, Nk)

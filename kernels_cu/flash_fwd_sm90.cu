@@ -22,6 +22,9 @@
 //              from registers (O_i += P~_ij V_j). The producer hands its registers to them
 //              (setmaxnreg).
 //
+// As the CTA ends, its consumers recompute the rows of the Q tiles its producer flagged (repair.cuh),
+// where flash_fwd_repair would after the kernel: a call with finite inputs pays one barrier for it.
+//
 // The consumers wait only on tiles and on their turn to issue products (ping-pong: while one
 // runs its softmax another's products keep the tensor cores busy). wgmma is asynchronous, so
 // one step of a consumer also overlaps S_ij = Q_i K_j^T with P~_{i,j-1} V_{j-1}, and the
@@ -43,7 +46,8 @@
 //   s_V  (STAGES, B_C, DP)      V_j ring
 //   bars (2 Q_STAGES + 4 STAGES) u64   Q full, Q empty per Q stage; K full, K empty, V full, V empty per stage
 //   s_index (Q_STAGES) u32, 8 bytes apart    the tile index of each Q_i
-//   s_claim u32 (8 bytes)                    producer thread 0's next tile (in a register it would spill)
+//   s_claim u32, s_flagged u32               producer thread 0's next tile (in a register it would spill);
+//                                            whether the CTA flagged a tile for the repair
 
 #include "copy.cuh"
 #include "epilogue.cuh"
@@ -52,6 +56,7 @@
 #include "mma_sm80.cuh"
 #include "nonfinite.cuh"
 #include "params.cuh"
+#include "repair.cuh"
 #include "score_mod.cuh"
 #include "sm90.cuh"
 #include "softmax.cuh"
@@ -75,16 +80,25 @@ constexpr int SMEM_BYTES = (Q_STAGES * TILE_Q + 2 * STAGES * TILE_KV) * (int)siz
 constexpr int PRODUCER_REGS = FLASH_PRODUCER_REGS;
 constexpr int CONSUMER_REGS = FLASH_CONSUMER_REGS;
 
-// Named barriers (0 is __syncthreads): consumer c's turn to issue its products, and the producer's own
-enum Barrier : int { CONSUMER_TURN = 1, PRODUCER = 15 };   // CONSUMER_TURN + c, c < CONSUMERS
+// Named barriers (0 is __syncthreads): consumer c's turn to issue its products (CONSUMER_TURN + c,
+// c < CONSUMERS), the consumers' repair, every thread's work done, the producer's own
+enum Barrier : int { CONSUMER_TURN = 1, REPAIR = 13, ALL_DONE = 14, PRODUCER = 15 };
 
 static_assert(B_R == 64 * CONSUMERS && FLASH_WARPS % 4 == 0, "one producer warpgroup, 64 query rows per consumer");
-static_assert(CONSUMERS >= 2 && CONSUMER_TURN + CONSUMERS <= PRODUCER, "ping-pong consumers and their barriers");
+static_assert(CONSUMERS >= 2 && CONSUMER_TURN + CONSUMERS <= REPAIR, "ping-pong consumers and their barriers");
 static_assert(Q_STAGES == 1 || Q_STAGES == 2, "one or two Q buffers");
 static_assert(DP % SW_COLS == 0 && (B_C == 64 || B_C == 96 || B_C == 128), "tile shapes");
 static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * (65536 / NTHREADS / 8 * 8), "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
 static_assert(!PAGED, "a paged cache is read by flash_fwd_v2 (and flash_fwd_repair)");
+
+// The value of this CTA's repair flags, blockIdx.x + 1, read where it is written (volatile: the
+// compiler would hold it in one of the producer's few registers through the tile loop)
+__device__ __forceinline__ unsigned cta_mark() {
+    unsigned x;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
+    return x + 1u;
+}
 
 // Producer thread `ptid` of WG_THREADS: its share of a (ROWS, DP) tile of `rows` rows into a
 // swizzled buffer, then its arrival on `full` once that has landed (the `%` tells the compiler
@@ -112,7 +126,23 @@ __device__ __forceinline__ void issue_values(acc_t (&O)[DP / 8][4], const unsign
     wgmma_commit();
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const FwdParams p) {
+// The consumers' repair as the CTA ends: every Q tile of the n flags' (heads, T_r) order whose flag
+// holds this CTA's mark recomputed (repair.cuh), a warp per row (`warp` of the consumers' 4 CONSUMERS),
+// the consumers' warps walking the flags together; then those flags set back to 0 (a plan keeps them
+// from call to call). Out of line: its registers are none of the tile loop's concern.
+__device__ __noinline__ void repair_own_tiles(const FwdParams& p, i64 n, int T_r, int warp) {
+    const unsigned mark = cta_mark();
+    const int lane = threadIdx.x % WARP_SIZE;
+    for (i64 base = 0; base < n; base += WARP_SIZE) {
+        const unsigned hits = __ballot_sync(0xffffffffu, base + lane < n && p.repair_flags[base + lane] == mark);
+        for (unsigned h = hits; h; h &= h - 1) repair_forward_tile(p, base + __ffs(h) - 1, T_r, warp, 4 * CONSUMERS);
+    }
+    named_barrier_sync(REPAIR, CONSUMERS * WG_THREADS);   // every warp has read every flag
+    for (i64 t = threadIdx.x - WG_THREADS; t < n; t += CONSUMERS * WG_THREADS)
+        if (p.repair_flags[t] == mark) p.repair_flags[t] = 0u;
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const __grid_constant__ FwdParams p) {
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned misalign = smem_addr(smem) % SW_ATOM_BYTES;
     elem_t* s_Q = reinterpret_cast<elem_t*>(smem + (misalign ? SW_ATOM_BYTES - misalign : 0));   // (Q_STAGES, B_R, DP)
@@ -126,6 +156,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
     unsigned long long* v_empty = v_full + STAGES;
     unsigned* s_index = reinterpret_cast<unsigned*>(v_empty + STAGES);   // (Q_STAGES, 2) the tile of each Q_i
     unsigned* s_claim = s_index + 2 * Q_STAGES;                          // producer thread 0's next tile
+    unsigned* s_flagged = s_claim + 1;                                   // the CTA flagged a tile: 1
 
     const int D = p.D;
     const bool vec = p.vec != 0;
@@ -158,6 +189,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
     };
 
     if (tid == 0) {
+        *s_flagged = 0u;
         for (int s = 0; s < Q_STAGES; ++s) {
             mbar_init(&q_full[s], WG_THREADS + 1);   // + producer thread 0's, which publishes s_index
             mbar_init(&q_empty[s], CONSUMERS * WG_THREADS);
@@ -182,8 +214,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
         setmaxnreg_dec<PRODUCER_REGS>();
         if (tid == 0) *s_claim = blockIdx.x;
         // Where a Q tile has masked pairs in tile j and V_j holds an inf or NaN, P~_ij V_j may spread it
-        // to them (nonfinite.cuh): flag the Q tile for the repair. The producer scans each such V_j
-        // while it waits anyway: just before it waits to refill V_j's buffer, and as the CTA ends.
+        // to them (nonfinite.cuh): flag the Q tile for the repair, with this CTA's mark. The producer scans
+        // each such V_j while it waits anyway: just before it waits to refill V_j's buffer, and as the
+        // CTA ends.
         // pending0, pending1: the flag of the V_j in stage 0, 1 still to scan (NONE: none).
         constexpr unsigned NONE = ~0u;
         unsigned pending0 = NONE, pending1 = NONE;
@@ -192,8 +225,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             const unsigned flag = s == 0 ? pending0 : pending1;
             if (pos < 0 || flag == NONE) return;
             mbar_wait(&v_full[s], (pos / STAGES) & 1);
-            if (rows_nonfinite(s_V + s * TILE_KV, TILE_KV / SW_COLS, SW_COLS, SW_COLS, tid % WG_THREADS, WG_THREADS))
-                p.repair_flags[flag] = 1u;
+            if (rows_nonfinite(s_V + s * TILE_KV, TILE_KV / SW_COLS, SW_COLS, SW_COLS, tid % WG_THREADS, WG_THREADS)) {
+                p.repair_flags[flag] = cta_mark();
+                *s_flagged = 1u;
+            }
             named_barrier_sync(PRODUCER, WG_THREADS);   // no thread refills what another still scans
         };
         static_assert(STAGES == 2, "a pending flag per stage");
@@ -257,6 +292,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             kv += w.visits.count();
         }
         cp_async_wait<0>();   // no copy outlives its thread
+        named_barrier_arrive(ALL_DONE, NTHREADS);   // every flag is set
     } else {
         // consumers: warpgroup c = wg - 1 owns rows 64c .. 64c+63 of each Q_i
         setmaxnreg_inc<CONSUMER_REGS>();
@@ -426,6 +462,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const F
             kv += j_stop;
         }
         if (c == 0) my_turn();   // the hand-off of the last issue
+
+        // The Q tiles this CTA flagged, recomputed here rather than by flash_fwd_repair after the kernel
+        // (a launch fewer a call), once the producer has scanned its last V_j and every consumer has
+        // written its rows. Under split-KV the rows are the merge's, after this kernel: flash_fwd_repair's.
+        named_barrier_sync(ALL_DONE, NTHREADS);
+        if (splits == 1 && *s_flagged) repair_own_tiles(p, (i64)heads * T_r, T_r, warp);
     }
 }
 

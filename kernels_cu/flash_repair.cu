@@ -4,8 +4,9 @@
 // reached with an inf or NaN operand; these kernels recompute the flagged rows as the reference
 // does, summing over the visible pairs only:
 //
-//   flash_fwd_repair   o_i  = sum_j exp(S_ij - m_i) v_j / l_i, from the forward's own m_i, l_i (the
-//                      masked scores never reach them: the kernels set those to -inf first)
+//   flash_fwd_repair   o_i  = sum_j exp(S_ij - m_i) v_j / l_i, from the forward's own m_i, l_i
+//                      (repair.cuh); after the portable forwards, and after the Hopper forward's
+//                      split-KV merge (without splits that kernel repairs the tiles it flagged itself)
 //   flash_bwd_repair   dq_i = scale sum_j dS_ij k_j,  dk_j = scale sum_i dS_ij q_i,  dv_j = sum_i P_ij dO_i
 //                      with P_ij = exp(S_ij - m_i) / l_i, dS_ij = P_ij (dO_i . v_j - D_i), each summed
 //                      over every batch entry that shares the gradient's head (a broadcast q, k or v):
@@ -24,62 +25,12 @@
 #include "layout.cuh"
 #include "mask.cuh"
 #include "params.cuh"
+#include "repair.cuh"
 #include "score_mod.cuh"
 #include "types.cuh"
 
-constexpr int DP = FLASH_DP;
 constexpr int NWARPS = FLASH_WARPS;
 constexpr int NTHREADS = NWARPS * WARP_SIZE;
-constexpr int RPL = (DP + WARP_SIZE - 1) / WARP_SIZE;   // head-dim elements per lane: d = lane + 32 e
-
-// This lane's elements of a row of D values (zero past D)
-__device__ __forceinline__ void load_row(acc_t (&x)[RPL], const elem_t* row, int D) {
-    const int lane = threadIdx.x % WARP_SIZE;
-#pragma unroll
-    for (int e = 0; e < RPL; ++e) {
-        const int d = lane + WARP_SIZE * e;
-        x[e] = d < D ? to_acc(row[d]) : (acc_t)0;
-    }
-}
-
-// scale x into a row of D values of the output dtype or of the accumulator dtype
-template <class T>
-__device__ __forceinline__ void store_row(T* row, const acc_t (&x)[RPL], acc_t scale, int D) {
-    const int lane = threadIdx.x % WARP_SIZE;
-#pragma unroll
-    for (int e = 0; e < RPL; ++e) {
-        const int d = lane + WARP_SIZE * e;
-        if (d >= D) continue;
-        if constexpr (sizeof(T) == sizeof(acc_t)) row[d] = scale * x[e];
-        else row[d] = from_acc(scale * x[e]);
-    }
-}
-
-// a . b over the warp's lanes
-__device__ __forceinline__ acc_t dot(const acc_t (&a)[RPL], const acc_t (&b)[RPL]) {
-    acc_t ab = (acc_t)0;
-#pragma unroll
-    for (int e = 0; e < RPL; ++e) ab += a[e] * b[e];
-#pragma unroll
-    for (int s = WARP_SIZE / 2; s > 0; s /= 2) ab += __shfl_xor_sync(0xffffffffu, ab, s);
-    return ab;
-}
-
-// a . b and c . d over the warp's lanes, reduced together
-__device__ __forceinline__ void dot2(const acc_t (&a)[RPL], const acc_t (&b)[RPL], const acc_t (&c)[RPL],
-                                     const acc_t (&d)[RPL], acc_t& ab, acc_t& cd) {
-    ab = cd = (acc_t)0;
-#pragma unroll
-    for (int e = 0; e < RPL; ++e) {
-        ab += a[e] * b[e];
-        cd += c[e] * d[e];
-    }
-#pragma unroll
-    for (int s = WARP_SIZE / 2; s > 0; s /= 2) {
-        ab += __shfl_xor_sync(0xffffffffu, ab, s);
-        cd += __shfl_xor_sync(0xffffffffu, cd, s);
-    }
-}
 
 // work(t) for every t < n with flags[t] set, this CTA's share of them (a contiguous range), read
 // NTHREADS flags at a time; CTA-uniform. CLEAR: each flag read is set back to 0 (every flag is read by
@@ -154,40 +105,9 @@ __device__ __forceinline__ Sharers sharers_of(i64 w, const Batch& batch, const S
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS) flash_fwd_repair(const FwdParams p) {
-    const int D = p.D, tile_rows = p.tile_rows;
-    const acc_t scale = (acc_t)p.scale;
-    const int warp = threadIdx.x / WARP_SIZE;
-    const int T_r = (p.mask.Nq + tile_rows - 1) / tile_rows;   // the main kernel's grid's
-    for_each_flagged<true>(p.repair_flags, p.seqs.heads * T_r, [&](i64 tile) {
-        const Seq sq = seq_of(p, tile / T_r);
-        const Mask& mask = mask_of(p, sq);
-        const int Nq = mask.Nq;
-        const int r0 = (int)(tile % T_r) * tile_rows;
-        const elem_t* q_h = sq.q_rows(p.q);
-        const KeyRows<const elem_t> k_h = k_rows_of(p, sq);
-        const KeyRows<const elem_t> v_h = v_rows_of(p, sq);
-        const EntryMods mods = mods_of(p, sq);
-        for (int r = r0 + warp; r < min(r0 + tile_rows, Nq); r += NWARPS) {
-            const acc_t m_i = p.m[sq.row0 + r], l_i = p.l[sq.row0 + r];
-            acc_t q_i[RPL], o_i[RPL] = {};
-            if (l_i != (acc_t)0) {
-                load_row(q_i, q_h + r * p.q.sn, D);
-                for (int j = mask.key_start(r); j < mask.key_stop(r); ++j) {
-                    if (mods.hidden(r, j)) continue;   // no term (a dropped pair keeps its 0 · v_j)
-                    acc_t k_j[RPL], v_j[RPL];
-                    load_row(k_j, k_h.row(j), D);
-                    load_row(v_j, v_h.row(j), D);
-                    acc_t unused;
-                    acc_t pr = exp2_acc((mods.apply(dot(q_i, k_j) * scale, r, j, unused) - m_i) * (acc_t)LOG2E);
-                    if (mods.drops()) pr *= mods.kept(r, j) ? (acc_t)1 : (acc_t)0;   // Z P (its 1 / (1 - p) below)
-#pragma unroll
-                    for (int e = 0; e < RPL; ++e) o_i[e] += pr * v_j[e];
-                }
-            }
-            store_row(p.o + (sq.row0 + r) * D, o_i,
-                      l_i == (acc_t)0 ? (acc_t)0 : (mods.drops() ? mods.keep_scale : (acc_t)1) / l_i, D);
-        }
-    });
+    const int T_r = (p.mask.Nq + p.tile_rows - 1) / p.tile_rows;   // the main kernel's grid's
+    for_each_flagged<true>(p.repair_flags, p.seqs.heads * T_r,
+                           [&](i64 tile) { repair_forward_tile(p, tile, T_r, threadIdx.x / WARP_SIZE, NWARPS); });
 }
 
 // The rows of sequence sq that its gradient rows are made of

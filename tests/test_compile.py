@@ -134,8 +134,11 @@ def test_specialisation_compiles(arch, cfg, compiled):
     assert_compiled(cfg, magic, log, assembled(cfg))
     if not assembled(cfg):
         return
-    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
-    assert len(spills) == len(cfg.entries), log   # ptxas' report of every entry is there to read
+    # ptxas' report of every entry is there to read (an out-of-line device function, e.g. the Hopper
+    # forward's repair, has a report of its own: not an entry's)
+    reports = dict(re.findall(r"Function properties for (\w+)\n[^\n]*?(\d+) bytes spill stores", log))
+    spills = [int(reports[name]) for name in cfg.entries if name in reports]
+    assert len(spills) == len(cfg.entries), log
     if is_fast(cfg) and nvrtc_version() >= SPILL_RULE_NVRTC:
         allowed = SPILL_ALLOWANCE.get((arch, cfg.kernel, cfg.dtype, cfg.d_pad), 0)
         assert max(spills) <= allowed, f"{cfg} spills on {arch} (allowed: {allowed} bytes):\n{log}"
@@ -207,13 +210,14 @@ def test_a_source_is_its_file_and_every_header_it_includes_once(kernel):
 @pytest.mark.parametrize("kernel", sorted(_tiles.KERNELS))
 def test_each_entry_takes_the_parameter_struct_the_registry_names(kernel):
     """The registry's ``params`` is what the source declares: each entry point takes that one struct,
-    by value, and the host mirrors it (``_params.STRUCTS``)."""
+    by value (a ``__grid_constant__`` where a device function takes its address), and the host mirrors
+    it (``_params.STRUCTS``)."""
     spec = _tiles.KERNELS[kernel]
     source = (_compile.kernel_dir() / spec.source).read_text()
     assert len(spec.params) == len(spec.entries)
     for entry, struct in zip(spec.entries, spec.params):
         assert struct in _params.STRUCTS
-        assert re.search(rf"\b{entry}\(const {struct} p\)", source), (entry, struct)
+        assert re.search(rf"\b{entry}\(const (__grid_constant__ )?{struct} p\)", source), (entry, struct)
 
 
 def test_the_compile_test_checks_the_parameter_layout():

@@ -26,7 +26,8 @@ import pytest
 import cupyflash
 from cupyflash import _tiles, reference
 from covering import pairwise
-from helpers import DTYPE_BY_NAME, assert_non_finite_rules, random_inputs, requires_gpu, to_gpu
+from helpers import (DTYPE_BY_NAME, assert_non_finite_like, assert_non_finite_rules, random_inputs, requires_gpu,
+                     to_gpu)
 from test_dropout import assert_close_to as assert_near, gradient_term_sizes
 from test_gpu import check_backward, check_forward
 
@@ -256,6 +257,43 @@ def test_a_kept_forward_leaves_its_scratch_zero(portable):
     for plan, memory in kept:
         words = cupy.ndarray((plan.scratch.block.nbytes,), numpy.uint8, memptr=memory)
         assert not words.any(), plan
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [None, (100, 0)])
+def test_the_hopper_forward_repairs_the_tiles_it_flags(num_splits, window):
+    """Without split-KV the Hopper forward's CTAs recompute the Q tiles they flagged themselves (no
+    flash_fwd_repair after it); with split-KV flash_fwd_repair does, after the merge. More Q tiles than
+    CTAs, so a CTA claims several, some flagged and some not; infs and NaNs in values that masked pairs
+    meet in many tiles. Twice in a row on a kept plan, each against the reference, then the kept scratch
+    is zero."""
+    import cupy
+
+    from cupyflash import _launch
+
+    if not _launch._hopper(numpy.float16):
+        pytest.skip("the Hopper forward runs on sm_90")
+    rng = numpy.random.default_rng(12)
+    q, k, v = random_inputs(rng, "float16", (4, 16, 1000, 64), (4, 16, 1000, 64))
+    rows = rng.choice(1000, size=40, replace=False)
+    heads = rng.integers(0, 16, size=40)
+    v[rows % 4, heads, rows, :] = numpy.where(rows[:, None] % 2 == 0, numpy.inf, numpy.nan)
+    refs = reference.attention_forward(q, k, v, causal=True, window=window)
+    assert not numpy.isfinite(refs[0]).all()
+    for _ in range(2):
+        out = cupyflash.flash_attention_forward(*to_gpu(q, k, v), causal=True, window=window, num_splits=num_splits)
+        for name, got, ref in zip("oml", out, refs):
+            assert_non_finite_like(name, got, ref, "float16")
+    cupy.cuda.get_current_stream().synchronize()
+    plans = [plan for plan in _launch.PLANS.values() if isinstance(plan, _launch.ForwardPlan)
+             and plan.outputs[0][0] == q.shape and (plan.merge is None) == (num_splits == 1)]
+    assert plans and all(plan.launches[0].kernel.name == "flash_fwd_sm90" for plan in plans)
+    assert all(len(plan.launches) == (1 if num_splits == 1 else 2) for plan in plans)   # + flash_fwd_repair
+    for plan in plans:
+        for memory in plan.scratch.kept.values():
+            words = cupy.ndarray((plan.scratch.block.nbytes,), numpy.uint8, memptr=memory)
+            assert not words.any(), plan
+
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
