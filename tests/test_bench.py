@@ -80,3 +80,20 @@ def test_ab_covers_the_protocol_and_every_variant_causal_and_not(ab):
     assert variants == {(v, c) for v in ab.VARIANTS[1:] for c in (False, True)}
     with pytest.raises(SystemExit, match="NAME=PATH"):
         ab.main(["--base", ".", "--tree", "no-equals-sign"])
+
+
+def test_the_host_path_of_kept_calls_runs_on_a_faked_gpu():
+    """benchmarks/host_path.py times a kept call's Python with the GPU faked, on any machine; its counts
+    are the plans': a causal Hopper forward launches its kernel alone (it repairs its own tiles), a
+    backward its preparation, main kernel, repair and conversion, each from one allocation."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "benchmarks/host_path.py", "--calls", "50"], capture_output=True,
+                          text=True, timeout=300, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert done.returncode == 0, done.stderr
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:5]]
+            for line in done.stdout.splitlines() if line.startswith("| forward") or line.startswith("| backward")}
+    assert float(rows["forward"][0]) > 0 and rows["forward"][1:] == ["1", "1"], done.stdout
+    assert float(rows["backward"][0]) > 0 and rows["backward"][1:] == ["4", "2"], done.stdout

@@ -1,0 +1,170 @@
+"""The host time of a call with a kept plan, on any machine: cupyflash's Python with the GPU faked.
+
+    python benchmarks/host_path.py [--shape 1 1 64 64] [--calls 20000] [--profile] [--top 20]
+
+A call that agrees with an earlier one (shapes, strides, dtypes, keywords) finds that call's plan and
+only allocates its outputs, writes its pointers into the kept parameter struct and launches
+(``cupyflash/_launch.py``). This times that path, float16 and causal as ``benchmarks/host_profile.py``,
+with everything the GPU would do replaced: the arrays are CuPy arrays over host memory (never read),
+CuPy's pool allocator hands out addresses in that memory, the device queries answer as an H200 would,
+and a kernel launch is a Python call that does nothing. What is left is the library's own Python and
+the CuPy objects it makes; on a GPU host CuPy's pool allocation (about 1.5 us) and each
+``cuLaunchKernel`` (about 5 us on the H200's host: ``host_profile.py --sections`` prints both there)
+come on top, once per allocation and launch printed. The numbers move with the host; compare trees on
+one machine, in one run each. ``--profile``: cProfile's functions with the most time of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import numpy
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if (REPO_ROOT / "cupyflash" / "__init__.py").is_file():   # run from a checkout
+    sys.path.insert(0, str(REPO_ROOT))
+
+import cupyflash  # noqa: E402
+from cupyflash import _launch, api  # noqa: E402
+
+H200 = _launch.DeviceLimits("90", 232448, 233472, 132, 60 * 2**20)
+
+
+class FakeGPU:
+    """The device side of CuPy and of cupyflash's plans, answered on the host: device 0, an H200's
+    limits, allocations in ``memory`` (a host buffer, handed out in order and never read), kernels
+    that are names and launches that only count."""
+
+    def __init__(self, nbytes: int = 1 << 26):
+        import cupy
+
+        self.memory = numpy.zeros(nbytes, numpy.uint8)
+        self.base, self.at, self.launches, self.allocations = self.memory.ctypes.data, 0, 0, 0
+        cupy.cuda.runtime.getDevice = lambda: 0
+        cupy.cuda.runtime.memsetAsync = lambda *args: None
+        cupy.cuda.alloc = self.alloc
+        cupy.cuda.get_current_stream = lambda device_id=-1, stream=FakeStream(): stream
+        _launch._device_limits = lambda device_id: H200
+        _launch.current_limits = lambda: H200
+        _launch.get_kernels = lambda cfg: {name: FakeKernel(name) for name in cfg.spec.entries}
+        _launch.launch = self.launch
+
+    def alloc(self, nbytes: int):
+        import cupy
+
+        self.allocations += 1
+        nbytes = -(-max(nbytes, 1) // 512) * 512
+        if self.at + nbytes > self.memory.nbytes:
+            self.at = 0
+        memory = cupy.cuda.UnownedMemory(self.base + self.at, nbytes, self.memory, 0)
+        self.at += nbytes
+        return cupy.cuda.MemoryPointer(memory, 0)
+
+    def array(self, shape, dtype=numpy.float16):
+        import cupy
+
+        return cupy.ndarray(shape, dtype, self.alloc(int(numpy.prod(shape)) * numpy.dtype(dtype).itemsize))
+
+    def launch(self, kernel, grid, threads: int, smem_bytes: int = 0):
+        grid = (grid, 1) if isinstance(grid, int) else grid
+        return _launch.Launch(kernel, 0, grid, threads, smem_bytes, self.count_launch)
+
+    def count_launch(self, *args):
+        self.launches += 1
+
+
+class FakeStream:
+    """CuPy's legacy default stream, as ``call_stream`` reads it."""
+
+    ptr = 0
+
+    def is_capturing(self) -> bool:
+        return False
+
+
+class FakeKernel:
+    def __init__(self, name: str):
+        self.name = name
+
+
+def first_call(gpu: FakeGPU, call, make_plan):
+    """Run ``call`` once as a first call: it validates and fails where it would enter the device (CuPy's
+    ``with q.device``, not faked); ``make_plan(key)`` then plans it with the key the call computed, as
+    the GPU path would have, so that the next like call finds the plan."""
+    keys = []
+    kept_plan = api._kept_plan
+
+    def recording(*args, **kwargs):
+        plan, key = kept_plan(*args, **kwargs)
+        keys.append(key)
+        return plan, key
+
+    api._kept_plan = recording
+    try:
+        call()
+    except Exception:   # CUDARuntimeError: no driver behind `with q.device`
+        pass
+    finally:
+        api._kept_plan = kept_plan
+    assert keys and keys[0] is not None, "the call keeps no plan"
+    return make_plan(keys[0])
+
+
+def per_call(call, calls: int, repeats: int = 5) -> float:
+    """Microseconds per ``call()``: the best of ``repeats`` runs of ``calls`` back-to-back calls."""
+    for _ in range(min(calls, 500)):
+        call()
+    best = float("inf")
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        for _ in range(calls):
+            call()
+        best = min(best, (time.perf_counter() - begin) / calls * 1e6)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", type=int, nargs=4, default=(1, 1, 64, 64), metavar=("B", "H", "N", "D"))
+    parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--profile", action="store_true", help="cProfile the calls instead of timing them")
+    parser.add_argument("--top", type=int, default=20)
+    args = parser.parse_args()
+    gpu = FakeGPU()
+    q, k, v, do = (gpu.array(tuple(args.shape)) for _ in range(4))
+    prob = api.check_forward(q, k, v, True, None, None)
+    schedule = _launch.forward_schedule("auto", prob.D, prob.dtype)
+    o, m, l = first_call(gpu, lambda: cupyflash.flash_attention_forward(q, k, v, causal=True),
+                         lambda key: api._forward_gpu(q, k, v, {}, prob.batch_shape, prob, schedule, "highest", key))
+    bprob = api.check_backward(do, q, k, v, o, m, l, True, None, None)
+    first_call(gpu, lambda: cupyflash.flash_attention_backward(do, q, k, v, o, m, l, causal=True),
+               lambda key: api._backward_gpu(do, q, k, v, o, m, l, {}, bprob.batch_shape, bprob, "auto", "highest",
+                                             False, key))
+    calls = {"forward": lambda: cupyflash.flash_attention_forward(q, k, v, causal=True),
+             "backward": lambda: cupyflash.flash_attention_backward(do, q, k, v, o, m, l, causal=True)}
+    print(f"cupyflash on a faked GPU, float16, causal, shape {tuple(args.shape)}, kept plans\n")
+    print("| call | us per call (the library's Python) | launches | allocations |")
+    print("|---|---:|---:|---:|")
+    for name, call in calls.items():
+        launches, allocations = gpu.launches, gpu.allocations
+        call()
+        launches, allocations = gpu.launches - launches, gpu.allocations - allocations
+        if args.profile:
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(args.calls):
+                call()
+            profile.disable()
+            print(f"\n{name}:")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+        else:
+            print(f"| {name} | {per_call(call, args.calls):.1f} | {launches} | {allocations} |")
+
+
+if __name__ == "__main__":
+    main()
