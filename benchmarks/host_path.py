@@ -38,21 +38,24 @@ H200 = _launch.DeviceLimits("90", 232448, 233472, 132, 60 * 2**20)
 class FakeGPU:
     """The device side of CuPy and of cupyflash's plans, answered on the host: device 0, an H200's
     limits, allocations in ``memory`` (a host buffer, handed out in order and never read), kernels
-    that are names and launches that only count."""
+    that are names and launches that only count (``structs``: the parameter struct of each, as
+    ``(kernel name, 4096 bytes from its start)``, when ``keep_structs``). ``patch(module, name, value)`` installs each
+    stand-in (``setattr``, or a test's ``monkeypatch.setattr``)."""
 
-    def __init__(self, nbytes: int = 1 << 26):
+    def __init__(self, nbytes: int = 1 << 26, patch=setattr, keep_structs: bool = False):
         import cupy
 
         self.memory = numpy.zeros(nbytes, numpy.uint8)
         self.base, self.at, self.launches, self.allocations = self.memory.ctypes.data, 0, 0, 0
-        cupy.cuda.runtime.getDevice = lambda: 0
-        cupy.cuda.runtime.memsetAsync = lambda *args: None
-        cupy.cuda.alloc = self.alloc
-        cupy.cuda.get_current_stream = lambda device_id=-1, stream=FakeStream(): stream
-        _launch._device_limits = lambda device_id: H200
-        _launch.current_limits = lambda: H200
-        _launch.get_kernels = lambda cfg: {name: FakeKernel(name) for name in cfg.spec.entries}
-        _launch.launch = self.launch
+        self.structs = [] if keep_structs else None
+        patch(cupy.cuda.runtime, "getDevice", lambda: 0)
+        patch(cupy.cuda.runtime, "memsetAsync", lambda *args: None)
+        patch(cupy.cuda, "alloc", self.alloc)
+        patch(cupy.cuda, "get_current_stream", lambda device_id=-1, stream=FakeStream(): stream)
+        patch(_launch, "_device_limits", lambda device_id: H200)
+        patch(_launch, "current_limits", lambda: H200)
+        patch(_launch, "get_kernels", lambda cfg: {name: FakeKernel(name) for name in cfg.spec.entries})
+        patch(_launch, "launch", self.launch)
 
     def alloc(self, nbytes: int):
         import cupy
@@ -72,10 +75,16 @@ class FakeGPU:
 
     def launch(self, kernel, grid, threads: int, smem_bytes: int = 0):
         grid = (grid, 1) if isinstance(grid, int) else grid
-        return _launch.Launch(kernel, 0, grid, threads, smem_bytes, self.count_launch)
 
-    def count_launch(self, *args):
-        self.launches += 1
+        def run(function, *args):   # cuLaunchKernel's arguments: ..., stream, kernel_params, extra
+            self.launches += 1
+            if self.structs is not None:
+                import ctypes
+
+                address = ctypes.c_uint64.from_address(args[-2]).value
+                self.structs.append((kernel.name, ctypes.string_at(address, 4096)))
+
+        return _launch.Launch(kernel, 0, grid, threads, smem_bytes, run)
 
 
 class FakeStream:
@@ -92,10 +101,10 @@ class FakeKernel:
         self.name = name
 
 
-def first_call(gpu: FakeGPU, call, make_plan):
-    """Run ``call`` once as a first call: it validates and fails where it would enter the device (CuPy's
-    ``with q.device``, not faked); ``make_plan(key)`` then plans it with the key the call computed, as
-    the GPU path would have, so that the next like call finds the plan."""
+def first_call(call, make_plan):
+    """Run ``call`` once as a first call: it validates and, without a driver, fails where it enters the
+    device (CuPy's ``with q.device``, which is not faked); ``make_plan(key)`` then plans it with the key
+    the call computed, as the GPU path would have, so that the next like call finds the plan."""
     keys = []
     kept_plan = api._kept_plan
 
@@ -139,10 +148,10 @@ def main() -> None:
     q, k, v, do = (gpu.array(tuple(args.shape)) for _ in range(4))
     prob = api.check_forward(q, k, v, True, None, None)
     schedule = _launch.forward_schedule("auto", prob.D, prob.dtype)
-    o, m, l = first_call(gpu, lambda: cupyflash.flash_attention_forward(q, k, v, causal=True),
+    o, m, l = first_call(lambda: cupyflash.flash_attention_forward(q, k, v, causal=True),
                          lambda key: api._forward_gpu(q, k, v, {}, prob.batch_shape, prob, schedule, "highest", key))
     bprob = api.check_backward(do, q, k, v, o, m, l, True, None, None)
-    first_call(gpu, lambda: cupyflash.flash_attention_backward(do, q, k, v, o, m, l, causal=True),
+    first_call(lambda: cupyflash.flash_attention_backward(do, q, k, v, o, m, l, causal=True),
                lambda key: api._backward_gpu(do, q, k, v, o, m, l, {}, bprob.batch_shape, bprob, "auto", "highest",
                                              False, key))
     calls = {"forward": lambda: cupyflash.flash_attention_forward(q, k, v, causal=True),

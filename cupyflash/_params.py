@@ -185,8 +185,8 @@ class Params:
     dtype : numpy.dtype
         ``FWD``, ``BWD``, ``MERGE`` or ``APPEND``.
     pointers : sequence of str
-        The pointer fields a call may write (``'q.ptr'``, ``'mods.bias.ptr'``; :meth:`pack` takes them by
-        name).
+        The pointer fields a call writes (``'q.ptr'``, ``'mods.bias.ptr'``), in the order :meth:`pack`
+        takes their addresses.
     **values
         Field values by name; a tensor field takes a tuple ``(s0, s1, s2, sn)`` of strides (its pointer is
         one of ``pointers``), a struct field a dict of its members by name (nested alike, members left
@@ -207,22 +207,18 @@ class Params:
                 value = (0, *value)
             filled[name] = _by_name(dtype.fields[name][0], value)
         self.template = b"\0" * 8 + filled.tobytes()
-        self.words = {f: 1 + pointer_word(dtype, f) for f in pointers}
+        self.words = tuple(1 + pointer_word(dtype, f) for f in pointers)
         self._array = ctypes.c_uint64 * (1 + dtype.itemsize // 8)
 
     def pack(self, pointers):
-        """``(buffer, address)``: the struct with ``pointers`` written after its argument word: a dict
-        {field: device address, 0 for none} of fields the plan named, or a sequence of addresses in the
-        order it named them (a merge's parts, whose fields the plan lists); ``address`` is the
+        """``(buffer, address)``: the struct with ``pointers`` written after its argument word, a device
+        address (0 for none) for each field the plan named, in that order; ``address`` is the
         ``kernel_params`` of a launch (``Launch``), valid while ``buffer`` lives."""
+        if len(pointers) != len(self.words):
+            raise ValueError(f"{len(pointers)} pointers for a struct whose plan names {len(self.words)}")
         buffer = self._array.from_buffer_copy(self.template)
         address = ctypes.addressof(buffer)
         buffer[0] = address + 8
-        words = self.words
-        if isinstance(pointers, dict):
-            for field, pointer in pointers.items():
-                buffer[words[field]] = pointer
-        else:
-            for word, pointer in zip(words.values(), pointers):
-                buffer[word] = pointer
+        for word, pointer in zip(self.words, pointers):
+            buffer[word] = pointer
         return buffer, address

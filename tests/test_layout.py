@@ -188,7 +188,7 @@ def test_a_packed_struct_is_the_template_with_the_call_pointers_behind_its_argum
 
     params = _params.Params(_params.FWD, ("q.ptr", "o", "repair_flags"), q=(1, 2, 3, 4), mask=(5, 6, -5, 1), D=64,
                             mods={"softcap": 2.5, "bias": {"s1": 7, "sj": 1}}, uses=9, scale=0.125)
-    buffer, address = params.pack({"q.ptr": 0x1000, "o": 0x2000, "repair_flags": 0x3000})
+    buffer, address = params.pack((0x1000, 0x2000, 0x3000))
     raw = bytes(buffer)
     assert int.from_bytes(raw[:8], "little") == address + 8
     struct = numpy.frombuffer(raw[8:], _params.FWD)[0]
@@ -197,28 +197,106 @@ def test_a_packed_struct_is_the_template_with_the_call_pointers_behind_its_argum
     assert tuple(struct["mask"]) == (5, 6, -5, 1) and struct["D"] == 64 and struct["scale"] == 0.125
     assert struct["mods"]["softcap"] == 2.5 and struct["uses"] == 9
     assert tuple(struct["mods"]["bias"]) == (0, 0, 7, 0, 0, 1) and tuple(struct["mods"]["alibi"]) == (0, 0, 0, 0)
-    again, _ = params.pack({"o": 8})   # a copy per call: the template is untouched
+    again, _ = params.pack((0, 8, 0))   # a copy per call: the template is untouched
     assert numpy.frombuffer(bytes(again)[8:], _params.FWD)[0]["o"] == 8
     assert numpy.frombuffer(bytes(again)[8:], _params.FWD)[0]["q"]["ptr"] == 0
     assert numpy.frombuffer(bytes(buffer)[8:], _params.FWD)[0]["o"] == 0x2000
-    with pytest.raises(KeyError):
-        params.pack({"k.ptr": 1})   # a pointer the plan did not name
+    with pytest.raises(ValueError, match="2 pointers for a struct whose plan names 3"):
+        params.pack((1, 2))
 
 
 @pytest.mark.parametrize("struct, names", [("BWD", "BWD_POINTERS"), ("FWD", "FWD_POINTERS")])
 def test_a_call_packs_each_pointer_where_its_name_says(struct, names):
     """The plans' pointers (``FWD_POINTERS``, ``BWD_POINTERS``: the modifiers' arrays' from ``_flags.FLAGS``)
-    land in the fields of their names, and a field a call leaves out stays 0."""
+    land in the fields of their names, a 0 among them as 0."""
     from cupyflash import _flags, _launch, _params
 
     dtype, names = getattr(_params, struct), getattr(_launch, names)
     assert len(set(names)) == len(names)
     assert {f.pointer for f in _flags.ARRAY_FLAGS} <= set(names)
     params = _params.Params(dtype, names)
-    given = {name: value for value, name in enumerate(names, start=1) if value % 3}
-    packed = numpy.frombuffer(bytes(params.pack(given)[0])[8:], dtype)[0]
+    given = {name: value if value % 3 else 0 for value, name in enumerate(names, start=1)}
+    packed = numpy.frombuffer(bytes(params.pack(tuple(given.values()))[0])[8:], dtype)[0]
     for name in names:
         field = packed
         for part in name.replace("[", ".").replace("]", "").split("."):
             field = field[int(part)] if part.isdigit() else field[part]
-        assert field == given.get(name, 0), name
+        assert field == given[name], name
+
+
+def _host_path():
+    """benchmarks/host_path.py, the GPU faked (imported from the checkout)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "host_path.py"
+    spec = importlib.util.spec_from_file_location("host_path_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_kept_call_writes_each_address_where_the_kernels_read_it(monkeypatch, num_splits):
+    """ForwardPlan and BackwardPlan pack a call's addresses in the order FWD_POINTERS and BWD_POINTERS
+    name them: decoded from the struct each launch gets (the GPU faked, ``benchmarks/host_path.py``),
+    every field holds its array's address: inputs, outputs, ALiBi's slopes, the kept scratch, the
+    splits' parts as the merge reads them."""
+    pytest.importorskip("cupy")
+    from cupyflash import _launch, _params, api
+
+    host_path = _host_path()
+    gpu = host_path.FakeGPU(patch=monkeypatch.setattr, keep_structs=True)
+    monkeypatch.setattr(_launch, "PLANS", {})
+    q, k, v, do = (gpu.array((2, 3, 200, 64)) for _ in range(4))
+    slopes = gpu.array((3,), numpy.float32)
+    prob = api.check_forward(q, k, v, True, None, None)
+    kw = dict(causal=True, alibi_slopes=slopes, num_splits=num_splits, dropout_p=0.25, seed=1234)
+
+    def forward_plan(key):
+        arrays, _ = api._checked_mods(prob, q, key, api.call_arrays(alibi_slopes=slopes))
+        schedule = _launch.forward_schedule("v2" if num_splits > 1 else "auto", prob.D, prob.dtype)
+        return api._forward_gpu(q, k, v, arrays, prob.batch_shape, prob, schedule, "highest", key,
+                                dropout=(0.25, 1234), kv_splits=num_splits)
+
+    host_path.first_call(lambda: api.flash_attention_forward(q, k, v, **kw), forward_plan)
+    gpu.structs.clear()
+    o, m, l = api.flash_attention_forward(q, k, v, **dict(kw, seed=4321))
+    (plan,) = _launch.PLANS.values()
+    fwd = numpy.frombuffer(gpu.structs[0][1][:_params.FWD.itemsize], _params.FWD)[0]
+    assert gpu.structs[0][0] == "flash_fwd_sm90"
+    assert [fwd[x]["ptr"] for x in "qkv"] == [x.data.ptr for x in (q, k, v)]
+    assert [fwd[x] for x in "oml"] == [x.data.ptr for x in (o, m, l)]
+    assert fwd["mods"]["alibi"]["ptr"] == slopes.data.ptr and fwd["mods"]["bias"]["ptr"] == 0
+    assert fwd["mods"]["seed"] == 4321 and fwd["tiles"]["base"] == 0
+    scratch = plan.scratch.kept[0].ptr
+    assert [fwd["tile_counter"], fwd["repair_flags"]] == plan.scratch.block.pointers(scratch)
+    if num_splits == 1:
+        assert [name for name, _ in gpu.structs] == ["flash_fwd_sm90"]
+        assert fwd["o_parts"] == fwd["m_parts"] == fwd["l_parts"] == 0
+    else:   # the main kernel, the merge of its parts into o, m, l, the repair
+        assert [name for name, _ in gpu.structs] == ["flash_fwd_sm90", "flash_merge", "flash_fwd_repair"]
+        merge = numpy.frombuffer(gpu.structs[1][1][:_params.MERGE.itemsize], _params.MERGE)[0]
+        assert [merge[x]["ptr"][0] for x in "oml"] == [fwd[f"{x}_parts"] for x in "oml"] and fwd["o_parts"]
+        assert [merge[f"{x}_out"] for x in "oml"] == [x.data.ptr for x in (o, m, l)]
+        assert gpu.structs[2][1][:_params.FWD.itemsize] == gpu.structs[0][1][:_params.FWD.itemsize]
+
+    bprob = api.check_backward(do, q, k, v, o, m, l, True, None, None)
+
+    def backward_plan(key):
+        arrays, _ = api._checked_mods(bprob, q, key, api.call_arrays(alibi_slopes=slopes))
+        return api._backward_gpu(do, q, k, v, o, m, l, arrays, bprob.batch_shape, bprob, "auto", "highest", False,
+                                 key)
+
+    host_path.first_call(lambda: api.flash_attention_backward(do, q, k, v, o, m, l, causal=True,
+                                                              alibi_slopes=slopes), backward_plan)
+    gpu.structs.clear()
+    dq, dk, dv = api.flash_attention_backward(do, q, k, v, o, m, l, causal=True, alibi_slopes=slopes)
+    bwd = numpy.frombuffer(gpu.structs[0][1][:_params.BWD.itemsize], _params.BWD)[0]
+    assert len({raw[:_params.BWD.itemsize] for _, raw in gpu.structs}) == 1   # one struct for every step
+    assert [bwd[x]["ptr"] for x in ("q", "k", "v", "o", "dO")] == [x.data.ptr for x in (q, k, v, o, do)]
+    assert [bwd["m"], bwd["l"], bwd["dq"], bwd["dk"]["ptr"], bwd["dv"]["ptr"]] == [x.data.ptr for x in (m, l, dq, dk, dv)]
+    assert bwd["mods"]["alibi"]["ptr"] == slopes.data.ptr and bwd["mods"]["dbias"]["ptr"] == 0
+    (bplan,) = [p for p in _launch.PLANS.values() if isinstance(p, _launch.BackwardPlan)]
+    base = bwd["lse2"] - bplan.workspace.offsets[_launch.BWD_PARTS.index("lse2")]   # the workspace's
+    assert bwd["zero"][0]["ptr"] == base + bplan.workspace.zero_from
