@@ -931,7 +931,10 @@ class BackwardPlan:
         with _on_device(self.device):
             # every buffer first: a call that does not fit raises OutOfMemoryError before any launch
             stream, alloc = call_stream()
-            m, l = (x if x.flags.c_contiguous else _copy_into(x, alloc) for x in (m, l))
+            if not m.flags.c_contiguous:
+                m = _copy_into(m, alloc)
+            if not l.flags.c_contiguous:
+                l = _copy_into(l, alloc)
             memory, base = self.workspace.allocate(alloc, stream, clear=False)
             if out is None:
                 import cupy
@@ -945,7 +948,7 @@ class BackwardPlan:
 
                 acc = accumulator_dtype(q.dtype)
                 dbias = cupy.ndarray(self.dbias.shape, acc, alloc(math.prod(self.dbias.shape) * acc.itemsize))
-            dq, dk, dv = (g.data.ptr for g in grads)
+            dq, dk, dv = grads[0].data.ptr, grads[1].data.ptr, grads[2].data.ptr
             parts = self.workspace.pointers(base)
             sums = (dq, dk, dv)[:self.sums]
             parts[BWD_SUMS:BWD_SUMS + self.sums] = sums   # the gradients of the accumulator dtype are the sums
@@ -1068,11 +1071,16 @@ MAX_PLANS = 1024   # past this many the cache starts over
 def call_key(arrays, flags):
     """What validating and planning a call of CuPy ``arrays`` and ``flags`` reads; None for other arrays."""
     cupy = sys.modules.get("cupy")
-    if cupy is None or any(type(x) is not cupy.ndarray for x in arrays):
+    if cupy is None:
         return None
+    ndarray, described = cupy.ndarray, []
+    for x in arrays:
+        if type(x) is not ndarray:
+            return None
+        data = x.data
+        described.append((x.shape, x.strides, x.dtype, data.ptr % VECTOR_BYTES, data.device_id))
     # the flags by type and repr, which tell 1 from 1.0 and True (equal, and of one hash), in C loops
-    return (tuple((x.shape, x.strides, x.dtype, x.data.ptr % VECTOR_BYTES, x.data.device_id) for x in arrays),
-            tuple(map(type, flags)), repr(flags), USE_WGMMA)
+    return tuple(described), tuple(map(type, flags)), repr(flags), USE_WGMMA
 
 
 def keep_plan(key, plan):
