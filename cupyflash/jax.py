@@ -14,7 +14,8 @@ Both targets are Python functions registered as XLA FFI handlers through ctypes
 
 The options (causal, scale, window, softcap, precision, deterministic, the user expressions and the
 numbers of their ``mod_args``) travel as XLA attributes, checked when the call is traced, by
-cupyflash's own checks. The handlers run Python at every call
+cupyflash's own checks; the arrays of ``mod_args`` are operands of the call after its inputs, read as
+constants (no gradient reaches them). The handlers run Python at every call
 (tens of microseconds of host time) and are not recorded into XLA's command buffers (CUDA graphs).
 
 Importing this module imports JAX; ``import cupyflash`` does not.
@@ -47,6 +48,7 @@ NO_SIDE = -1            # a window side that is None, as an int attribute
 NO_SOFTCAP = 0.0        # softcap None, as a float attribute
 NO_EXPRESSION = ""      # score_mod, score_mod_grad or mask_mod None, as a string attribute
 ARG_PREFIX = "mod_arg_"  # a mod_args number's attribute: its name after this prefix
+NUMBERS = (bool, int, float, numpy.bool_, numpy.number)   # mod_args values that travel as attributes
 MAX_HEAD_DIM = 256      # the lse gradient adds one column to D (``_lse_backward``)
 
 
@@ -64,6 +66,7 @@ class Options:
     score_mod_grad: Optional[str] = None
     mask_mod: Optional[str] = None
     mod_args: tuple = ()    # ((name, int64 or float64), ...) in the order given
+    mod_arrays: tuple = ()  # ((name, shape, dtype name), ...) of mod_args' arrays: the call's operands after its inputs
 
     def attributes(self) -> dict:
         """The XLA attributes the handlers read (``keywords`` reads them back)."""
@@ -77,11 +80,18 @@ class Options:
                     softcap=numpy.float64(NO_SOFTCAP if self.softcap is None else self.softcap),
                     precision=self.precision, deterministic=numpy.bool_(self.deterministic), **expressions,
                     mod_arg_names=",".join(name for name, _ in self.mod_args),
+                    mod_array_names=",".join(name for name, _, _ in self.mod_arrays),
                     **{ARG_PREFIX + name: value for name, value in self.mod_args})
 
+    def stand_ins(self) -> dict:
+        """mod_args with each array as a stand-in of its shape and dtype (what the checks read)."""
+        return {**dict(self.mod_args), **{name: _stand_in(jax.ShapeDtypeStruct(shape, dtype))
+                                          for name, shape, dtype in self.mod_arrays}}
 
-def keywords(attrs: dict, backward: bool) -> dict:
-    """cupyflash's keyword arguments from a call's attributes (``Options.attributes``)."""
+
+def keywords(attrs: dict, backward: bool, arrays=()) -> dict:
+    """cupyflash's keyword arguments from a call's attributes (``Options.attributes``) and its mod_args
+    ``arrays`` (the operands after its inputs, in ``mod_array_names`` order)."""
     side = (lambda s: None if s == NO_SIDE else int(s))
     out = dict(causal=bool(attrs["causal"]), softmax_scale=float(attrs["softmax_scale"]),
                window=(side(attrs["window_left"]), side(attrs["window_right"])),
@@ -93,6 +103,8 @@ def keywords(attrs: dict, backward: bool) -> dict:
             out[name] = attrs[name]
     if attrs["mod_arg_names"]:
         out["mod_args"] = {name: attrs[ARG_PREFIX + name] for name in attrs["mod_arg_names"].split(",")}
+    if attrs["mod_array_names"]:
+        out["mod_args"] = {**out.get("mod_args", {}), **dict(zip(attrs["mod_array_names"].split(","), arrays))}
     if backward:
         out["deterministic"] = bool(attrs["deterministic"])
     return out
@@ -105,29 +117,35 @@ def _stand_in(x):
 
 def check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic, score_mod=None,
           score_mod_grad=None, mask_mod=None, mod_args=None):
-    """``(Problem, Options)`` of a call, by cupyflash's own checks (``_checks``, ``_expr.user_mods``): a
-    TypeError or ValueError naming the argument, raised while the call is traced."""
+    """``(Problem, Options, arrays)`` of a call, by cupyflash's own checks (``_checks``,
+    ``_expr.user_mods``): a TypeError or ValueError naming the argument, raised while the call is traced.
+    ``arrays``: the arrays of ``mod_args`` as JAX arrays, in ``Options.mod_arrays`` order."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     prob = with_softcap(check_forward(*(_stand_in(x) for x in (q, k, v)), causal, softmax_scale, window), softcap)
     check_choice("precision", precision, PRECISIONS)
     check_bool("deterministic", deterministic)
+    arrays = {}
+    if isinstance(mod_args, dict):   # numbers become attributes, anything else an operand (a tracer under jit)
+        for name, x in mod_args.items():
+            if not isinstance(x, NUMBERS):
+                try:
+                    arrays[name] = jnp.asarray(x)
+                except (TypeError, ValueError) as error:
+                    raise TypeError(f"mod_args[{name!r}] must be a number or an array of numbers, got "
+                                    f"{type(x).__name__}") from error
+        mod_args = {name: _stand_in(arrays[name]) if name in arrays else x for name, x in mod_args.items()}
     user = user_mods(score_mod, score_mod_grad, mask_mod, mod_args)
-    args = ()
-    if user is not None:
-        arrays = [name for name, value in user.args.items() if numpy.ndim(value)]
-        if arrays:
-            raise TypeError(f"mod_args[{arrays[0]!r}] is an array: cupyflash.jax takes numbers in mod_args "
-                            f"(ints and floats, attributes of the XLA call), not arrays")
-        args = tuple(user.args.items())
+    numbers = () if user is None else tuple((name, x) for name, x in user.args.items() if name not in arrays)
+    specs = tuple((name, tuple(x.shape), numpy.dtype(x.dtype).name) for name, x in arrays.items())
     return prob, Options(prob.causal, prob.scale, prob.window, prob.softcap, precision, bool(deterministic),
-                         score_mod, score_mod_grad, mask_mod, args)
+                         score_mod, score_mod_grad, mask_mod, numbers, specs), tuple(arrays.values())
 
 
 def _check_backward(options: Options):
     """ValueError, while the gradient is traced, where a score_mod has no score_mod_grad."""
-    user_mods(options.score_mod, options.score_mod_grad, options.mask_mod, dict(options.mod_args) or None,
+    user_mods(options.score_mod, options.score_mod_grad, options.mask_mod, options.stand_ins() or None,
               backward=True)
 
 
@@ -173,12 +191,14 @@ def _cupy_stream(handle: int, device: int):
 
 
 def _run(call: _xla_ffi.Call, on_gpu: bool, backward: bool):
-    """One call of either target: cupyflash over XLA's buffers, writing into XLA's results."""
-    options = keywords(call.attrs, backward)
+    """One call of either target: cupyflash over XLA's buffers, writing into XLA's results; the operands
+    after the inputs (7 of the backward's, 3 of the forward's) are the arrays of mod_args."""
+    inputs = 7 if backward else 3
     function = flash_attention_backward if backward else flash_attention_forward
     if not on_gpu:
         args = [_host_array(b) for b in call.args]
-        function(*args, out=FreshOut(_host_array(b) for b in call.rets), **options)
+        options = keywords(call.attrs, backward, args[inputs:])
+        function(*args[:inputs], out=FreshOut(_host_array(b) for b in call.rets), **options)
         return
     import cupy
 
@@ -186,7 +206,8 @@ def _run(call: _xla_ffi.Call, on_gpu: bool, backward: bool):
     stream = _cupy_stream(call.stream(), device)
     with cupy.cuda.Device(device), stream:
         args = [_device_array(b, device) for b in call.args]
-        function(*args, out=FreshOut(_device_array(b, device) for b in call.rets), **options)
+        options = keywords(call.attrs, backward, args[inputs:])
+        function(*args[:inputs], out=FreshOut(_device_array(b, device) for b in call.rets), **options)
 
 
 # (target, platform as JAX names it, whether the handler runs CuPy)
@@ -251,7 +272,13 @@ def _batch_shape(q, k, v) -> tuple:
     return tuple(numpy.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
 
 
-def flash_attention_forward_ffi(q, k, v, options: Options):
+def _ffi_call(target: str, results, options: Options):
+    """``jax.ffi.ffi_call`` of ``target``: under ``vmap`` one call over the broadcast batch, or one call
+    per batch entry where mod_args arrays ride along (broadcast, they would gain the batch's dims)."""
+    return jax.ffi.ffi_call(target, results, vmap_method="sequential" if options.mod_arrays else "broadcast_all")
+
+
+def flash_attention_forward_ffi(q, k, v, options: Options, arrays=()):
     """The forward target on JAX arrays: one XLA custom call, no VJP of its own.
 
     Parameters
@@ -260,6 +287,8 @@ def flash_attention_forward_ffi(q, k, v, options: Options):
         As in :func:`flash_attention`.
     options : Options
         From :func:`check` (which validates q, k, v with them).
+    arrays : tuple of jax.Array
+        The arrays of mod_args, from :func:`check` (in ``options.mod_arrays`` order).
 
     Returns
     -------
@@ -271,13 +300,12 @@ def flash_attention_forward_ffi(q, k, v, options: Options):
     register()
     stats = jax.ShapeDtypeStruct((*_batch_shape(q, k, v), q.shape[-2]), accumulator_dtype(q.dtype))
     results = (jax.ShapeDtypeStruct((*stats.shape, q.shape[-1]), q.dtype), stats, stats)
-    call = jax.ffi.ffi_call(FORWARD_TARGET, results, vmap_method="broadcast_all")
     attrs = options.attributes()
     del attrs["deterministic"]
-    return call(q, k, v, **attrs)
+    return _ffi_call(FORWARD_TARGET, results, options)(q, k, v, *arrays, **attrs)
 
 
-def flash_attention_backward_ffi(do, q, k, v, o, m, l, options: Options):
+def flash_attention_backward_ffi(do, q, k, v, o, m, l, options: Options, arrays=()):
     """The backward target on JAX arrays: one XLA custom call.
 
     Parameters
@@ -286,7 +314,7 @@ def flash_attention_backward_ffi(do, q, k, v, o, m, l, options: Options):
         The cotangent of ``o``.
     q, k, v, o, m, l : jax.Array
         The forward's inputs and :func:`flash_attention_forward_ffi`'s results.
-    options : Options
+    options, arrays
         The forward's.
 
     Returns
@@ -297,8 +325,7 @@ def flash_attention_backward_ffi(do, q, k, v, o, m, l, options: Options):
     """
     register()
     results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    call = jax.ffi.ffi_call(BACKWARD_TARGET, results, vmap_method="broadcast_all")
-    return call(do, q, k, v, o, m, l, **options.attributes())
+    return _ffi_call(BACKWARD_TARGET, results, options)(do, q, k, v, o, m, l, *arrays, **options.attributes())
 
 
 def _lse(m, l):
@@ -306,52 +333,55 @@ def _lse(m, l):
     return m + jnp.log(l)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, options):
-    return flash_attention_forward_ffi(q, k, v, options)[0]
+# The arrays of mod_args are inputs of the VJP functions whose cotangent is None (zero): constants to it.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, arrays, options):
+    return flash_attention_forward_ffi(q, k, v, options, arrays)[0]
 
 
-def _attention_fwd(q, k, v, options):
-    o, m, l = flash_attention_forward_ffi(q, k, v, options)
-    return o, (q, k, v, o, m, l)
+def _attention_fwd(q, k, v, arrays, options):
+    o, m, l = flash_attention_forward_ffi(q, k, v, options, arrays)
+    return o, (q, k, v, arrays, o, m, l)
 
 
 def _attention_bwd(options, saved, do):
     _check_backward(options)
-    q, k, v, o, m, l = saved
-    return flash_attention_backward_ffi(do, q, k, v, o, m, l, options)
+    q, k, v, arrays, o, m, l = saved
+    return (*flash_attention_backward_ffi(do, q, k, v, o, m, l, options, arrays), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention_lse(q, k, v, options):
-    o, m, l = flash_attention_forward_ffi(q, k, v, options)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention_lse(q, k, v, arrays, options):
+    o, m, l = flash_attention_forward_ffi(q, k, v, options, arrays)
     return o, _lse(m, l)
 
 
-def _attention_lse_fwd(q, k, v, options):
+def _attention_lse_fwd(q, k, v, arrays, options):
     q, k, v = (x.value for x in (q, k, v))   # symbolic_zeros wraps the primals
-    o, m, l = flash_attention_forward_ffi(q, k, v, options)
-    return (o, _lse(m, l)), (q, k, v, o, m, l)
+    arrays = tuple(x.value for x in arrays)
+    o, m, l = flash_attention_forward_ffi(q, k, v, options, arrays)
+    return (o, _lse(m, l)), (q, k, v, arrays, o, m, l)
 
 
 def _attention_lse_bwd(options, saved, cotangents):
     _check_backward(options)
-    q, k, v, o, m, l = saved
+    q, k, v, arrays, o, m, l = saved
     do, dlse = cotangents
     if isinstance(do, jax.custom_derivatives.SymbolicZero):
         do = jnp.zeros(o.shape, o.dtype)
     if isinstance(dlse, jax.custom_derivatives.SymbolicZero):
-        return flash_attention_backward_ffi(do, q, k, v, o, m, l, options)
-    return _lse_backward(do, dlse, q, k, v, o, m, l, options)
+        return (*flash_attention_backward_ffi(do, q, k, v, o, m, l, options, arrays), None)
+    return (*_lse_backward(do, dlse, q, k, v, o, m, l, options, arrays), None)
 
 
 _attention_lse.defvjp(_attention_lse_fwd, _attention_lse_bwd, symbolic_zeros=True)
 
 
-def _lse_backward(do, dlse, q, k, v, o, m, l, options):
+def _lse_backward(do, dlse, q, k, v, o, m, l, options, arrays):
     """Gradients with a cotangent ``g`` of ``lse`` too, by one backward over a head dim one wider.
 
     ``d lse_i / d s_ij = P_ij``, so ``dS_ij = P_ij (dP_ij - D_i + g_i)`` with ``dP = dO Vᵀ`` and
@@ -363,7 +393,7 @@ def _lse_backward(do, dlse, q, k, v, o, m, l, options):
         raise NotImplementedError(f"the gradient through lse needs a head dim D < {MAX_HEAD_DIM}, got D={q.shape[-1]}")
     wide = (lambda x, c: jnp.concatenate([x, jnp.broadcast_to(c, (*x.shape[:-1], 1)).astype(x.dtype)], axis=-1))
     dq, dk, dv = flash_attention_backward_ffi(wide(do, dlse[..., None]), wide(q, 0), wide(k, 0), wide(v, 1),
-                                              wide(o, 0), m, l, options)
+                                              wide(o, 0), m, l, options, arrays)
     return dq[..., :-1], dk[..., :-1], dv[..., :-1]
 
 
@@ -395,8 +425,10 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[fl
         :func:`cupyflash.flash_attention_backward`; a gradient through a
         ``score_mod`` needs ``score_mod_grad`` (a ValueError while the gradient is traced).
     mod_args : dict, optional
-        The numbers the expressions read (ints and floats; arrays are not taken
-        here). Static, as the other options.
+        What the expressions read by name: numbers (ints and floats, static as
+        the other options) and arrays (JAX or NumPy, traced: operands of the
+        custom calls, read as constants, so no gradient reaches them; the
+        expressions index them flat, in C order).
 
     Returns
     -------
@@ -424,8 +456,8 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[fl
     cupyflash.flash_attention_forward, cupyflash.flash_attention_backward : the calls each handler makes.
     cupyflash.reference.attention_forward : the naive float64 reference.
     """
-    _, options = check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic, score_mod,
-                       score_mod_grad, mask_mod, mod_args)
+    _, options, arrays = check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic,
+                               score_mod, score_mod_grad, mask_mod, mod_args)
     if return_lse:
-        return _attention_lse(q, k, v, options)
-    return _attention(q, k, v, options)
+        return _attention_lse(q, k, v, arrays, options)
+    return _attention(q, k, v, arrays, options)

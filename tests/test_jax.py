@@ -353,13 +353,17 @@ def test_vmap_runs_the_batch_in_one_call():
         numpy.testing.assert_allclose(numpy.asarray(got), numpy.asarray(want), rtol=1e-5, atol=1e-6)
 
 
-# expressions restating built-in variants (mod_args numbers travel as XLA attributes)
+# expressions restating built-in variants (mod_args numbers travel as XLA attributes, arrays as operands)
 EXPRESSIONS = {
     "softcap": (dict(score_mod="c * tanhf(s / c)", score_mod_grad="1 - tanhf(s / c) * tanhf(s / c)",
                      mod_args={"c": 2.0}), dict(softcap=2.0)),
     "causal": (dict(mask_mod="kv_idx <= q_idx + off", mod_args={"off": 7}), dict(causal=True)),
     "window, scaled": (dict(mask_mod="kv_idx >= q_idx + 7 - 5 && kv_idx <= q_idx + 7 + 3", score_mod="s * 2.0f",
                             score_mod_grad="2.0f"), dict(window=(5, 3), softmax_scale=2 / numpy.sqrt(16))),
+    "causal and scaled, by arrays": (dict(mask_mod="kv_idx <= q_idx + off[1]", score_mod="s * c[0]",
+                                          score_mod_grad="c[0]", mod_args={"off": numpy.array([0, 7], numpy.int32),
+                                                                           "c": numpy.array([2.0])}),
+                                     dict(causal=True, softmax_scale=2 / numpy.sqrt(16))),
 }
 
 
@@ -383,10 +387,46 @@ def test_expressions_give_the_builtin_variants_they_restate(case):
         expressions_against_builtin(jax.devices("cpu")[0], "float64", case, 1e-12)
 
 
-def test_expressions_refuse_arrays_in_mod_args_and_a_gradient_without_score_mod_grad():
+def test_a_document_mask_reads_an_array_traced_under_jit_vmap_and_grad():
+    """mod_args arrays are operands of the custom calls: a document mask over a traced int array (another
+    array, another mask, no retrace), under jit, grad (by q, k, v; none reaches the array) and vmap, equals
+    the float64 reference with the same expression and array."""
+    rng = numpy.random.default_rng(5)
+    q, k, v, do = (rng.standard_normal((3, 2, 24, 8)) for _ in range(4))
+    mask_mod = "doc[q_idx] == doc[kv_idx] && kv_idx <= q_idx"
+    with jax.enable_x64(True):
+        loss = jax.jit(lambda q, k, v, doc: jnp.sum(cfj.flash_attention(q, k, v, mask_mod=mask_mod,
+                                                                        mod_args={"doc": doc}) * do))
+        value_and_grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), allow_int=True)
+        for doc in (numpy.repeat(numpy.arange(4, dtype=numpy.int32), 6), numpy.arange(24, dtype=numpy.int32) // 10):
+            forward = reference.attention_forward(q, k, v, mask_mod=mask_mod, mod_args={"doc": doc})
+            grads = reference.attention_backward(do, q, k, v, *forward, mask_mod=mask_mod, mod_args={"doc": doc})
+            value, (dq, dk, dv, ddoc) = jax.jit(value_and_grads)(q, k, v, doc)
+            numpy.testing.assert_allclose(value, numpy.sum(forward[0] * do), rtol=1e-12)
+            for got, want in zip((dq, dk, dv), grads):
+                numpy.testing.assert_allclose(numpy.asarray(got), want, rtol=1e-10, atol=1e-12)
+            assert ddoc.dtype == jax.dtypes.float0
+        per_head = jax.jit(jax.vmap(lambda q, k, v: cfj.flash_attention(q, k, v, mask_mod=mask_mod,
+                                                                        mod_args={"doc": doc}), in_axes=1, out_axes=1))
+        numpy.testing.assert_allclose(numpy.asarray(per_head(q, k, v)), forward[0], rtol=1e-10, atol=1e-12)
+        # through lse too: a single document is the causal mask
+        def through_lse(**options):
+            return jax.jit(jax.grad(lambda q, k, v: jnp.sum(cfj.flash_attention(q, k, v, return_lse=True, **options)[1]
+                                                            * do[..., 0]), argnums=(0, 1, 2)))(q, k, v)
+
+        one = numpy.zeros(24, numpy.int32)
+        for got, want in zip(through_lse(mask_mod=mask_mod, mod_args={"doc": one}), through_lse(causal=True)):
+            numpy.testing.assert_allclose(numpy.asarray(got), numpy.asarray(want), rtol=1e-10, atol=1e-12)
+
+
+def test_expressions_refuse_a_zero_d_array_and_a_gradient_without_score_mod_grad():
     q = jnp.zeros((1, 4, 8), jnp.float32)
-    with pytest.raises(TypeError, match=r"mod_args\['w'\] is an array"):
-        cfj.flash_attention(q, q, q, mask_mod="w[kv_idx] > 0", mod_args={"w": numpy.ones(4)})
+    with pytest.raises(ValueError, match=r"mod_args\['w'\] is a 0-d array"):
+        cfj.flash_attention(q, q, q, mask_mod="w > 0", mod_args={"w": jnp.ones(())})
+    with pytest.raises(TypeError, match=r"mod_args\['w'\] must be a number or an array of numbers"):
+        cfj.flash_attention(q, q, q, mask_mod="w[0] > 0", mod_args={"w": numpy.array(["a"])})
+    with pytest.raises(TypeError, match=r"mod_args\['w'\] must hold numbers"):
+        cfj.flash_attention(q, q, q, mask_mod="w[0] > 0", mod_args={"w": jnp.array([1 + 2j])})
     with pytest.raises(ValueError, match="score_mod_grad"):
         jax.grad(lambda q: jnp.sum(cfj.flash_attention(q, q, q, score_mod="s * 2.0f")))(q)
     with pytest.raises(ValueError, match="score_mod"):
