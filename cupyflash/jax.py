@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -39,6 +40,7 @@ from ._expr import user_mods
 from ._tiles import PRECISIONS, accumulator_dtype
 from ._views import device_view
 from .api import FreshOut, flash_attention_backward, flash_attention_forward
+from .blockmask import BlockMask
 
 __all__ = ["flash_attention", "flash_attention_forward_ffi", "flash_attention_backward_ffi"]
 
@@ -49,6 +51,9 @@ NO_SOFTCAP = 0.0        # softcap None, as a float attribute
 NO_EXPRESSION = ""      # score_mod, score_mod_grad or mask_mod None, as a string attribute
 ARG_PREFIX = "mod_arg_"  # a mod_args number's attribute: its name after this prefix
 NUMBERS = (bool, int, float, numpy.bool_, numpy.number)   # mod_args values that travel as attributes
+NO_BLOCK_MASK = 0       # block_mask None, as an int attribute (else the key of BLOCK_MASKS)
+# the block masks of traced calls by key: held by the calls' Options (so by JAX's caches of them) while used
+BLOCK_MASKS: "weakref.WeakValueDictionary[int, BlockMask]" = weakref.WeakValueDictionary()
 MAX_HEAD_DIM = 256      # the lse gradient adds one column to D (``_lse_backward``)
 
 
@@ -67,6 +72,7 @@ class Options:
     mask_mod: Optional[str] = None
     mod_args: tuple = ()    # ((name, int64 or float64), ...) in the order given
     mod_arrays: tuple = ()  # ((name, shape, dtype name), ...) of mod_args' arrays: the call's operands after its inputs
+    block_mask: Optional[BlockMask] = None   # in place of mask_mod and mod_args (BLOCK_MASKS holds it by id)
 
     def attributes(self) -> dict:
         """The XLA attributes the handlers read (``keywords`` reads them back)."""
@@ -81,12 +87,25 @@ class Options:
                     precision=self.precision, deterministic=numpy.bool_(self.deterministic), **expressions,
                     mod_arg_names=",".join(name for name, _ in self.mod_args),
                     mod_array_names=",".join(name for name, _, _ in self.mod_arrays),
+                    block_mask=numpy.int64(NO_BLOCK_MASK if self.block_mask is None else _keep(self.block_mask)),
                     **{ARG_PREFIX + name: value for name, value in self.mod_args})
 
-    def stand_ins(self) -> dict:
-        """mod_args with each array as a stand-in of its shape and dtype (what the checks read)."""
-        return {**dict(self.mod_args), **{name: _stand_in(jax.ShapeDtypeStruct(shape, dtype))
-                                          for name, shape, dtype in self.mod_arrays}}
+    def expressions(self, backward: bool = False):
+        """``_expr.user_mods`` of the call's expressions (the block mask's mask_mod and mod_args where it
+        has one), each mod_args array as a stand-in of its shape and dtype: the checks, raising as they do."""
+        if self.block_mask is not None:
+            mask_mod, mod_args = self.block_mask.mask_mod, self.block_mask.mod_args
+        else:
+            mask_mod = self.mask_mod
+            mod_args = {**dict(self.mod_args), **{name: _stand_in(jax.ShapeDtypeStruct(shape, dtype))
+                                                  for name, shape, dtype in self.mod_arrays}} or None
+        return user_mods(self.score_mod, self.score_mod_grad, mask_mod, mod_args, backward=backward)
+
+
+def _keep(block_mask: BlockMask) -> int:
+    """``block_mask``'s key in BLOCK_MASKS, where the handlers find it."""
+    BLOCK_MASKS[id(block_mask)] = block_mask
+    return id(block_mask)
 
 
 def keywords(attrs: dict, backward: bool, arrays=()) -> dict:
@@ -105,6 +124,8 @@ def keywords(attrs: dict, backward: bool, arrays=()) -> dict:
         out["mod_args"] = {name: attrs[ARG_PREFIX + name] for name in attrs["mod_arg_names"].split(",")}
     if attrs["mod_array_names"]:
         out["mod_args"] = {**out.get("mod_args", {}), **dict(zip(attrs["mod_array_names"].split(","), arrays))}
+    if attrs["block_mask"] != NO_BLOCK_MASK:
+        out["block_mask"] = BLOCK_MASKS[int(attrs["block_mask"])]
     if backward:
         out["deterministic"] = bool(attrs["deterministic"])
     return out
@@ -116,7 +137,7 @@ def _stand_in(x):
 
 
 def check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic, score_mod=None,
-          score_mod_grad=None, mask_mod=None, mod_args=None):
+          score_mod_grad=None, mask_mod=None, mod_args=None, block_mask=None):
     """``(Problem, Options, arrays)`` of a call, by cupyflash's own checks (``_checks``,
     ``_expr.user_mods``): a TypeError or ValueError naming the argument, raised while the call is traced.
     ``arrays``: the arrays of ``mod_args`` as JAX arrays, in ``Options.mod_arrays`` order."""
@@ -126,6 +147,18 @@ def check(q, k, v, causal, softmax_scale, window, softcap, precision, determinis
     prob = with_softcap(check_forward(*(_stand_in(x) for x in (q, k, v)), causal, softmax_scale, window), softcap)
     check_choice("precision", precision, PRECISIONS)
     check_bool("deterministic", deterministic)
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a cupyflash.BlockMask (cupyflash.block_mask(...)), got "
+                            f"{type(block_mask).__name__}")
+        if mod_args is not None:
+            raise ValueError("mod_args is given with a block_mask: the expressions read the block mask's own "
+                             "mod_args (leave mod_args out)")
+        block_mask.check_call(_stand_in(q), _stand_in(k), mask_mod, None)
+        options = Options(prob.causal, prob.scale, prob.window, prob.softcap, precision, bool(deterministic),
+                          score_mod, score_mod_grad, None, (), (), block_mask)
+        options.expressions()
+        return prob, options, ()
     arrays = {}
     if isinstance(mod_args, dict):   # numbers become attributes, anything else an operand (a tracer under jit)
         for name, x in mod_args.items():
@@ -145,8 +178,7 @@ def check(q, k, v, causal, softmax_scale, window, softcap, precision, determinis
 
 def _check_backward(options: Options):
     """ValueError, while the gradient is traced, where a score_mod has no score_mod_grad."""
-    user_mods(options.score_mod, options.score_mod_grad, options.mask_mod, options.stand_ins() or None,
-              backward=True)
+    options.expressions(backward=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -274,8 +306,10 @@ def _batch_shape(q, k, v) -> tuple:
 
 def _ffi_call(target: str, results, options: Options):
     """``jax.ffi.ffi_call`` of ``target``: under ``vmap`` one call over the broadcast batch, or one call
-    per batch entry where mod_args arrays ride along (broadcast, they would gain the batch's dims)."""
-    return jax.ffi.ffi_call(target, results, vmap_method="sequential" if options.mod_arrays else "broadcast_all")
+    per batch entry where mod_args arrays ride along (broadcast, they would gain the batch's dims) or a
+    block mask serves the unbatched shapes."""
+    per_entry = options.mod_arrays or options.block_mask is not None
+    return jax.ffi.ffi_call(target, results, vmap_method="sequential" if per_entry else "broadcast_all")
 
 
 def flash_attention_forward_ffi(q, k, v, options: Options, arrays=()):
@@ -401,7 +435,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[fl
                     window=None, softcap: Optional[float] = None, precision: str = "highest",
                     deterministic: bool = False, return_lse: bool = False, score_mod: Optional[str] = None,
                     score_mod_grad: Optional[str] = None, mask_mod: Optional[str] = None,
-                    mod_args: Optional[dict] = None):
+                    mod_args: Optional[dict] = None, block_mask: Optional[BlockMask] = None):
     """Exact attention on JAX arrays, differentiable, inside or outside ``jax.jit``.
 
     Parameters
@@ -429,6 +463,10 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[fl
         the other options) and arrays (JAX or NumPy, traced: operands of the
         custom calls, read as constants, so no gradient reaches them; the
         expressions index them flat, in C order).
+    block_mask : cupyflash.BlockMask, optional
+        A ``mask_mod`` with its tile maps kept (:func:`cupyflash.block_mask`),
+        in place of ``mask_mod`` and ``mod_args`` (the expressions read its
+        ``mod_args``); made for the unbatched shapes under ``vmap``. Static.
 
     Returns
     -------
@@ -457,7 +495,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[fl
     cupyflash.reference.attention_forward : the naive float64 reference.
     """
     _, options, arrays = check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic,
-                               score_mod, score_mod_grad, mask_mod, mod_args)
+                               score_mod, score_mod_grad, mask_mod, mod_args, block_mask)
     if return_lse:
         return _attention_lse(q, k, v, arrays, options)
     return _attention(q, k, v, arrays, options)

@@ -25,6 +25,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
+import cupyflash  # noqa: E402
 import cupyflash.jax as cfj  # noqa: E402
 import yardsticks  # noqa: E402
 from cupyflash import _xla_ffi, reference  # noqa: E402
@@ -419,6 +420,43 @@ def test_a_document_mask_reads_an_array_traced_under_jit_vmap_and_grad():
             numpy.testing.assert_allclose(numpy.asarray(got), numpy.asarray(want), rtol=1e-10, atol=1e-12)
 
 
+def block_mask_against_mask_mod(device, dtype, tolerance):
+    """Values and gradients (jitted) with a block mask equal those of its mask_mod and mod_args given
+    directly, within ``tolerance`` (relative to the largest); so does a vmap over the leading batch dim
+    with a block mask made for the unbatched shapes."""
+    mask_mod = "kv_idx <= q_idx + 7 && w[kv_idx % 4] > 0"
+    w = numpy.array([1, 0, 1, 1], numpy.int32)
+    rng = numpy.random.default_rng(8)
+    q, k, v = random_inputs(rng, dtype, (2, 3, 20, 16), (2, 3, 27, 16))
+    do = rng.standard_normal(q.shape).astype(q.dtype)
+    got = attention_and_grads(device, q, k, v, do, block_mask=cupyflash.block_mask(mask_mod, (2, 3), 20, 27, {"w": w}))
+    want = attention_and_grads(device, q, k, v, do, mask_mod=mask_mod, mod_args={"w": w})
+    per_entry = cupyflash.block_mask(mask_mod, (3,), 20, 27, {"w": w})
+    o = jax.jit(jax.vmap(lambda q, k, v: cfj.flash_attention(q, k, v, block_mask=per_entry)))(
+        *(jax.device_put(x, device) for x in (q, k, v)))
+    for name, a, b in zip(("o", "dq", "dk", "dv", "o by vmap"), (*got, numpy.asarray(o)), (*want, want[0])):
+        a, b = a.astype(numpy.float64), b.astype(numpy.float64)
+        assert numpy.abs(a - b).max() <= tolerance * numpy.abs(b).max(), name
+
+
+def test_a_block_mask_gives_its_mask_mods_values_and_gradients():
+    with jax.enable_x64(True):
+        block_mask_against_mask_mod(jax.devices("cpu")[0], "float64", 1e-12)
+
+
+def test_a_block_mask_is_refused_where_it_does_not_serve_the_call():
+    q = jnp.zeros((2, 3, 20, 16), jnp.float32)
+    bm = cupyflash.block_mask("kv_idx <= q_idx", (2, 3), 20, 20)
+    with pytest.raises(TypeError, match="block_mask must be a cupyflash.BlockMask"):
+        cfj.flash_attention(q, q, q, block_mask="kv_idx <= q_idx")
+    with pytest.raises(ValueError, match=r"block_mask serves batch_shape \(2, 3\)"):
+        cfj.flash_attention(q[:1], q[:1], q[:1], block_mask=bm)
+    with pytest.raises(ValueError, match="mod_args is given with a block_mask"):
+        cfj.flash_attention(q, q, q, block_mask=bm, mod_args={"w": 1})
+    with pytest.raises(ValueError, match="differs from the block_mask's"):
+        cfj.flash_attention(q, q, q, block_mask=bm, mask_mod="kv_idx >= q_idx")
+
+
 def test_expressions_refuse_a_zero_d_array_and_a_gradient_without_score_mod_grad():
     q = jnp.zeros((1, 4, 8), jnp.float32)
     with pytest.raises(ValueError, match=r"mod_args\['w'\] is a 0-d array"):
@@ -475,6 +513,12 @@ def test_gpu_values_and_gradients_match_reference(case, dtype):
 @gpu_test
 def test_gpu_expressions_give_the_builtin_variants_they_restate(case, dtype):
     expressions_against_builtin(gpu_device(), dtype, case, 2e-2 if dtype == "float16" else 1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@gpu_test
+def test_gpu_block_mask_gives_its_mask_mods_values_and_gradients(dtype):
+    block_mask_against_mask_mod(gpu_device(), dtype, 2e-2 if dtype == "float16" else 1e-4)
 
 
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, (5, 3))])
