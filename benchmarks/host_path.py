@@ -20,7 +20,6 @@ import argparse
 import cProfile
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import numpy
@@ -31,6 +30,9 @@ if (REPO_ROOT / "cupyflash" / "__init__.py").is_file():   # run from a checkout
 
 import cupyflash  # noqa: E402
 from cupyflash import _launch, api  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from torch_host_cost import best_of  # noqa: E402 - the same clock as the torch wrapper's host time (no torch import)
 
 H200 = _launch.DeviceLimits("90", 232448, 233472, 132, 60 * 2**20)
 
@@ -124,19 +126,6 @@ def first_call(call, make_plan):
     return make_plan(keys[0])
 
 
-def per_call(call, calls: int, repeats: int = 5) -> float:
-    """Microseconds per ``call()``: the best of ``repeats`` runs of ``calls`` back-to-back calls."""
-    for _ in range(min(calls, 500)):
-        call()
-    best = float("inf")
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        for _ in range(calls):
-            call()
-        best = min(best, (time.perf_counter() - begin) / calls * 1e6)
-    return best
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=4, default=(1, 1, 64, 64), metavar=("B", "H", "N", "D"))
@@ -172,7 +161,7 @@ def main() -> None:
             print(f"\n{name}:")
             pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
         else:
-            print(f"| {name} | {per_call(call, args.calls):.1f} | {launches} | {allocations} |")
+            print(f"| {name} | {best_of(call, args.calls):.1f} | {launches} | {allocations} |")
 
 
 if __name__ == "__main__":
