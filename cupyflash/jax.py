@@ -13,8 +13,8 @@ Both targets are Python functions registered as XLA FFI handlers through ctypes
 - on the CPU the same handlers run cupyflash's NumPy path over XLA's host buffers.
 
 The options (causal, scale, window, softcap, precision, deterministic, the user expressions and the
-numbers of their ``mod_args``) travel as XLA attributes, checked when the call is traced, by
-cupyflash's own checks; the arrays of ``mod_args`` are operands of the call after its inputs, read as
+numbers of their ``mod_args``) travel as one XLA attribute (a JSON text, parsed once per text), checked
+when the call is traced, by cupyflash's own checks; the arrays of ``mod_args`` are operands of the call after its inputs, read as
 constants (no gradient reaches them). The handlers run Python at every call
 (tens of microseconds of host time) and are not recorded into XLA's command buffers (CUDA graphs).
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import threading
 import weakref
 from dataclasses import dataclass
@@ -46,12 +47,8 @@ __all__ = ["flash_attention", "flash_attention_forward_ffi", "flash_attention_ba
 
 FORWARD_TARGET = "cupyflash_forward"
 BACKWARD_TARGET = "cupyflash_backward"
-NO_SIDE = -1            # a window side that is None, as an int attribute
-NO_SOFTCAP = 0.0        # softcap None, as a float attribute
-NO_EXPRESSION = ""      # score_mod, score_mod_grad or mask_mod None, as a string attribute
-ARG_PREFIX = "mod_arg_"  # a mod_args number's attribute: its name after this prefix
-NUMBERS = (bool, int, float, numpy.bool_, numpy.number)   # mod_args values that travel as attributes
-NO_BLOCK_MASK = 0       # block_mask None, as an int attribute (else the key of BLOCK_MASKS)
+OPTIONS = "options"     # the one attribute of both calls: their keywords as JSON (Options.attributes)
+NUMBERS = (bool, int, float, numpy.bool_, numpy.number)   # mod_args values that travel in the attribute
 # the block masks of traced calls by key: held by the calls' Options (so by JAX's caches of them) while used
 BLOCK_MASKS: "weakref.WeakValueDictionary[int, BlockMask]" = weakref.WeakValueDictionary()
 MAX_HEAD_DIM = 256      # the lse gradient adds one column to D (``_lse_backward``)
@@ -74,21 +71,22 @@ class Options:
     mod_arrays: tuple = ()  # ((name, shape, dtype name), ...) of mod_args' arrays: the call's operands after its inputs
     block_mask: Optional[BlockMask] = None   # in place of mask_mod and mod_args (BLOCK_MASKS holds it by id)
 
-    def attributes(self) -> dict:
-        """The XLA attributes the handlers read (``keywords`` reads them back)."""
-        left, right = self.window
-        expressions = {name: NO_EXPRESSION if text is None else text for name, text in
-                       (("score_mod", self.score_mod), ("score_mod_grad", self.score_mod_grad),
-                        ("mask_mod", self.mask_mod))}
-        return dict(causal=numpy.bool_(self.causal), softmax_scale=numpy.float64(self.softmax_scale),
-                    window_left=numpy.int64(NO_SIDE if left is None else left),
-                    window_right=numpy.int64(NO_SIDE if right is None else right),
-                    softcap=numpy.float64(NO_SOFTCAP if self.softcap is None else self.softcap),
-                    precision=self.precision, deterministic=numpy.bool_(self.deterministic), **expressions,
-                    mod_arg_names=",".join(name for name, _ in self.mod_args),
-                    mod_array_names=",".join(name for name, _, _ in self.mod_arrays),
-                    block_mask=numpy.int64(NO_BLOCK_MASK if self.block_mask is None else _keep(self.block_mask)),
-                    **{ARG_PREFIX + name: value for name, value in self.mod_args})
+    def attributes(self, backward: bool) -> dict:
+        """The XLA attributes of the forward's or the backward's call: one, ``OPTIONS``, a JSON text of
+        the cupyflash keywords the handler passes (``keywords`` reads it back, its parse kept by text:
+        a handler decodes one attribute per call), the names of the mod_args arrays among the operands,
+        and the block mask's key in BLOCK_MASKS. JSON keeps ints from floats and a float's every bit."""
+        kw = dict(causal=self.causal, softmax_scale=self.softmax_scale, window=self.window, softcap=self.softcap,
+                  precision=self.precision)
+        for name in ("score_mod", "mask_mod", "score_mod_grad") if backward else ("score_mod", "mask_mod"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
+        if self.mod_args:
+            kw["mod_args"] = {name: (int if isinstance(x, numpy.integer) else float)(x) for name, x in self.mod_args}
+        if backward:
+            kw["deterministic"] = self.deterministic
+        return {OPTIONS: json.dumps({"keywords": kw, "arrays": [name for name, _, _ in self.mod_arrays],
+                                     "block_mask": None if self.block_mask is None else _keep(self.block_mask)})}
 
     def expressions(self, backward: bool = False):
         """``_expr.user_mods`` of the call's expressions (the block mask's mask_mod and mod_args where it
@@ -108,27 +106,24 @@ def _keep(block_mask: BlockMask) -> int:
     return id(block_mask)
 
 
-def keywords(attrs: dict, backward: bool, arrays=()) -> dict:
-    """cupyflash's keyword arguments from a call's attributes (``Options.attributes``) and its mod_args
-    ``arrays`` (the operands after its inputs, in ``mod_array_names`` order)."""
-    side = (lambda s: None if s == NO_SIDE else int(s))
-    out = dict(causal=bool(attrs["causal"]), softmax_scale=float(attrs["softmax_scale"]),
-               window=(side(attrs["window_left"]), side(attrs["window_right"])),
-               softcap=None if attrs["softcap"] == NO_SOFTCAP else float(attrs["softcap"]),
-               precision=attrs["precision"])
-    expressions = ("score_mod", "mask_mod", "score_mod_grad") if backward else ("score_mod", "mask_mod")
-    for name in expressions:
-        if attrs[name] != NO_EXPRESSION:
-            out[name] = attrs[name]
-    if attrs["mod_arg_names"]:
-        out["mod_args"] = {name: attrs[ARG_PREFIX + name] for name in attrs["mod_arg_names"].split(",")}
-    if attrs["mod_array_names"]:
-        out["mod_args"] = {**out.get("mod_args", {}), **dict(zip(attrs["mod_array_names"].split(","), arrays))}
-    if attrs["block_mask"] != NO_BLOCK_MASK:
-        out["block_mask"] = BLOCK_MASKS[int(attrs["block_mask"])]
-    if backward:
-        out["deterministic"] = bool(attrs["deterministic"])
-    return out
+def keywords(text: str, arrays=()) -> dict:
+    """cupyflash's keyword arguments from a call's ``OPTIONS`` attribute (``Options.attributes``) and its
+    mod_args ``arrays`` (the operands after its inputs, in the attribute's order)."""
+    kw, names, block_key = _parsed(text)
+    if names:
+        kw = {**kw, "mod_args": {**kw.get("mod_args", {}), **dict(zip(names, arrays))}}
+    if block_key is not None:
+        kw = {**kw, "block_mask": BLOCK_MASKS[block_key]}
+    return kw
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(text: str) -> tuple:
+    """``(keywords, array names, block mask key)`` of an ``OPTIONS`` text, parsed once per text."""
+    parsed = json.loads(text)
+    kw = parsed["keywords"]
+    kw["window"] = tuple(kw["window"])
+    return kw, tuple(parsed["arrays"]), parsed["block_mask"]
 
 
 def _stand_in(x):
@@ -160,7 +155,7 @@ def check(q, k, v, causal, softmax_scale, window, softcap, precision, determinis
         options.expressions()
         return prob, options, ()
     arrays = {}
-    if isinstance(mod_args, dict):   # numbers become attributes, anything else an operand (a tracer under jit)
+    if isinstance(mod_args, dict):   # numbers go in the attribute, anything else is an operand (a tracer under jit)
         for name, x in mod_args.items():
             if not isinstance(x, NUMBERS):
                 try:
@@ -229,7 +224,7 @@ def _run(call: _xla_ffi.Call, on_gpu: bool, backward: bool):
     function = flash_attention_backward if backward else flash_attention_forward
     if not on_gpu:
         args = [_host_array(b) for b in call.args]
-        options = keywords(call.attrs, backward, args[inputs:])
+        options = keywords(call.attrs[OPTIONS], args[inputs:])
         function(*args[:inputs], out=FreshOut(_host_array(b) for b in call.rets), **options)
         return
     import cupy
@@ -238,7 +233,7 @@ def _run(call: _xla_ffi.Call, on_gpu: bool, backward: bool):
     stream = _cupy_stream(call.stream(), device)
     with cupy.cuda.Device(device), stream:
         args = [_device_array(b, device) for b in call.args]
-        options = keywords(call.attrs, backward, args[inputs:])
+        options = keywords(call.attrs[OPTIONS], args[inputs:])
         function(*args[:inputs], out=FreshOut(_device_array(b, device) for b in call.rets), **options)
 
 
@@ -334,9 +329,7 @@ def flash_attention_forward_ffi(q, k, v, options: Options, arrays=()):
     register()
     stats = jax.ShapeDtypeStruct((*_batch_shape(q, k, v), q.shape[-2]), accumulator_dtype(q.dtype))
     results = (jax.ShapeDtypeStruct((*stats.shape, q.shape[-1]), q.dtype), stats, stats)
-    attrs = options.attributes()
-    del attrs["deterministic"]
-    return _ffi_call(FORWARD_TARGET, results, options)(q, k, v, *arrays, **attrs)
+    return _ffi_call(FORWARD_TARGET, results, options)(q, k, v, *arrays, **options.attributes(backward=False))
 
 
 def flash_attention_backward_ffi(do, q, k, v, o, m, l, options: Options, arrays=()):
@@ -359,7 +352,8 @@ def flash_attention_backward_ffi(do, q, k, v, o, m, l, options: Options, arrays=
     """
     register()
     results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    return _ffi_call(BACKWARD_TARGET, results, options)(do, q, k, v, o, m, l, *arrays, **options.attributes())
+    call = _ffi_call(BACKWARD_TARGET, results, options)
+    return call(do, q, k, v, o, m, l, *arrays, **options.attributes(backward=True))
 
 
 def _lse(m, l):
