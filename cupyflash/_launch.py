@@ -542,12 +542,13 @@ def pair_strides(x) -> tuple[int, int]:
 def _masked_pairs(geometry: MaskGeometry, packed=None, mods: Mods = None) -> bool:
     """Some pair of the whole problem is masked inside the ragged ends: the tile of every row and key
     has masked pairs (a causal mask or a window that bounds some row); of packed sequences, which may
-    be of any lengths, wherever a causal mask or a window applies; under a boolean mask or a mask_mod
-    always."""
+    be of any lengths, wherever a window applies, or a causal mask over sequences of more than one query
+    row (bottom-right aligned, a sequence's one row sees all its keys: a decoding step); under a boolean
+    mask or a mask_mod always."""
     if mods is not None and ("mask" in mods.on or (mods.user is not None and mods.user.mask is not None)):
         return True
     if packed is not None:
-        return geometry.causal or geometry.left is not None or geometry.right is not None
+        return (geometry.causal and packed.max_q > 1) or geometry.left is not None or geometry.right is not None
     return geometry.has_masked_pairs(0, 0, geometry.n_k)
 
 

@@ -147,3 +147,23 @@ def test_has_masked_pairs_is_a_masked_pair_inside_the_ragged_ends(data):
     assert geometry.has_masked_pairs(q0, k0, k1, q1) == brute
     whole = any(not sees(geometry, i, j) for i in range(geometry.n_q) for j in range(geometry.n_k))
     assert geometry.has_masked_pairs(0, 0, geometry.n_k) == whole
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_packed_sequences_said_to_have_no_masked_pair_have_none(data):
+    """Where the plans say packed sequences have no masked pair (``_launch._masked_pairs``: no flags, no
+    repair; a decoding step's one causal row), no sequence of any lengths up to the maxima has one; and
+    a causal mask over more than one query row, or a window, is said to have them."""
+    from cupyflash import _launch
+
+    max_q, max_k = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 300))
+    causal = data.draw(st.booleans())
+    left, right = (data.draw(st.one_of(st.none(), st.integers(0, 50))) for _ in range(2))
+    packed = _launch.Packed(4, max_q, max_k)
+    said = _launch._masked_pairs(MaskGeometry(max_q, max_k, causal, left, right), packed)
+    if not said:
+        for _ in range(4):
+            nq, nk = data.draw(st.integers(0, max_q)), data.draw(st.integers(0, max_k))
+            assert not MaskGeometry(nq, nk, causal, left, right).has_masked_pairs(0, 0, nk)
+    assert said == ((causal and max_q > 1) or left is not None or right is not None)
