@@ -253,12 +253,15 @@ def test_a_kept_call_writes_each_address_where_the_kernels_read_it(monkeypatch, 
     prob = api.check_forward(q, k, v, True, None, None)
     kw = dict(causal=True, alibi_slopes=slopes, num_splits=num_splits, dropout_p=0.25, seed=1234)
 
-    def forward_plan(key):
-        arrays, _ = api._checked_mods(prob, q, key, api.call_arrays(alibi_slopes=slopes))
-        schedule = _launch.forward_schedule("v2" if num_splits > 1 else "auto", prob.D, prob.dtype)
-        return api._forward_gpu(q, k, v, arrays, prob.batch_shape, prob, schedule, "highest", key,
-                                dropout=(0.25, 1234), kv_splits=num_splits)
+    def forward_plan_into(out):
+        def make(key):
+            arrays, _ = api._checked_mods(prob, q, key, api.call_arrays(alibi_slopes=slopes))
+            schedule = _launch.forward_schedule("v2" if num_splits > 1 else "auto", prob.D, prob.dtype)
+            return api._forward_gpu(q, k, v, arrays, prob.batch_shape, prob, schedule, "highest", key, out,
+                                    dropout=(0.25, 1234), kv_splits=num_splits)
+        return make
 
+    forward_plan = forward_plan_into(None)
     host_path.first_call(lambda: api.flash_attention_forward(q, k, v, **kw), forward_plan)
     gpu.structs.clear()
     o, m, l = api.flash_attention_forward(q, k, v, **dict(kw, seed=4321))
@@ -280,6 +283,17 @@ def test_a_kept_call_writes_each_address_where_the_kernels_read_it(monkeypatch, 
         assert [merge[x]["ptr"][0] for x in "oml"] == [fwd[f"{x}_parts"] for x in "oml"] and fwd["o_parts"]
         assert [merge[f"{x}_out"] for x in "oml"] == [x.data.ptr for x in (o, m, l)]
         assert gpu.structs[2][1][:_params.FWD.itemsize] == gpu.structs[0][1][:_params.FWD.itemsize]
+
+    # into given outputs (cupyflash.torch's and cupyflash.jax's calls): their addresses, the same parts after them
+    given = api.FreshOut((gpu.array(o.shape), gpu.array(m.shape, numpy.float32), gpu.array(l.shape, numpy.float32)))
+    host_path.first_call(lambda: api.flash_attention_forward(q, k, v, out=given, **kw), forward_plan_into(given))
+    gpu.structs.clear()
+    result = api.flash_attention_forward(q, k, v, out=given, **dict(kw, seed=4321))
+    assert all(x is y for x, y in zip(result, given))
+    into = numpy.frombuffer(gpu.structs[0][1][:_params.FWD.itemsize], _params.FWD)[0]
+    assert [into[x] for x in "oml"] == [x.data.ptr for x in given]
+    assert [into[x]["ptr"] for x in "qkv"] == [fwd[x]["ptr"] for x in "qkv"] and into["mods"]["seed"] == 4321
+    assert (into["o_parts"] != 0) == (num_splits > 1)
 
     bprob = api.check_backward(do, q, k, v, o, m, l, True, None, None)
 
