@@ -127,8 +127,8 @@ __device__ __forceinline__ void issue_values(acc_t (&O)[DP / 8][4], const unsign
 }
 
 // The consumers' repair as the CTA ends: every Q tile of the n flags' (heads, T_r) order whose flag
-// holds this CTA's mark recomputed (repair.cuh), a warp per row (`warp` of the consumers' 4 CONSUMERS),
-// the consumers' warps walking the flags together; then those flags set back to 0 (a plan keeps them
+// holds this CTA's mark recomputed (repair.cuh), a warp per row (`warp` of the consumers' 4 CONSUMERS
+// warps), all of them walking the flags together; then those flags set back to 0 (a plan keeps them
 // from call to call). Out of line: its registers are none of the tile loop's concern.
 __device__ __noinline__ void repair_own_tiles(const FwdParams& p, i64 n, int T_r, int warp) {
     const unsigned mark = cta_mark();
