@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy
 
 from . import _xla_ffi
-from ._checks import check_bool, check_choice, check_forward, with_softcap
+from ._checks import check_bool, check_choice, check_forward, check_pairwise, check_per_entry, with_softcap
 from ._expr import user_mods
 from ._tiles import PRECISIONS, accumulator_dtype
 from ._views import device_view
@@ -49,6 +49,8 @@ FORWARD_TARGET = "cupyflash_forward"
 BACKWARD_TARGET = "cupyflash_backward"
 OPTIONS = "options"     # the one attribute of both calls: their keywords as JSON (Options.attributes)
 NUMBERS = (bool, int, float, numpy.bool_, numpy.number)   # mod_args values that travel in the attribute
+# the modifiers' arrays JAX takes, operands after the inputs, and cupyflash's check of each (no gradient)
+MODIFIERS = (("alibi_slopes", check_per_entry), ("mask", check_pairwise))
 # the block masks of traced calls by key: held by the calls' Options (so by JAX's caches of them) while used
 BLOCK_MASKS: "weakref.WeakValueDictionary[int, BlockMask]" = weakref.WeakValueDictionary()
 MAX_HEAD_DIM = 256      # the lse gradient adds one column to D (``_lse_backward``)
@@ -68,7 +70,8 @@ class Options:
     score_mod_grad: Optional[str] = None
     mask_mod: Optional[str] = None
     mod_args: tuple = ()    # ((name, int64 or float64), ...) in the order given
-    mod_arrays: tuple = ()  # ((name, shape, dtype name), ...) of mod_args' arrays: the call's operands after its inputs
+    mod_arrays: tuple = ()  # ((name, shape, dtype name), ...) of mod_args' arrays: operands after the modifiers'
+    modifiers: tuple = ()   # the keywords of the modifiers' arrays given (MODIFIERS order): operands after the inputs
     block_mask: Optional[BlockMask] = None   # in place of mask_mod and mod_args (BLOCK_MASKS holds it by id)
 
     def attributes(self, backward: bool) -> dict:
@@ -85,7 +88,8 @@ class Options:
             kw["mod_args"] = {name: (int if isinstance(x, numpy.integer) else float)(x) for name, x in self.mod_args}
         if backward:
             kw["deterministic"] = self.deterministic
-        return {OPTIONS: json.dumps({"keywords": kw, "arrays": [name for name, _, _ in self.mod_arrays],
+        return {OPTIONS: json.dumps({"keywords": kw, "modifiers": list(self.modifiers),
+                                     "arrays": [name for name, _, _ in self.mod_arrays],
                                      "block_mask": None if self.block_mask is None else _keep(self.block_mask)})}
 
     def expressions(self, backward: bool = False):
@@ -108,8 +112,11 @@ def _keep(block_mask: BlockMask) -> int:
 
 def keywords(text: str, arrays=()) -> dict:
     """cupyflash's keyword arguments from a call's ``OPTIONS`` attribute (``Options.attributes``) and its
-    mod_args ``arrays`` (the operands after its inputs, in the attribute's order)."""
-    kw, names, block_key = _parsed(text)
+    operands after the inputs: the modifiers' arrays, then those of mod_args, in the attribute's order."""
+    kw, modifiers, names, block_key = _parsed(text)
+    if modifiers:
+        kw = {**kw, **dict(zip(modifiers, arrays))}
+        arrays = arrays[len(modifiers):]
     if names:
         kw = {**kw, "mod_args": {**kw.get("mod_args", {}), **dict(zip(names, arrays))}}
     if block_key is not None:
@@ -119,11 +126,12 @@ def keywords(text: str, arrays=()) -> dict:
 
 @functools.lru_cache(maxsize=1024)
 def _parsed(text: str) -> tuple:
-    """``(keywords, array names, block mask key)`` of an ``OPTIONS`` text, parsed once per text."""
+    """``(keywords, modifiers, mod_args array names, block mask key)`` of an ``OPTIONS`` text, parsed once
+    per text."""
     parsed = json.loads(text)
     kw = parsed["keywords"]
     kw["window"] = tuple(kw["window"])
-    return kw, tuple(parsed["arrays"]), parsed["block_mask"]
+    return kw, tuple(parsed["modifiers"]), tuple(parsed["arrays"]), parsed["block_mask"]
 
 
 def _stand_in(x):
@@ -132,16 +140,18 @@ def _stand_in(x):
 
 
 def check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic, score_mod=None,
-          score_mod_grad=None, mask_mod=None, mod_args=None, block_mask=None):
+          score_mod_grad=None, mask_mod=None, mod_args=None, block_mask=None, alibi_slopes=None, mask=None):
     """``(Problem, Options, arrays)`` of a call, by cupyflash's own checks (``_checks``,
     ``_expr.user_mods``): a TypeError or ValueError naming the argument, raised while the call is traced.
-    ``arrays``: the arrays of ``mod_args`` as JAX arrays, in ``Options.mod_arrays`` order."""
+    ``arrays``: the operands after q, k, v as JAX arrays, the modifiers' (``Options.modifiers``) then
+    those of ``mod_args`` (``Options.mod_arrays``)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     prob = with_softcap(check_forward(*(_stand_in(x) for x in (q, k, v)), causal, softmax_scale, window), softcap)
     check_choice("precision", precision, PRECISIONS)
     check_bool("deterministic", deterministic)
+    modifiers = _modifier_arrays(prob, {"alibi_slopes": alibi_slopes, "mask": mask})
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a cupyflash.BlockMask (cupyflash.block_mask(...)), got "
@@ -151,9 +161,9 @@ def check(q, k, v, causal, softmax_scale, window, softcap, precision, determinis
                              "mod_args (leave mod_args out)")
         block_mask.check_call(_stand_in(q), _stand_in(k), mask_mod, None)
         options = Options(prob.causal, prob.scale, prob.window, prob.softcap, precision, bool(deterministic),
-                          score_mod, score_mod_grad, None, (), (), block_mask)
+                          score_mod, score_mod_grad, None, (), (), tuple(modifiers), block_mask)
         options.expressions()
-        return prob, options, ()
+        return prob, options, tuple(modifiers.values())
     arrays = {}
     if isinstance(mod_args, dict):   # numbers go in the attribute, anything else is an operand (a tracer under jit)
         for name, x in mod_args.items():
@@ -168,7 +178,25 @@ def check(q, k, v, causal, softmax_scale, window, softcap, precision, determinis
     numbers = () if user is None else tuple((name, x) for name, x in user.args.items() if name not in arrays)
     specs = tuple((name, tuple(x.shape), numpy.dtype(x.dtype).name) for name, x in arrays.items())
     return prob, Options(prob.causal, prob.scale, prob.window, prob.softcap, precision, bool(deterministic),
-                         score_mod, score_mod_grad, mask_mod, numbers, specs), tuple(arrays.values())
+                         score_mod, score_mod_grad, mask_mod, numbers, specs, tuple(modifiers)), \
+        (*modifiers.values(), *arrays.values())
+
+
+def _modifier_arrays(prob, given: dict) -> dict:
+    """The modifiers' arrays of ``given`` (keyword -> array or None) as JAX arrays, each checked as
+    cupyflash checks it (``MODIFIERS``) through a stand-in of its shape and dtype."""
+    arrays = {}
+    for name, check_array in MODIFIERS:
+        x = given[name]
+        if x is None:
+            continue
+        try:
+            x = jnp.asarray(x)
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}") from error
+        check_array(name, _stand_in(x), prob)
+        arrays[name] = x
+    return arrays
 
 
 def _check_backward(options: Options):
@@ -303,7 +331,7 @@ def _ffi_call(target: str, results, options: Options):
     """``jax.ffi.ffi_call`` of ``target``: under ``vmap`` one call over the broadcast batch, or one call
     per batch entry where mod_args arrays ride along (broadcast, they would gain the batch's dims) or a
     block mask serves the unbatched shapes."""
-    per_entry = options.mod_arrays or options.block_mask is not None
+    per_entry = options.mod_arrays or options.modifiers or options.block_mask is not None
     return jax.ffi.ffi_call(target, results, vmap_method="sequential" if per_entry else "broadcast_all")
 
 
@@ -317,7 +345,7 @@ def flash_attention_forward_ffi(q, k, v, options: Options, arrays=()):
     options : Options
         From :func:`check` (which validates q, k, v with them).
     arrays : tuple of jax.Array
-        The arrays of mod_args, from :func:`check` (in ``options.mod_arrays`` order).
+        The operands after q, k, v, from :func:`check`: the modifiers' arrays, then mod_args'.
 
     Returns
     -------
@@ -361,7 +389,8 @@ def _lse(m, l):
     return m + jnp.log(l)
 
 
-# The arrays of mod_args are inputs of the VJP functions whose cotangent is None (zero): constants to it.
+# The modifiers' and mod_args' arrays are inputs of the VJP functions whose cotangent is None (zero):
+# constants to it.
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _attention(q, k, v, arrays, options):
@@ -426,7 +455,8 @@ def _lse_backward(do, dlse, q, k, v, o, m, l, options, arrays):
 
 
 def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None,
-                    window=None, softcap: Optional[float] = None, precision: str = "highest",
+                    window=None, softcap: Optional[float] = None, alibi_slopes=None, mask=None,
+                    precision: str = "highest",
                     deterministic: bool = False, return_lse: bool = False, score_mod: Optional[str] = None,
                     score_mod_grad: Optional[str] = None, mask_mod: Optional[str] = None,
                     mod_args: Optional[dict] = None, block_mask: Optional[BlockMask] = None):
@@ -442,6 +472,12 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[fl
     causal, softmax_scale, window, softcap, precision
         As in :func:`cupyflash.flash_attention_forward`. Static: each distinct set
         is a distinct compiled call.
+    alibi_slopes : jax.Array, optional
+        ALiBi's slope per batch entry (broadcasting to the batch shape), as in
+        :func:`cupyflash.flash_attention_forward`. Traced; no gradient reaches it.
+    mask : jax.Array of bool, optional
+        Visible pairs, broadcasting to ``(*batch, Nq, Nk)``, as there. Traced; no
+        gradient.
     deterministic : bool, optional
         Bitwise-identical gradients run to run (:func:`cupyflash.flash_attention_backward`).
     return_lse : bool, optional
@@ -489,7 +525,7 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[fl
     cupyflash.reference.attention_forward : the naive float64 reference.
     """
     _, options, arrays = check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic,
-                               score_mod, score_mod_grad, mask_mod, mod_args, block_mask)
+                               score_mod, score_mod_grad, mask_mod, mod_args, block_mask, alibi_slopes, mask)
     if return_lse:
         return _attention_lse(q, k, v, arrays, options)
     return _attention(q, k, v, arrays, options)

@@ -40,6 +40,8 @@ CASES = {
     "window, Nq > Nk": ((1, 2, 113, 72), (1, 2, 17, 72), dict(window=(5, 3))),
     "softcap, scale": ((2, 33, 16), (2, 33, 16), dict(softcap=2.0, softmax_scale=0.7)),
     "gqa, causal window": ((2, 2, 3, 65, 24), (2, 2, 1, 65, 24), dict(causal=True, window=(9, None))),
+    "alibi, mask": ((2, 3, 17, 40), (2, 3, 29, 40), dict(causal=True, alibi_slopes=numpy.array([0.5, 0.25, 0.125]),
+                                                         mask=numpy.random.default_rng(1).random((17, 29)) < 0.8)),
 }
 
 
@@ -591,3 +593,29 @@ def test_the_training_benchmark_runs_on_the_cpu():
     assert done.returncode == 0, done.stdout + done.stderr
     gap = float(done.stdout.split("largest |difference| ")[1].split()[0])
     assert gap <= 1e-4, done.stdout
+
+
+def test_alibi_slopes_and_a_mask_are_traced_operands_with_values_and_gradients_of_the_reference():
+    """ALiBi slopes per head and a boolean mask, JAX arrays traced under jit (another mask: no retrace),
+    values and gradients by q, k, v against the float64 reference with the same arrays; under vmap one
+    call per entry; a bad shape is refused while tracing, naming the argument."""
+    rng = numpy.random.default_rng(9)
+    q, k, v, do = (rng.standard_normal((2, 3, 17, 8)) for _ in range(4))
+    slopes = rng.uniform(0.1, 1.0, 3)
+    with jax.enable_x64(True):
+        loss = jax.jit(lambda q, k, v, slopes, mask: jnp.sum(
+            cfj.flash_attention(q, k, v, causal=True, alibi_slopes=slopes, mask=mask) * do))
+        for mask in (rng.random((17, 17)) < 0.7, rng.random((2, 1, 17, 17)) < 0.5):
+            forward = reference.attention_forward(q, k, v, causal=True, alibi_slopes=slopes, mask=mask)
+            grads = reference.attention_backward(do, q, k, v, *forward, causal=True, alibi_slopes=slopes, mask=mask)
+            value, got = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, slopes, mask)
+            numpy.testing.assert_allclose(value, numpy.sum(forward[0] * do), rtol=1e-12)
+            for a, b in zip(got, grads):
+                numpy.testing.assert_allclose(numpy.asarray(a), b, rtol=1e-10, atol=1e-12)
+        per_entry = jax.jit(jax.vmap(lambda q, k, v, mask: cfj.flash_attention(q, k, v, causal=True,
+                                                                               alibi_slopes=slopes, mask=mask)))
+        numpy.testing.assert_allclose(numpy.asarray(per_entry(q, k, v, mask)), forward[0], rtol=1e-10, atol=1e-12)
+        with pytest.raises(ValueError, match="alibi_slopes"):
+            cfj.flash_attention(q, k, v, alibi_slopes=jnp.ones(4))
+        with pytest.raises(TypeError, match="mask must be a bool array"):
+            cfj.flash_attention(q, k, v, mask=jnp.ones((17, 17)))
