@@ -49,8 +49,10 @@ FORWARD_TARGET = "cupyflash_forward"
 BACKWARD_TARGET = "cupyflash_backward"
 OPTIONS = "options"     # the one attribute of both calls: their keywords as JSON (Options.attributes)
 NUMBERS = (bool, int, float, numpy.bool_, numpy.number)   # mod_args values that travel in the attribute
-# the modifiers' arrays JAX takes, operands after the inputs, and cupyflash's check of each (no gradient)
-MODIFIERS = (("alibi_slopes", check_per_entry), ("mask", check_pairwise))
+# the modifiers' arrays JAX takes, operands after the inputs in this order, and cupyflash's check of each;
+# a sink and a bias get their gradients (the backward's dsink and, where the bias is differentiated, dbias)
+MODIFIERS = (("alibi_slopes", check_per_entry), ("sink", check_per_entry), ("bias", check_pairwise),
+             ("mask", check_pairwise))
 # the block masks of traced calls by key: held by the calls' Options (so by JAX's caches of them) while used
 BLOCK_MASKS: "weakref.WeakValueDictionary[int, BlockMask]" = weakref.WeakValueDictionary()
 MAX_HEAD_DIM = 256      # the lse gradient adds one column to D (``_lse_backward``)
@@ -74,7 +76,7 @@ class Options:
     modifiers: tuple = ()   # the keywords of the modifiers' arrays given (MODIFIERS order): operands after the inputs
     block_mask: Optional[BlockMask] = None   # in place of mask_mod and mod_args (BLOCK_MASKS holds it by id)
 
-    def attributes(self, backward: bool) -> dict:
+    def attributes(self, backward: bool, bias_grad: bool = False) -> dict:
         """The XLA attributes of the forward's or the backward's call: one, ``OPTIONS``, a JSON text of
         the cupyflash keywords the handler passes (``keywords`` reads it back, its parse kept by text:
         a handler decodes one attribute per call), the names of the mod_args arrays among the operands,
@@ -88,6 +90,8 @@ class Options:
             kw["mod_args"] = {name: (int if isinstance(x, numpy.integer) else float)(x) for name, x in self.mod_args}
         if backward:
             kw["deterministic"] = self.deterministic
+            if bias_grad:
+                kw["bias_grad"] = True
         return {OPTIONS: json.dumps({"keywords": kw, "modifiers": list(self.modifiers),
                                      "arrays": [name for name, _, _ in self.mod_arrays],
                                      "block_mask": None if self.block_mask is None else _keep(self.block_mask)})}
@@ -140,7 +144,8 @@ def _stand_in(x):
 
 
 def check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic, score_mod=None,
-          score_mod_grad=None, mask_mod=None, mod_args=None, block_mask=None, alibi_slopes=None, mask=None):
+          score_mod_grad=None, mask_mod=None, mod_args=None, block_mask=None, alibi_slopes=None, sink=None,
+          bias=None, mask=None):
     """``(Problem, Options, arrays)`` of a call, by cupyflash's own checks (``_checks``,
     ``_expr.user_mods``): a TypeError or ValueError naming the argument, raised while the call is traced.
     ``arrays``: the operands after q, k, v as JAX arrays, the modifiers' (``Options.modifiers``) then
@@ -151,7 +156,7 @@ def check(q, k, v, causal, softmax_scale, window, softcap, precision, determinis
     prob = with_softcap(check_forward(*(_stand_in(x) for x in (q, k, v)), causal, softmax_scale, window), softcap)
     check_choice("precision", precision, PRECISIONS)
     check_bool("deterministic", deterministic)
-    modifiers = _modifier_arrays(prob, {"alibi_slopes": alibi_slopes, "mask": mask})
+    modifiers = _modifier_arrays(prob, {"alibi_slopes": alibi_slopes, "sink": sink, "bias": bias, "mask": mask})
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a cupyflash.BlockMask (cupyflash.block_mask(...)), got "
@@ -253,7 +258,8 @@ def _run(call: _xla_ffi.Call, on_gpu: bool, backward: bool):
     if not on_gpu:
         args = [_host_array(b) for b in call.args]
         options = keywords(call.attrs[OPTIONS], args[inputs:])
-        function(*args[:inputs], out=FreshOut(_host_array(b) for b in call.rets), **options)
+        rets = [_host_array(b) for b in call.rets]
+        _into_rets(function(*args[:inputs], out=FreshOut(rets[:3]), **options), rets)
         return
     import cupy
 
@@ -262,7 +268,15 @@ def _run(call: _xla_ffi.Call, on_gpu: bool, backward: bool):
     with cupy.cuda.Device(device), stream:
         args = [_device_array(b, device) for b in call.args]
         options = keywords(call.attrs[OPTIONS], args[inputs:])
-        function(*args[:inputs], out=FreshOut(_device_array(b, device) for b in call.rets), **options)
+        rets = [_device_array(b, device) for b in call.rets]
+        _into_rets(function(*args[:inputs], out=FreshOut(rets[:3]), **options), rets)
+
+
+def _into_rets(results, rets):
+    """The results past the three the call wrote in place (the backward's dbias, dsink) into XLA's
+    result buffers, cast to their dtypes (on the GPU, a copy on the call's stream)."""
+    for ret, result in zip(rets[3:], results[3:]):
+        ret[...] = result
 
 
 # (target, platform as JAX names it, whether the handler runs CuPy)
@@ -360,7 +374,7 @@ def flash_attention_forward_ffi(q, k, v, options: Options, arrays=()):
     return _ffi_call(FORWARD_TARGET, results, options)(q, k, v, *arrays, **options.attributes(backward=False))
 
 
-def flash_attention_backward_ffi(do, q, k, v, o, m, l, options: Options, arrays=()):
+def flash_attention_backward_ffi(do, q, k, v, o, m, l, options: Options, arrays=(), bias_grad: bool = False):
     """The backward target on JAX arrays: one XLA custom call.
 
     Parameters
@@ -371,17 +385,25 @@ def flash_attention_backward_ffi(do, q, k, v, o, m, l, options: Options, arrays=
         The forward's inputs and :func:`flash_attention_forward_ffi`'s results.
     options, arrays
         The forward's.
+    bias_grad : bool, optional
+        Also return dbias (the options must have a bias).
 
     Returns
     -------
     dq, dk, dv : jax.Array
         Each of its input's shape and dtype, summed over the batch dims along
         which that input broadcast (:func:`cupyflash.flash_attention_backward`).
+    dbias : jax.Array
+        With ``bias_grad``: of the bias's shape and dtype.
+    dsink : jax.Array
+        Where the options have a sink: of its shape and dtype.
     """
     register()
-    results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    given = dict(zip(options.modifiers, arrays))
+    extra = [given[name] for name in (("bias",) if bias_grad else ()) + ("sink",) if name in given]
+    results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, *extra))
     call = _ffi_call(BACKWARD_TARGET, results, options)
-    return call(do, q, k, v, o, m, l, *arrays, **options.attributes(backward=True))
+    return call(do, q, k, v, o, m, l, *arrays, **options.attributes(backward=True, bias_grad=bias_grad))
 
 
 def _lse(m, l):
@@ -389,26 +411,13 @@ def _lse(m, l):
     return m + jnp.log(l)
 
 
-# The modifiers' and mod_args' arrays are inputs of the VJP functions whose cotangent is None (zero):
-# constants to it.
+# The modifiers' and mod_args' arrays are inputs of the VJP functions: a sink's cotangent is its dsink, a
+# bias's its dbias where the bias is differentiated (symbolic_zeros tells: else it is not computed), the
+# others' None (zero), constants to it.
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _attention(q, k, v, arrays, options):
     return flash_attention_forward_ffi(q, k, v, options, arrays)[0]
-
-
-def _attention_fwd(q, k, v, arrays, options):
-    o, m, l = flash_attention_forward_ffi(q, k, v, options, arrays)
-    return o, (q, k, v, arrays, o, m, l)
-
-
-def _attention_bwd(options, saved, do):
-    _check_backward(options)
-    q, k, v, arrays, o, m, l = saved
-    return (*flash_attention_backward_ffi(do, q, k, v, o, m, l, options, arrays), None)
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -417,46 +426,85 @@ def _attention_lse(q, k, v, arrays, options):
     return o, _lse(m, l)
 
 
-def _attention_lse_fwd(q, k, v, arrays, options):
-    q, k, v = (x.value for x in (q, k, v))   # symbolic_zeros wraps the primals
+def _forward_saving(q, k, v, arrays, options):
+    """``(o, m, l)`` and the residuals of either VJP: the primals (unwrapped from symbolic_zeros'
+    wrappers), o, m, l, and whether dbias is wanted, as the residuals' structure (``((),)`` or ``()``)."""
+    bias_grad = "bias" in options.modifiers and arrays[options.modifiers.index("bias")].perturbed
+    q, k, v = (x.value for x in (q, k, v))
     arrays = tuple(x.value for x in arrays)
     o, m, l = flash_attention_forward_ffi(q, k, v, options, arrays)
-    return (o, _lse(m, l)), (q, k, v, arrays, o, m, l)
+    return (o, m, l), (q, k, v, arrays, o, m, l, ((),) if bias_grad else ())
+
+
+def _attention_fwd(q, k, v, arrays, options):
+    (o, _, _), saved = _forward_saving(q, k, v, arrays, options)
+    return o, saved
+
+
+def _attention_lse_fwd(q, k, v, arrays, options):
+    (o, m, l), saved = _forward_saving(q, k, v, arrays, options)
+    return (o, _lse(m, l)), saved
+
+
+def _gradients(options, saved, do, dlse=None):
+    """The cotangents of ``(q, k, v, arrays)`` from ``do`` (and ``dlse``, the cotangent of lse, if any)."""
+    _check_backward(options)
+    q, k, v, arrays, o, m, l, wants = saved
+    bias_grad = bool(wants)
+    if isinstance(do, jax.custom_derivatives.SymbolicZero):
+        do = jnp.zeros(o.shape, o.dtype)
+    if dlse is None:
+        dq, dk, dv, *extra = flash_attention_backward_ffi(do, q, k, v, o, m, l, options, arrays, bias_grad)
+    else:
+        dq, dk, dv, *extra = _lse_backward(do, dlse, q, k, v, o, m, l, options, arrays, bias_grad)
+    got = dict(zip((("bias",) if bias_grad else ()) + (("sink",) if "sink" in options.modifiers else ()), extra))
+    return dq, dk, dv, tuple(got.get(name) for name in options.modifiers) + (None,) * len(options.mod_arrays)
+
+
+def _attention_bwd(options, saved, do):
+    return _gradients(options, saved, do)
 
 
 def _attention_lse_bwd(options, saved, cotangents):
-    _check_backward(options)
-    q, k, v, arrays, o, m, l = saved
     do, dlse = cotangents
-    if isinstance(do, jax.custom_derivatives.SymbolicZero):
-        do = jnp.zeros(o.shape, o.dtype)
-    if isinstance(dlse, jax.custom_derivatives.SymbolicZero):
-        return (*flash_attention_backward_ffi(do, q, k, v, o, m, l, options, arrays), None)
-    return (*_lse_backward(do, dlse, q, k, v, o, m, l, options, arrays), None)
+    return _gradients(options, saved, do, None if isinstance(dlse, jax.custom_derivatives.SymbolicZero) else dlse)
 
 
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 _attention_lse.defvjp(_attention_lse_fwd, _attention_lse_bwd, symbolic_zeros=True)
 
 
-def _lse_backward(do, dlse, q, k, v, o, m, l, options, arrays):
+def _lse_backward(do, dlse, q, k, v, o, m, l, options, arrays, bias_grad):
     """Gradients with a cotangent ``g`` of ``lse`` too, by one backward over a head dim one wider.
 
     ``d lse_i / d s_ij = P_ij``, so ``dS_ij = P_ij (dP_ij - D_i + g_i)`` with ``dP = dO Vᵀ`` and
     ``D_i = rowsum(dO_i ∘ O_i)``. The backward computes exactly that from ``v' = [v, 1]``,
     ``do' = [do, g]`` and ``o' = [o, 0]``: ``dP' = dP + g``, ``D' = D``. Its ``dv'`` less the last
-    column is ``dv``; ``dq``, ``dk`` are unchanged by the extra column of ``q``, ``k`` (zeros).
+    column is ``dv``; ``dq``, ``dk`` are unchanged by the extra column of ``q``, ``k`` (zeros), dbias is
+    right as it comes; a sink's ``d lse_i / d sink = P_sink,i = exp(sink - m_i) / l_i`` is added to dsink.
     """
     if q.shape[-1] + 1 > MAX_HEAD_DIM:
         raise NotImplementedError(f"the gradient through lse needs a head dim D < {MAX_HEAD_DIM}, got D={q.shape[-1]}")
     wide = (lambda x, c: jnp.concatenate([x, jnp.broadcast_to(c, (*x.shape[:-1], 1)).astype(x.dtype)], axis=-1))
-    dq, dk, dv = flash_attention_backward_ffi(wide(do, dlse[..., None]), wide(q, 0), wide(k, 0), wide(v, 1),
-                                              wide(o, 0), m, l, options, arrays)
-    return dq[..., :-1], dk[..., :-1], dv[..., :-1]
+    dq, dk, dv, *extra = flash_attention_backward_ffi(wide(do, dlse[..., None]), wide(q, 0), wide(k, 0), wide(v, 1),
+                                                      wide(o, 0), m, l, options, arrays, bias_grad)
+    if "sink" in options.modifiers:
+        sink = arrays[options.modifiers.index("sink")]
+        p_sink = jnp.exp(jnp.broadcast_to(sink, m.shape[:-1])[..., None] - m) / l   # (*batch, Nq)
+        extra[-1] = extra[-1] + _sum_to((dlse * p_sink).sum(-1), sink.shape).astype(sink.dtype)
+    return (dq[..., :-1], dk[..., :-1], dv[..., :-1], *extra)
+
+
+def _sum_to(x, shape):
+    """``x`` summed over the dims along which ``shape`` broadcasts to ``x.shape``."""
+    lead = x.ndim - len(shape)
+    x = x.sum(axis=tuple(range(lead))) if lead else x
+    return x.sum(axis=tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1), keepdims=True)
 
 
 def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None,
-                    window=None, softcap: Optional[float] = None, alibi_slopes=None, mask=None,
-                    precision: str = "highest",
+                    window=None, softcap: Optional[float] = None, alibi_slopes=None, sink=None, bias=None,
+                    mask=None, precision: str = "highest",
                     deterministic: bool = False, return_lse: bool = False, score_mod: Optional[str] = None,
                     score_mod_grad: Optional[str] = None, mask_mod: Optional[str] = None,
                     mod_args: Optional[dict] = None, block_mask: Optional[BlockMask] = None):
@@ -475,6 +523,11 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[fl
     alibi_slopes : jax.Array, optional
         ALiBi's slope per batch entry (broadcasting to the batch shape), as in
         :func:`cupyflash.flash_attention_forward`. Traced; no gradient reaches it.
+    sink : jax.Array, optional
+        A sink logit per batch entry, as there. Traced, differentiable (dsink).
+    bias : jax.Array, optional
+        Added to the scores, broadcasting to ``(*batch, Nq, Nk)``, as there.
+        Traced, differentiable: dbias is computed where the bias is differentiated.
     mask : jax.Array of bool, optional
         Visible pairs, broadcasting to ``(*batch, Nq, Nk)``, as there. Traced; no
         gradient.
@@ -525,7 +578,8 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[fl
     cupyflash.reference.attention_forward : the naive float64 reference.
     """
     _, options, arrays = check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic,
-                               score_mod, score_mod_grad, mask_mod, mod_args, block_mask, alibi_slopes, mask)
+                               score_mod, score_mod_grad, mask_mod, mod_args, block_mask, alibi_slopes, sink, bias,
+                               mask)
     if return_lse:
         return _attention_lse(q, k, v, arrays, options)
     return _attention(q, k, v, arrays, options)

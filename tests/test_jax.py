@@ -42,6 +42,8 @@ CASES = {
     "gqa, causal window": ((2, 2, 3, 65, 24), (2, 2, 1, 65, 24), dict(causal=True, window=(9, None))),
     "alibi, mask": ((2, 3, 17, 40), (2, 3, 29, 40), dict(causal=True, alibi_slopes=numpy.array([0.5, 0.25, 0.125]),
                                                          mask=numpy.random.default_rng(1).random((17, 29)) < 0.8)),
+    "bias, sink": ((2, 3, 17, 40), (2, 3, 29, 40), dict(causal=True, sink=numpy.array([0.5, -1.0, 2.0]),
+                                                        bias=numpy.random.default_rng(2).standard_normal((1, 3, 17, 29)))),
 }
 
 
@@ -619,3 +621,47 @@ def test_alibi_slopes_and_a_mask_are_traced_operands_with_values_and_gradients_o
             cfj.flash_attention(q, k, v, alibi_slopes=jnp.ones(4))
         with pytest.raises(TypeError, match="mask must be a bool array"):
             cfj.flash_attention(q, k, v, mask=jnp.ones((17, 17)))
+
+
+def _naive_with_bias_and_sink(q, k, v, bias, sink):
+    """Causal attention in jax.numpy with a bias and a sink logit per head (a column in the softmax's
+    denominator with no value): o and lse, differentiable by JAX itself."""
+    s = jnp.einsum("...qd,...kd->...qk", q, k) / numpy.sqrt(q.shape[-1]) + bias
+    s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    sinks = jnp.broadcast_to(sink[:, None, None], (*s.shape[:-1], 1))
+    lse = jax.scipy.special.logsumexp(jnp.concatenate([s, sinks], -1), axis=-1)
+    return jnp.exp(s - lse[..., None]) @ v, lse
+
+
+def test_a_bias_and_a_sink_get_their_gradients_through_o_and_lse():
+    """A (1, H, N, N) bias and a sink per head, traced and differentiated with q, k, v: values and every
+    gradient against the float64 reference (a loss of o) and against JAX's own autodiff of attention in
+    jax.numpy (a loss of o and lse); a bias that is not differentiated costs no dbias and changes nothing."""
+    rng = numpy.random.default_rng(10)
+    q, k, v, do = (rng.standard_normal((2, 3, 19, 8)) for _ in range(4))
+    bias, sink, g = rng.standard_normal((1, 3, 19, 19)), rng.standard_normal(3), rng.standard_normal((2, 3, 19))
+    with jax.enable_x64(True):
+        def loss(q, k, v, bias, sink):
+            return jnp.sum(cfj.flash_attention(q, k, v, causal=True, bias=bias, sink=sink) * do)
+
+        forward = reference.attention_forward(q, k, v, causal=True, bias=bias, sink=sink)
+        want = reference.attention_backward(do, q, k, v, *forward, causal=True, bias=bias, sink=sink, bias_grad=True)
+        got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, bias, sink)
+        for name, a, b in zip(("dq", "dk", "dv", "dbias", "dsink"), got, want):
+            numpy.testing.assert_allclose(numpy.asarray(a), b, rtol=1e-9, atol=1e-11, err_msg=name)
+        dq = jax.jit(jax.grad(loss))(q, k, v, bias, sink)   # the bias a constant here: no dbias computed
+        numpy.testing.assert_allclose(numpy.asarray(dq), want[0], rtol=1e-9, atol=1e-11)
+        for argnums, computed in (((0,), False), ((0, 3), True)):
+            assert ("bias_grad" in jax.jit(jax.grad(loss, argnums)).lower(q, k, v, bias, sink).as_text()) == computed
+
+        def with_lse(attention):
+            def loss(q, k, v, bias, sink):
+                o, lse = attention(q, k, v, bias, sink)
+                return jnp.sum(o * do) + jnp.sum(lse * g)
+            return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, bias, sink)
+
+        ours = with_lse(lambda *x: cfj.flash_attention(*x[:3], causal=True, bias=x[3], sink=x[4], return_lse=True))
+        theirs = with_lse(_naive_with_bias_and_sink)
+        numpy.testing.assert_allclose(ours[0], theirs[0], rtol=1e-12)
+        for name, a, b in zip(("dq", "dk", "dv", "dbias", "dsink"), ours[1], theirs[1]):
+            numpy.testing.assert_allclose(numpy.asarray(a), numpy.asarray(b), rtol=1e-9, atol=1e-11, err_msg=name)
