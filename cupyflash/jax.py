@@ -14,9 +14,10 @@ Both targets are Python functions registered as XLA FFI handlers through ctypes
 
 The options (causal, scale, window, softcap, precision, deterministic, the user expressions and the
 numbers of their ``mod_args``) travel as one XLA attribute (a JSON text, parsed once per text), checked
-when the call is traced, by cupyflash's own checks; the arrays of ``mod_args`` are operands of the call after its inputs, read as
-constants (no gradient reaches them). The handlers run Python at every call
-(tens of microseconds of host time) and are not recorded into XLA's command buffers (CUDA graphs).
+when the call is traced, by cupyflash's own checks. The modifiers' arrays (ALiBi slopes, a sink, a
+bias, a mask) and those of ``mod_args`` are operands after the inputs: the sink and the bias get
+gradients, the others are constants to the VJP. The handlers run Python at every call (tens of
+microseconds of host time) and are not recorded into XLA's command buffers (CUDA graphs).
 
 Importing this module imports JAX; ``import cupyflash`` does not.
 """
@@ -79,8 +80,9 @@ class Options:
     def attributes(self, backward: bool, bias_grad: bool = False) -> dict:
         """The XLA attributes of the forward's or the backward's call: one, ``OPTIONS``, a JSON text of
         the cupyflash keywords the handler passes (``keywords`` reads it back, its parse kept by text:
-        a handler decodes one attribute per call), the names of the mod_args arrays among the operands,
-        and the block mask's key in BLOCK_MASKS. JSON keeps ints from floats and a float's every bit."""
+        a handler decodes one attribute per call; the backward's with ``bias_grad``), the keywords of the
+        modifiers' arrays and the names of mod_args' arrays among the operands, and the block mask's key
+        in BLOCK_MASKS. JSON keeps ints from floats and a float's every bit."""
         kw = dict(causal=self.causal, softmax_scale=self.softmax_scale, window=self.window, softcap=self.softcap,
                   precision=self.precision)
         for name in ("score_mod", "mask_mod", "score_mod_grad") if backward else ("score_mod", "mask_mod"):
