@@ -171,22 +171,30 @@ def check(q, k, v, causal, softmax_scale, window, softcap, precision, determinis
                           score_mod, score_mod_grad, None, (), (), tuple(modifiers), block_mask)
         options.expressions()
         return prob, options, tuple(modifiers.values())
-    arrays = {}
-    if isinstance(mod_args, dict):   # numbers go in the attribute, anything else is an operand (a tracer under jit)
-        for name, x in mod_args.items():
-            if not isinstance(x, NUMBERS):
-                try:
-                    arrays[name] = jnp.asarray(x)
-                except (TypeError, ValueError) as error:
-                    raise TypeError(f"mod_args[{name!r}] must be a number or an array of numbers, got "
-                                    f"{type(x).__name__}") from error
-        mod_args = {name: _stand_in(arrays[name]) if name in arrays else x for name, x in mod_args.items()}
+    mod_args, arrays = _mod_arrays(mod_args)
     user = user_mods(score_mod, score_mod_grad, mask_mod, mod_args)
     numbers = () if user is None else tuple((name, x) for name, x in user.args.items() if name not in arrays)
     specs = tuple((name, tuple(x.shape), numpy.dtype(x.dtype).name) for name, x in arrays.items())
     return prob, Options(prob.causal, prob.scale, prob.window, prob.softcap, precision, bool(deterministic),
                          score_mod, score_mod_grad, mask_mod, numbers, specs, tuple(modifiers)), \
         (*modifiers.values(), *arrays.values())
+
+
+def _mod_arrays(mod_args) -> tuple:
+    """``(mod_args, arrays)``: the numbers of ``mod_args`` stay (they go in the attribute), anything else
+    becomes a JAX array (a tracer under jit, an operand) in ``arrays`` by name and a stand-in of its shape
+    and dtype in the ``mod_args`` returned, which the checks read; not a dict: as given, for them to refuse."""
+    if not isinstance(mod_args, dict):
+        return mod_args, {}
+    arrays = {}
+    for name, x in mod_args.items():
+        if not isinstance(x, NUMBERS):
+            try:
+                arrays[name] = jnp.asarray(x)
+            except (TypeError, ValueError) as error:
+                raise TypeError(f"mod_args[{name!r}] must be a number or an array of numbers, got "
+                                f"{type(x).__name__}") from error
+    return {name: _stand_in(arrays[name]) if name in arrays else x for name, x in mod_args.items()}, arrays
 
 
 def _modifier_arrays(prob, given: dict) -> dict:
