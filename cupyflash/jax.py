@@ -41,10 +41,11 @@ from ._checks import check_bool, check_choice, check_forward, check_pairwise, ch
 from ._expr import user_mods
 from ._tiles import PRECISIONS, accumulator_dtype
 from ._views import device_view
-from .api import FreshOut, flash_attention_backward, flash_attention_forward
+from .api import (FreshOut, flash_attention_backward, flash_attention_forward, flash_attention_varlen_backward,
+                  flash_attention_varlen_forward)
 from .blockmask import BlockMask
 
-__all__ = ["flash_attention", "flash_attention_forward_ffi", "flash_attention_backward_ffi"]
+__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_forward_ffi", "flash_attention_backward_ffi"]
 
 FORWARD_TARGET = "cupyflash_forward"
 BACKWARD_TARGET = "cupyflash_backward"
@@ -76,6 +77,12 @@ class Options:
     mod_arrays: tuple = ()  # ((name, shape, dtype name), ...) of mod_args' arrays: operands after the modifiers'
     modifiers: tuple = ()   # the keywords of the modifiers' arrays given (MODIFIERS order): operands after the inputs
     block_mask: Optional[BlockMask] = None   # in place of mask_mod and mod_args (BLOCK_MASKS holds it by id)
+    varlen: Optional[tuple] = None   # packed sequences: (max_seqlen_q, max_seqlen_k); their offsets the first operands
+                                     # after the inputs
+
+    def first(self, name: str) -> int:
+        """The index among the operands after the inputs of the modifier array ``name``."""
+        return (2 if self.varlen else 0) + self.modifiers.index(name)
 
     def attributes(self, backward: bool, bias_grad: bool = False) -> dict:
         """The XLA attributes of the forward's or the backward's call: one, ``OPTIONS``, a JSON text of
@@ -94,7 +101,9 @@ class Options:
             kw["deterministic"] = self.deterministic
             if bias_grad:
                 kw["bias_grad"] = True
-        return {OPTIONS: json.dumps({"keywords": kw, "modifiers": list(self.modifiers),
+        if self.varlen:
+            kw["max_seqlen_q"], kw["max_seqlen_k"] = self.varlen
+        return {OPTIONS: json.dumps({"keywords": kw, "varlen": bool(self.varlen), "modifiers": list(self.modifiers),
                                      "arrays": [name for name, _, _ in self.mod_arrays],
                                      "block_mask": None if self.block_mask is None else _keep(self.block_mask)})}
 
@@ -119,7 +128,7 @@ def _keep(block_mask: BlockMask) -> int:
 def keywords(text: str, arrays=()) -> dict:
     """cupyflash's keyword arguments from a call's ``OPTIONS`` attribute (``Options.attributes``) and its
     operands after the inputs: the modifiers' arrays, then those of mod_args, in the attribute's order."""
-    kw, modifiers, names, block_key = _parsed(text)
+    kw, _, modifiers, names, block_key = _parsed(text)
     if modifiers:
         kw = {**kw, **dict(zip(modifiers, arrays))}
         arrays = arrays[len(modifiers):]
@@ -132,12 +141,12 @@ def keywords(text: str, arrays=()) -> dict:
 
 @functools.lru_cache(maxsize=1024)
 def _parsed(text: str) -> tuple:
-    """``(keywords, modifiers, mod_args array names, block mask key)`` of an ``OPTIONS`` text, parsed once
-    per text."""
+    """``(keywords, packed sequences, modifiers, mod_args array names, block mask key)`` of an ``OPTIONS``
+    text, parsed once per text."""
     parsed = json.loads(text)
     kw = parsed["keywords"]
     kw["window"] = tuple(kw["window"])
-    return kw, tuple(parsed["modifiers"]), tuple(parsed["arrays"]), parsed["block_mask"]
+    return kw, parsed["varlen"], tuple(parsed["modifiers"]), tuple(parsed["arrays"]), parsed["block_mask"]
 
 
 def _stand_in(x):
@@ -147,17 +156,19 @@ def _stand_in(x):
 
 def check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic, score_mod=None,
           score_mod_grad=None, mask_mod=None, mod_args=None, block_mask=None, alibi_slopes=None, sink=None,
-          bias=None, mask=None):
+          bias=None, mask=None, varlen=None):
     """``(Problem, Options, arrays)`` of a call, by cupyflash's own checks (``_checks``,
     ``_expr.user_mods``): a TypeError or ValueError naming the argument, raised while the call is traced.
-    ``arrays``: the operands after q, k, v as JAX arrays, the modifiers' (``Options.modifiers``) then
-    those of ``mod_args`` (``Options.mod_arrays``)."""
+    ``varlen``: packed sequences' ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``.
+    ``arrays``: the operands after q, k, v as JAX arrays: the offsets with ``varlen``, the modifiers'
+    (``Options.modifiers``), those of ``mod_args`` (``Options.mod_arrays``)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     prob = with_softcap(check_forward(*(_stand_in(x) for x in (q, k, v)), causal, softmax_scale, window), softcap)
     check_choice("precision", precision, PRECISIONS)
     check_bool("deterministic", deterministic)
+    offsets, maxima = _packed(varlen, prob)
     modifiers = _modifier_arrays(prob, {"alibi_slopes": alibi_slopes, "sink": sink, "bias": bias, "mask": mask})
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
@@ -167,6 +178,8 @@ def check(q, k, v, causal, softmax_scale, window, softcap, precision, determinis
             raise ValueError("mod_args is given with a block_mask: the expressions read the block mask's own "
                              "mod_args (leave mod_args out)")
         block_mask.check_call(_stand_in(q), _stand_in(k), mask_mod, None)
+        if varlen is not None:
+            raise TypeError("block_mask is not for packed sequences: their tile maps depend on each call's offsets")
         options = Options(prob.causal, prob.scale, prob.window, prob.softcap, precision, bool(deterministic),
                           score_mod, score_mod_grad, None, (), (), tuple(modifiers), block_mask)
         options.expressions()
@@ -176,8 +189,33 @@ def check(q, k, v, causal, softmax_scale, window, softcap, precision, determinis
     numbers = () if user is None else tuple((name, x) for name, x in user.args.items() if name not in arrays)
     specs = tuple((name, tuple(x.shape), numpy.dtype(x.dtype).name) for name, x in arrays.items())
     return prob, Options(prob.causal, prob.scale, prob.window, prob.softcap, precision, bool(deterministic),
-                         score_mod, score_mod_grad, mask_mod, numbers, specs, tuple(modifiers)), \
-        (*modifiers.values(), *arrays.values())
+                         score_mod, score_mod_grad, mask_mod, numbers, specs, tuple(modifiers), varlen=maxima), \
+        (*offsets, *modifiers.values(), *arrays.values())
+
+
+def _packed(varlen, prob) -> tuple:
+    """``(offsets, maxima)`` of packed sequences (``((), None)`` without): the offsets as JAX arrays
+    (1-D, integer, one length, traced: their values are not read) and the maxima as ints, which a
+    compiled call fixes, checked against the rows there are."""
+    if varlen is None:
+        return (), None
+    offsets = []
+    for name, cu in zip(("cu_seqlens_q", "cu_seqlens_k"), varlen[:2]):
+        cu = jnp.asarray(cu)
+        if cu.ndim != 1 or cu.shape[0] < 1 or not jnp.issubdtype(cu.dtype, jnp.integer):
+            raise ValueError(f"{name} must be a 1-D integer array of n_seq + 1 offsets, got shape "
+                             f"{tuple(cu.shape)}, dtype {cu.dtype}")
+        offsets.append(cu)
+    if offsets[0].shape != offsets[1].shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got shapes "
+                         f"{tuple(offsets[0].shape)} and {tuple(offsets[1].shape)}")
+    maxima = []
+    for name, n, total in (("max_seqlen_q", varlen[2], prob.Nq), ("max_seqlen_k", varlen[3], prob.Nk)):
+        if isinstance(n, bool) or not isinstance(n, (int, numpy.integer)) or not 0 <= n <= total:
+            raise ValueError(f"{name} must be an int from 0 to the packed rows ({total}), got {n!r}: "
+                             f"a compiled call fixes it")
+        maxima.append(int(n))
+    return tuple(offsets), tuple(maxima)
 
 
 def _mod_arrays(mod_args) -> tuple:
@@ -260,16 +298,21 @@ def _cupy_stream(handle: int, device: int):
     return stream
 
 
+# the function a handler calls, by (backward, packed sequences), and its positional inputs
+FUNCTIONS = {(False, False): (flash_attention_forward, 3), (True, False): (flash_attention_backward, 7),
+             (False, True): (flash_attention_varlen_forward, 5), (True, True): (flash_attention_varlen_backward, 9)}
+
+
 def _run(call: _xla_ffi.Call, on_gpu: bool, backward: bool):
-    """One call of either target: cupyflash over XLA's buffers, writing into XLA's results; the operands
-    after the inputs (7 of the backward's, 3 of the forward's) are the arrays of mod_args."""
-    inputs = 7 if backward else 3
-    function = flash_attention_backward if backward else flash_attention_forward
+    """One call of either target: cupyflash over XLA's buffers, writing into XLA's results. The operands
+    are the inputs (do, q, k, v, o, m, l of the backward, q, k, v of the forward, then with packed
+    sequences their offsets), the modifiers' arrays and those of mod_args (``keywords``)."""
+    text = call.attrs[OPTIONS]
+    function, inputs = FUNCTIONS[(backward, _parsed(text)[1])]
     if not on_gpu:
         args = [_host_array(b) for b in call.args]
-        options = keywords(call.attrs[OPTIONS], args[inputs:])
         rets = [_host_array(b) for b in call.rets]
-        _into_rets(function(*args[:inputs], out=FreshOut(rets[:3]), **options), rets)
+        _into_rets(function(*args[:inputs], out=FreshOut(rets[:3]), **keywords(text, args[inputs:])), rets)
         return
     import cupy
 
@@ -277,9 +320,8 @@ def _run(call: _xla_ffi.Call, on_gpu: bool, backward: bool):
     stream = _cupy_stream(call.stream(), device)
     with cupy.cuda.Device(device), stream:
         args = [_device_array(b, device) for b in call.args]
-        options = keywords(call.attrs[OPTIONS], args[inputs:])
         rets = [_device_array(b, device) for b in call.rets]
-        _into_rets(function(*args[:inputs], out=FreshOut(rets[:3]), **options), rets)
+        _into_rets(function(*args[:inputs], out=FreshOut(rets[:3]), **keywords(text, args[inputs:])), rets)
 
 
 def _into_rets(results, rets):
@@ -355,7 +397,7 @@ def _ffi_call(target: str, results, options: Options):
     """``jax.ffi.ffi_call`` of ``target``: under ``vmap`` one call over the broadcast batch, or one call
     per batch entry where mod_args arrays ride along (broadcast, they would gain the batch's dims) or a
     block mask serves the unbatched shapes."""
-    per_entry = options.mod_arrays or options.modifiers or options.block_mask is not None
+    per_entry = options.mod_arrays or options.modifiers or options.block_mask is not None or options.varlen
     return jax.ffi.ffi_call(target, results, vmap_method="sequential" if per_entry else "broadcast_all")
 
 
@@ -409,7 +451,7 @@ def flash_attention_backward_ffi(do, q, k, v, o, m, l, options: Options, arrays=
         Where the options have a sink: of its shape and dtype.
     """
     register()
-    given = dict(zip(options.modifiers, arrays))
+    given = dict(zip(options.modifiers, arrays[2 if options.varlen else 0:]))
     extra = [given[name] for name in (("bias",) if bias_grad else ()) + ("sink",) if name in given]
     results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, *extra))
     call = _ffi_call(BACKWARD_TARGET, results, options)
@@ -439,7 +481,7 @@ def _attention_lse(q, k, v, arrays, options):
 def _forward_saving(q, k, v, arrays, options):
     """``(o, m, l)`` and the residuals of either VJP: the primals (unwrapped from symbolic_zeros'
     wrappers), o, m, l, and whether dbias is wanted, as the residuals' structure (``((),)`` or ``()``)."""
-    bias_grad = "bias" in options.modifiers and arrays[options.modifiers.index("bias")].perturbed
+    bias_grad = "bias" in options.modifiers and arrays[options.first("bias")].perturbed
     q, k, v = (x.value for x in (q, k, v))
     arrays = tuple(x.value for x in arrays)
     o, m, l = flash_attention_forward_ffi(q, k, v, options, arrays)
@@ -468,7 +510,8 @@ def _gradients(options, saved, do, dlse=None):
     else:
         dq, dk, dv, *extra = _lse_backward(do, dlse, q, k, v, o, m, l, options, arrays, bias_grad)
     got = dict(zip((("bias",) if bias_grad else ()) + (("sink",) if "sink" in options.modifiers else ()), extra))
-    return dq, dk, dv, tuple(got.get(name) for name in options.modifiers) + (None,) * len(options.mod_arrays)
+    offsets = (None, None) if options.varlen else ()
+    return dq, dk, dv, (*offsets, *(got.get(name) for name in options.modifiers)) + (None,) * len(options.mod_arrays)
 
 
 def _attention_bwd(options, saved, do):
@@ -499,7 +542,7 @@ def _lse_backward(do, dlse, q, k, v, o, m, l, options, arrays, bias_grad):
     dq, dk, dv, *extra = flash_attention_backward_ffi(wide(do, dlse[..., None]), wide(q, 0), wide(k, 0), wide(v, 1),
                                                       wide(o, 0), m, l, options, arrays, bias_grad)
     if "sink" in options.modifiers:
-        sink = arrays[options.modifiers.index("sink")]
+        sink = arrays[options.first("sink")]
         p_sink = jnp.exp(jnp.broadcast_to(sink, m.shape[:-1])[..., None] - m) / l   # (*batch, Nq)
         extra[-1] = extra[-1] + _sum_to((dlse * p_sink).sum(-1), sink.shape).astype(sink.dtype)
     return (dq[..., :-1], dk[..., :-1], dv[..., :-1], *extra)
@@ -590,6 +633,39 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[fl
     _, options, arrays = check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic,
                                score_mod, score_mod_grad, mask_mod, mod_args, block_mask, alibi_slopes, sink, bias,
                                mask)
-    if return_lse:
-        return _attention_lse(q, k, v, arrays, options)
-    return _attention(q, k, v, arrays, options)
+    return _attention_lse(q, k, v, arrays, options) if return_lse else _attention(q, k, v, arrays, options)
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                           causal: bool = False, softmax_scale: Optional[float] = None, window=None,
+                           softcap: Optional[float] = None, alibi_slopes=None, sink=None, bias=None, mask=None,
+                           precision: str = "highest", deterministic: bool = False, return_lse: bool = False,
+                           score_mod: Optional[str] = None, score_mod_grad: Optional[str] = None,
+                           mask_mod: Optional[str] = None, mod_args: Optional[dict] = None):
+    """Exact attention over packed variable-length sequences on JAX arrays, inside or outside ``jax.jit``.
+
+    Parameters
+    ----------
+    q : jax.Array, shape (..., total_q, D)
+    k, v : jax.Array, shape (..., total_k, D)
+        The sequences' rows one after another, as in
+        :func:`cupyflash.flash_attention_varlen_forward`.
+    cu_seqlens_q, cu_seqlens_k : jax.Array of int, shape (n_seq + 1,)
+        The sequences' offsets (traced: another packing needs no retrace; their
+        values are not checked, as cupyflash does not with both maxima given).
+    max_seqlen_q, max_seqlen_k : int
+        Bounds of the sequences' lengths, static (a compiled call fixes its grid).
+    causal, ..., mod_args
+        As in :func:`flash_attention` (no ``block_mask``: maps of packed sequences
+        depend on the offsets).
+
+    Returns
+    -------
+    o : jax.Array, shape (*batch, total_q, D)
+    lse : jax.Array, shape (*batch, total_q)
+        With ``return_lse`` only.
+    """
+    _, options, arrays = check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic,
+                               score_mod, score_mod_grad, mask_mod, mod_args, None, alibi_slopes, sink, bias, mask,
+                               (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return _attention_lse(q, k, v, arrays, options) if return_lse else _attention(q, k, v, arrays, options)

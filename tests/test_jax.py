@@ -525,6 +525,32 @@ def test_gpu_block_mask_gives_its_mask_mods_values_and_gradients(dtype):
     block_mask_against_mask_mod(gpu_device(), dtype, 2e-2 if dtype == "float16" else 1e-4)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@gpu_test
+def test_gpu_packed_sequences_match_the_reference(dtype):
+    """flash_attention_varlen on the GPU, jitted, values and gradients within a dtype's tolerance of the
+    float64 reference (relative to the largest), a sequence without queries among them."""
+    rng = numpy.random.default_rng(13)
+    cu_q, cu_k = (numpy.cumsum([0] + n).astype(numpy.int32) for n in ([70, 0, 129, 33], [90, 17, 129, 5]))
+    q, k, v = random_inputs(rng, dtype, (4, 232, 64), (4, 241, 64))
+    do = rng.standard_normal(q.shape).astype(q.dtype)
+    device = gpu_device()
+
+    def loss(q, k, v, do):
+        o = cfj.flash_attention_varlen(q, k, v, cu_q, cu_k, 129, 129, causal=True)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+    args = [jax.device_put(x, device) for x in (q, k, v, do)]
+    o = jax.jit(lambda q, k, v: cfj.flash_attention_varlen(q, k, v, cu_q, cu_k, 129, 129, causal=True))(*args[:3])
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+    q64, k64, v64, do64 = (x.astype(numpy.float64) for x in (q, k, v, do))
+    forward = reference.attention_varlen_forward(q64, k64, v64, cu_q, cu_k, causal=True)
+    want = (forward[0], *reference.attention_varlen_backward(do64, q64, k64, v64, *forward, cu_q, cu_k, causal=True))
+    tolerance = 2e-2 if dtype == "float16" else 1e-4
+    for name, a, b in zip(("o", "dq", "dk", "dv"), (o, *grads), want):
+        assert numpy.abs(numpy.asarray(a).astype(numpy.float64) - b).max() <= tolerance * numpy.abs(b).max(), name
+
+
 @pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, (5, 3))])
 @gpu_test
 def test_gpu_matches_jax_dot_product_attention(causal, window):
@@ -665,3 +691,53 @@ def test_a_bias_and_a_sink_get_their_gradients_through_o_and_lse():
         numpy.testing.assert_allclose(ours[0], theirs[0], rtol=1e-12)
         for name, a, b in zip(("dq", "dk", "dv", "dbias", "dsink"), ours[1], theirs[1]):
             numpy.testing.assert_allclose(numpy.asarray(a), numpy.asarray(b), rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+def test_packed_sequences_against_the_reference_and_against_a_call_per_sequence():
+    """flash_attention_varlen under jit and grad: values and gradients against the float64 reference's
+    varlen functions (a sequence without queries, one without keys past its queries), another packing
+    of the same totals through the same compiled call; through lse, equal to a call per sequence;
+    refusals name the argument."""
+    rng = numpy.random.default_rng(12)
+    with jax.enable_x64(True):
+        def loss(q, k, v, cu_q, cu_k, do):
+            return jnp.sum(cfj.flash_attention_varlen(q, k, v, cu_q, cu_k, 13, 13, causal=True) * do)
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        for lengths_q, lengths_k in (([5, 0, 12, 7], [9, 3, 12, 1]), ([13, 4, 6, 1], [1, 13, 10, 1])):
+            cu_q, cu_k = (numpy.cumsum([0] + n).astype(numpy.int32) for n in (lengths_q, lengths_k))
+            q = rng.standard_normal((2, 24, 8))
+            k, v = (rng.standard_normal((2, 25, 8)) for _ in range(2))
+            do = rng.standard_normal(q.shape)
+            forward = reference.attention_varlen_forward(q, k, v, cu_q, cu_k, causal=True)
+            want = reference.attention_varlen_backward(do, q, k, v, *forward, cu_q, cu_k, causal=True)
+            value, got = step(q, k, v, cu_q, cu_k, do)
+            numpy.testing.assert_allclose(value, numpy.sum(forward[0] * do), rtol=1e-12)
+            for name, a, b in zip(("dq", "dk", "dv"), got, want):
+                numpy.testing.assert_allclose(numpy.asarray(a), b, rtol=1e-10, atol=1e-12, err_msg=name)
+        assert step._cache_size() == 1   # one trace for both packings
+
+        g = rng.standard_normal((2, 24))
+        sequences = list(zip(zip(cu_q[:-1], cu_q[1:]), zip(cu_k[:-1], cu_k[1:])))
+
+        def through_lse(q, k, v):
+            o, lse = cfj.flash_attention_varlen(q, k, v, cu_q, cu_k, 13, 13, causal=True, return_lse=True)
+            return jnp.sum(o * do) + jnp.sum(lse * g)
+
+        def per_sequence(q, k, v):
+            total = 0.0
+            for (q0, q1), (k0, k1) in sequences:
+                o, lse = cfj.flash_attention(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], causal=True, return_lse=True)
+                total = total + jnp.sum(o * do[:, q0:q1]) + jnp.sum(lse * g[:, q0:q1])
+            return total
+
+        ours, theirs = (jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(q, k, v) for f in (through_lse, per_sequence))
+        numpy.testing.assert_allclose(ours[0], theirs[0], rtol=1e-12)
+        for a, b in zip(ours[1], theirs[1]):
+            numpy.testing.assert_allclose(numpy.asarray(a), numpy.asarray(b), rtol=1e-10, atol=1e-12)
+        with pytest.raises(ValueError, match="max_seqlen_q must be an int from 0 to the packed rows"):
+            cfj.flash_attention_varlen(q, k, v, cu_q, cu_k, 25, 13)
+        with pytest.raises(ValueError, match="cu_seqlens_k must be a 1-D integer array"):
+            cfj.flash_attention_varlen(q, k, v, cu_q, cu_k[None], 13, 13)
+        with pytest.raises(ValueError, match="the same number of sequences"):
+            cfj.flash_attention_varlen(q, k, v, cu_q, cu_k[:-1], 13, 13)
