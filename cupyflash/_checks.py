@@ -431,6 +431,18 @@ def _check_max(name: str, value, longest, total: int) -> int:
     return min(int(value), total)
 
 
+def check_offset_shapes(cu_seqlens_q, cu_seqlens_k):
+    """The offsets of packed sequences are 1-D integer arrays of one length ``n + 1`` (any arrays with a
+    shape and a dtype: traced ones too, whose values are not read)."""
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.ndim != 1 or cu.size < 1 or numpy.dtype(cu.dtype).kind not in "iu":
+            raise ValueError(f"{name} must be a 1-D integer array of n_seq + 1 offsets, got shape "
+                             f"{tuple(cu.shape)}, dtype {cu.dtype}")
+    if cu_seqlens_q.size != cu_seqlens_k.size:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, "
+                         f"got shapes {tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
+
+
 def check_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prob: Problem, device=None) -> Seqlens:
     """Offsets of packed sequences for q of ``prob.Nq`` rows and k, v of ``prob.Nk``: 1-D integer arrays of
     one length ``n + 1``, 0 first, nondecreasing, the totals last. NumPy offsets are read and checked on
@@ -444,12 +456,7 @@ def check_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, prob: 
     for name, cu in arrays.items():
         if not _is_cupy_of_inputs(name, cu, on_gpu, device) and not isinstance(cu, numpy.ndarray):
             raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray of int32 offsets, got {type(cu).__name__}")
-        if cu.ndim != 1 or cu.size < 1 or cu.dtype.kind not in "iu":
-            raise ValueError(f"{name} must be a 1-D integer array of n_seq + 1 offsets, got shape {cu.shape}, "
-                             f"dtype {cu.dtype}")
-    if cu_seqlens_q.size != cu_seqlens_k.size:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, "
-                         f"got shapes {cu_seqlens_q.shape} and {cu_seqlens_k.shape}")
+    check_offset_shapes(cu_seqlens_q, cu_seqlens_k)
     for name, total in (("q", prob.Nq), ("k", prob.Nk)):
         if total > INT32_MAX:
             raise ValueError(f"packed {name} has {total} rows; the offsets are int32 (at most {INT32_MAX})")

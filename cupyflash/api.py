@@ -356,7 +356,7 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
     mod_args)."""
     dropout = check_dropout(dropout_p, seed)
     expressions = user_mods(*user)
-    arrays = _call_arrays(alibi_slopes, sink, bias, mask)
+    arrays = call_arrays(alibi_slopes=alibi_slopes, sink=sink, bias=bias, mask=mask)
     inputs = _with_arrays({"q": q, "k": k, "v": v}, arrays)
     mod_key = _mod_args_key(user[3])
     flags = (causal, softmax_scale, window, softcap, schedule, precision, dropout[0], tuple(arrays), *user[:3],
@@ -509,13 +509,6 @@ def _packed(seqs) -> tuple:
     if seqs is None:
         return None, (None, None)
     return _launch.Packed(seqs.n, seqs.max_q, seqs.max_k), (seqs.cu_q, seqs.cu_k)
-
-
-def _call_arrays(alibi_slopes, sink, bias, mask) -> dict:
-    """``_flags.call_arrays`` of a call's arguments; an empty dict at once for a call without any."""
-    if alibi_slopes is None and sink is None and bias is None and mask is None:
-        return {}
-    return call_arrays(alibi_slopes=alibi_slopes, sink=sink, bias=bias, mask=mask)
 
 
 def _with_arrays(inputs: dict, arrays: dict) -> dict:
@@ -830,7 +823,7 @@ def _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, soft
     """dq, dk, dv (dbias, dsink where asked) of ``_backward``'s call."""
     dropout = check_dropout(dropout_p, seed)
     expressions = user_mods(*user, backward=True)
-    arrays = _call_arrays(alibi_slopes, sink, bias, mask)
+    arrays = call_arrays(alibi_slopes=alibi_slopes, sink=sink, bias=bias, mask=mask)
     inputs = _with_arrays({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}, arrays)
     mod_key = _mod_args_key(user[3])
     flags = (causal, softmax_scale, window, softcap, schedule, precision, deterministic, bias_grad, dropout[0],

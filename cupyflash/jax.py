@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy
 
 from . import _xla_ffi
-from ._checks import check_bool, check_choice, check_forward, check_pairwise, check_per_entry, with_softcap
+from ._checks import (check_bool, check_choice, check_forward, check_offset_shapes, check_pairwise, check_per_entry,
+                      with_softcap)
 from ._expr import user_mods
 from ._tiles import PRECISIONS, accumulator_dtype
 from ._views import device_view
@@ -80,9 +81,9 @@ class Options:
     varlen: Optional[tuple] = None   # packed sequences: (max_seqlen_q, max_seqlen_k); their offsets the first operands
                                      # after the inputs
 
-    def first(self, name: str) -> int:
-        """The index among the operands after the inputs of the modifier array ``name``."""
-        return (2 if self.varlen else 0) + self.modifiers.index(name)
+    def named(self, arrays) -> dict:
+        """The modifiers' arrays among ``arrays`` (the operands after the inputs), by keyword."""
+        return dict(zip(self.modifiers, arrays[2 if self.varlen else 0:]))
 
     def attributes(self, backward: bool, bias_grad: bool = False) -> dict:
         """The XLA attributes of the forward's or the backward's call: one, ``OPTIONS``, a JSON text of
@@ -199,23 +200,15 @@ def _packed(varlen, prob) -> tuple:
     compiled call fixes, checked against the rows there are."""
     if varlen is None:
         return (), None
-    offsets = []
-    for name, cu in zip(("cu_seqlens_q", "cu_seqlens_k"), varlen[:2]):
-        cu = jnp.asarray(cu)
-        if cu.ndim != 1 or cu.shape[0] < 1 or not jnp.issubdtype(cu.dtype, jnp.integer):
-            raise ValueError(f"{name} must be a 1-D integer array of n_seq + 1 offsets, got shape "
-                             f"{tuple(cu.shape)}, dtype {cu.dtype}")
-        offsets.append(cu)
-    if offsets[0].shape != offsets[1].shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must hold the same number of sequences, got shapes "
-                         f"{tuple(offsets[0].shape)} and {tuple(offsets[1].shape)}")
+    offsets = tuple(jnp.asarray(cu) for cu in varlen[:2])
+    check_offset_shapes(*offsets)
     maxima = []
     for name, n, total in (("max_seqlen_q", varlen[2], prob.Nq), ("max_seqlen_k", varlen[3], prob.Nk)):
         if isinstance(n, bool) or not isinstance(n, (int, numpy.integer)) or not 0 <= n <= total:
             raise ValueError(f"{name} must be an int from 0 to the packed rows ({total}), got {n!r}: "
                              f"a compiled call fixes it")
         maxima.append(int(n))
-    return tuple(offsets), tuple(maxima)
+    return offsets, tuple(maxima)
 
 
 def _mod_arrays(mod_args) -> tuple:
@@ -451,7 +444,7 @@ def flash_attention_backward_ffi(do, q, k, v, o, m, l, options: Options, arrays=
         Where the options have a sink: of its shape and dtype.
     """
     register()
-    given = dict(zip(options.modifiers, arrays[2 if options.varlen else 0:]))
+    given = options.named(arrays)
     extra = [given[name] for name in (("bias",) if bias_grad else ()) + ("sink",) if name in given]
     results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, *extra))
     call = _ffi_call(BACKWARD_TARGET, results, options)
@@ -481,7 +474,7 @@ def _attention_lse(q, k, v, arrays, options):
 def _forward_saving(q, k, v, arrays, options):
     """``(o, m, l)`` and the residuals of either VJP: the primals (unwrapped from symbolic_zeros'
     wrappers), o, m, l, and whether dbias is wanted, as the residuals' structure (``((),)`` or ``()``)."""
-    bias_grad = "bias" in options.modifiers and arrays[options.first("bias")].perturbed
+    bias_grad = "bias" in options.modifiers and options.named(arrays)["bias"].perturbed
     q, k, v = (x.value for x in (q, k, v))
     arrays = tuple(x.value for x in arrays)
     o, m, l = flash_attention_forward_ffi(q, k, v, options, arrays)
@@ -542,7 +535,7 @@ def _lse_backward(do, dlse, q, k, v, o, m, l, options, arrays, bias_grad):
     dq, dk, dv, *extra = flash_attention_backward_ffi(wide(do, dlse[..., None]), wide(q, 0), wide(k, 0), wide(v, 1),
                                                       wide(o, 0), m, l, options, arrays, bias_grad)
     if "sink" in options.modifiers:
-        sink = arrays[options.first("sink")]
+        sink = options.named(arrays)["sink"]
         p_sink = jnp.exp(jnp.broadcast_to(sink, m.shape[:-1])[..., None] - m) / l   # (*batch, Nq)
         extra[-1] = extra[-1] + _sum_to((dlse * p_sink).sum(-1), sink.shape).astype(sink.dtype)
     return (dq[..., :-1], dk[..., :-1], dv[..., :-1], *extra)
