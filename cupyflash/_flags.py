@@ -146,10 +146,10 @@ FLAGS = (
     # path and its Mask in registers spill every plain call (fwd_sm90 D64: 0 -> 164 bytes)
     Flag("varlen", SCORED, ("fwd_sm90", "bwd_sm90", "bwd_sm90_wide")),
     # keys in a paged K/V cache (params.cuh: Pages, KeyRows): compiled in where every K/V tile's rows are
-    # found through the table in the loop (fwd_v2, append); a run-time word in the repair. Only
-    # flash_attention_with_kvcache pages, and it takes no bias, mask or dropout
-    Flag("paged", ("fwd_v2", "repair", "append"), ("fwd_v2", "append"), requires="varlen",
-         excludes=(("fwd_v2", "bias"), ("fwd_v2", "mask"), ("fwd_v2", "dropout"))),
+    # found through the table in the loop (the Hopper forward's producer, fwd_v2, append); a run-time word
+    # in the repair. Only flash_attention_with_kvcache pages, and it takes no bias, mask or dropout
+    Flag("paged", ("fwd_sm90", "fwd_v2", "repair", "append"), ("fwd_sm90", "fwd_v2", "append"), requires="varlen",
+         excludes=tuple((family, other) for family in ("fwd_sm90", "fwd_v2") for other in ("bias", "mask", "dropout"))),
     # the backward's sums over CTAs added in grid order (deterministic=True): a uniform branch around each
     # tile's adds into dQ_i and the dK_j, dV_j stores (SWITCH_ON(ORDERED, p.uses)); compiled into the portable
     # backward, whose float32 kernel ran 2-4% slower with it at run time (RESULTS.md, twelfth session), and

@@ -744,7 +744,7 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
     ``layout`` names q, k, v, with a cache its lengths ``lens`` (and a paged one's ``table``), and the
     modifiers' arrays by flag (``Mods``; a per-entry array as a batch of 1 x 1 matrices). With ``packed``
     sequences the rows of q and k are theirs, and a CTA's tiles those of one sequence; a paged cache runs
-    V2's portable kernel, the one that reads pages.
+    the Hopper forward where it may, else V2's portable kernel (V1 reads no pages).
     ``stats_shape``: the shape of m and l the plan returns (default ``(*batch_shape, rows)``; a folded
     call's, ``_fold``, is the caller's). ``kv_splits``: split-KV (V2 and the Hopper forward: each Q tile's
     K/V tiles in that many runs, one CTA each, merged by flash_merge.cu; None: ``choose_kv_splits``; at
@@ -754,7 +754,9 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
     BH = layout.count
     Nq, Nk, heads = _grid_lengths(packed, rows_q, rows_k, BH)
     acc = accumulator_dtype(q.dtype)
-    family = "fwd_v2" if packed is not None and packed.paged else forward_kernel(schedule, q.dtype, scale)
+    family = forward_kernel(schedule, q.dtype, scale)
+    if packed is not None and packed.paged and family not in _flags.BY_NAME["paged"].compiled:
+        family = "fwd_v2"   # of the portable forwards, the one that reads pages
     used = call_flags(mods, packed)
     cfg = _variant(with_precision(device_tiles(family, D, q.dtype), precision), mods, used)
     kernel = get_kernels(cfg)[cfg.spec.entries[0]]

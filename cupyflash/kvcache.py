@@ -8,9 +8,9 @@ Nnew`` keys, causal and windows bottom-right aligned to them.
 
 On the GPU one kernel appends (``kernels_cu/flash_append.cu``) and the forward reads each entry's
 length on the device (``params.cuh``: Seqs::len_k) and, for a paged cache, each tile's rows through the
-table (Pages, KeyRows: the portable V2 kernel); query heads that share a K/V head fold into one work
-head's rows (``_fold``) where the visibility allows it, and split-KV keeps the GPU busy. NumPy inputs
-run the blocked CPU path one batch entry at a time.
+table (Pages, KeyRows), in the forward a contiguous cache runs; query heads that share a K/V head fold
+into one work head's rows (``_fold``) where the visibility allows it, and split-KV keeps the GPU busy.
+NumPy inputs run the blocked CPU path one batch entry at a time.
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ def _gpu(q5, k5, v5, k, v, lens, table, prob, slopes, stats, out, num_splits, ca
     lens5 = lens.reshape(B, 1, 1, 1, 1)
     table5 = table.reshape(B, 1, 1, 1, -1) if paged else None
     append = None
-    with q5.device:
+    with _launch._on_device(q5.data.device_id):
         if n_new and B and Hkv and k5.shape[-1]:
             k4, v4 = k5.reshape(-1, Hkv, *k5.shape[-2:]), v5.reshape(-1, Hkv, *v5.shape[-2:])
             extra = (lens5[:, :, 0], *((table5[:, :, 0],) if paged else ()))

@@ -13,7 +13,8 @@
 // before, and the causal load balances itself. The CTA is 1 + CONSUMERS warpgroups (four warps each), specialised:
 //
 //   producer   warpgroup 0 copies each Q_i into a ring of Q_STAGES buffers, then its K_j and V_j
-//              into a ring of STAGES buffers (cp.async), each buffer guarded by a "full" and an
+//              (a paged cache's rows through its table) into a ring of STAGES buffers (cp.async),
+//              each buffer guarded by a "full" and an
 //              "empty" mbarrier; the K/V ring runs on from tile to tile; it scans each V_j of a
 //              tile with masked pairs for inf and NaN (nonfinite.cuh) while it waits to refill
 //              the buffer;
@@ -90,7 +91,6 @@ static_assert(Q_STAGES == 1 || Q_STAGES == 2, "one or two Q buffers");
 static_assert(DP % SW_COLS == 0 && (B_C == 64 || B_C == 96 || B_C == 128), "tile shapes");
 static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * (65536 / NTHREADS / 8 * 8), "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
-static_assert(!PAGED, "a paged cache is read by flash_fwd_v2 (and flash_fwd_repair)");
 
 // The value of this CTA's repair flags, blockIdx.x + 1, read where it is written (volatile: the
 // compiler would hold it in one of the producer's few registers through the tile loop)
@@ -107,6 +107,17 @@ template <int ROWS>
 __device__ __forceinline__ void produce_tile(elem_t* s, const elem_t* g, i64 sn, int rows, int D, bool vec,
                                              unsigned long long* full, unsigned ptid) {
     load_tile_sw128<ROWS, DP, WG_THREADS>(s, g, sn, rows, D, vec, ptid % WG_THREADS);
+    arrive_when_landed(full, vec);
+}
+
+// Producer thread `ptid`: K/V tile j, key rows j B_C .. j B_C + rows - 1 of `g` (a paged cache's through
+// its table), into a swizzled (B_C, DP) buffer, then its arrival on `full` once that has landed
+__device__ __forceinline__ void produce_keys(elem_t* s, const KeyRows<const elem_t>& g, int j, int rows, int D,
+                                             bool vec, unsigned long long* full, unsigned ptid) {
+    if (g.paged())
+        load_pages_sw128<B_C, DP, WG_THREADS>(s, g.from(j * B_C), rows, D, vec, ptid % WG_THREADS);
+    else
+        load_tile_sw128<B_C, DP, WG_THREADS>(s, g.base + (i64)j * B_C * g.sn, g.sn, rows, D, vec, ptid % WG_THREADS);
     arrive_when_landed(full, vec);
 }
 
@@ -264,9 +275,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
             const Mask& mask = w.mask;
             const int Nq = mask.Nq, Nk = mask.Nk;
             const elem_t* q_h = sq.q_rows(p.q);
-            const elem_t* k_h = sq.k_rows(p.k);
-            const elem_t* v_h = sq.k_rows(p.v);
-            const i64 q_sn = p.q.sn, k_sn = p.k.sn, v_sn = p.v.sn;
+            const KeyRows<const elem_t> k_h = k_rows_of(p, sq), v_h = v_rows_of(p, sq);   // PAGED: paged
+            const i64 q_sn = p.q.sn;
             produce_tile<B_R>(s_Q + qs * TILE_Q, q_h + (i64)w.i * B_R * q_sn, q_sn, min(B_R, Nq - w.i * B_R), D, vec,
                               &q_full[qs], ptid);
             if (tid == 0) {
@@ -278,12 +288,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
                 const int pos = kv + t - w.visits.begin, s = pos % STAGES, use = pos / STAGES;
                 const int rows = min(B_C, Nk - j * B_C);
                 if (use > 0) mbar_wait(&k_empty[s], (use - 1) & 1);
-                produce_tile<B_C>(s_K + s * TILE_KV, k_h + (i64)j * B_C * k_sn, k_sn, rows, D, vec, &k_full[s], ptid);
+                produce_keys(s_K + s * TILE_KV, k_h, j, rows, D, vec, &k_full[s], ptid);
                 if (use > 0) {
                     scan_values(pos - STAGES);
                     mbar_wait(&v_empty[s], (use - 1) & 1);
                 }
-                produce_tile<B_C>(s_V + s * TILE_KV, v_h + (i64)j * B_C * v_sn, v_sn, rows, D, vec, &v_full[s], ptid);
+                produce_keys(s_V + s * TILE_KV, v_h, j, rows, D, vec, &v_full[s], ptid);
                 const unsigned flag = may_hide(mask, w.i * B_R, B_R, j * B_C, B_C, Visits::all_of(visit))
                                           ? (unsigned)(w.w * T_r + w.i) : NONE;
                 if (s == 0) pending0 = flag;

@@ -27,8 +27,9 @@
 constexpr bool VARLEN = FLASH_VARLEN != 0;   // its code compiled in
 
 // Keys in a paged K/V cache (flash_attention_with_kvcache with a block table; its lengths are packed
-// sequences' Seqs::len_k): compiled in by flash_fwd_v2 and flash_append, whose loops find every row
-// through the table; read at run time by the repair (a table given: paged; KeyRows::paged)
+// sequences' Seqs::len_k): compiled in by the forwards that read a cache (flash_fwd_sm90, flash_fwd_v2)
+// and flash_append, whose loops find every row through the table; read at run time by the repair (a
+// table given: paged; KeyRows::paged)
 #ifndef FLASH_PAGED
 #define FLASH_PAGED 0
 #endif
@@ -99,11 +100,29 @@ struct KeyRows {
 
     __device__ __forceinline__ T* row(int j) const {
         if (paged()) {
-            j += first;
-            const int at = min((unsigned)table[j / size], (unsigned)(count - 1));
-            return base + (i64)at * page + (i64)(j % size) * sn;
+            const At at = walk(j);
+            return page_rows(at.page) + (i64)at.row * sn;
         }
         return base + (i64)j * sn;
+    }
+
+    // Paged: row j as (the table's entry `page`, row `row` of that page), for a walk down the rows that
+    // looks each page up once (sm90.cuh: load_pages_sw128)
+    struct At { int page, row; };
+    __device__ __forceinline__ At walk(int j) const {
+        j += first;
+        return {j / size, j % size};
+    }
+    __device__ __forceinline__ void step(At& at, int rows) const {
+        at.row += rows;
+        if (at.row >= size) {
+            at.page += at.row / size;
+            at.row %= size;
+        }
+    }
+    // the first row of the table's entry n (its page number clamped to the cache)
+    __device__ __forceinline__ T* page_rows(int n) const {
+        return base + (i64)min((unsigned)table[n], (unsigned)(count - 1)) * page;
     }
 
     // the rows from key `k0` on (a tile's): row r of the result is row k0 + r of these

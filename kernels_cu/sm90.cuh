@@ -71,6 +71,48 @@ __device__ __forceinline__ void load_tile_sw128(elem_t* __restrict__ s_tile, con
     }
 }
 
+// load_tile_sw128 from key rows found through a paged cache's table (params.cuh: KeyRows, paged; any page
+// size): `g`'s rows 0 .. rows_valid - 1, columns col0 .. col0 + d - 1. With vec each thread walks down its
+// rows a pass at a time and looks a page up only where its rows cross into the next one.
+template <int ROWS, int COLS, int THREADS, class Rows>
+__device__ __forceinline__ void load_pages_sw128(elem_t* __restrict__ s_tile, const Rows& g, int rows_valid, int d,
+                                                 bool vec, int tid, int col0 = 0) {
+    constexpr int CHUNKS = COLS / VEC, ROWS_PER_PASS = THREADS / CHUNKS;
+    static_assert(COLS % SW_COLS == 0 && ROWS % 8 == 0, "swizzled tiles are whole 64-column blocks of 8-row atoms");
+    if (vec && THREADS % CHUNKS) {   // rows do not split evenly over the threads (DP = 192): a column block at a time
+#pragma unroll
+        for (int cb = 0; cb < COLS / SW_COLS; ++cb)
+            load_pages_sw128<ROWS, SW_COLS, THREADS>(s_tile + cb * ROWS * SW_COLS, g, rows_valid, d - cb * SW_COLS,
+                                                     vec, tid, col0 + cb * SW_COLS);
+    } else if (vec) {
+        const int r_first = tid / CHUNKS, col = (tid % CHUNKS) * VEC;
+        auto at = g.walk(r_first);
+        int looked = -1;                 // the table entry `page` holds
+        const elem_t* page = g.base;
+#pragma unroll 4
+        for (int r = r_first; r < ROWS; r += ROWS_PER_PASS) {
+            const bool valid = r < rows_valid && col < d;   // falls once along the walk: no entry past it is read
+            if (valid && at.page != looked) {
+                page = g.page_rows(at.page);
+                looked = at.page;
+            }
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                         :: "r"(smem_addr(s_tile + sw128_offset<ROWS>(r, col))),
+                            "l"(valid ? page + at.row * g.sn + col0 + col : g.base), "r"(valid ? 16 : 0)
+                         : "memory");   // an invalid chunk reads nothing and is zero-filled
+            g.step(at, ROWS_PER_PASS);
+        }
+    } else {
+#pragma unroll 1
+        for (int c = tid; c < ROWS * COLS; c += THREADS) {
+            const int r = c / COLS, col = c % COLS;
+            elem_t val = (elem_t)0;
+            if (r < rows_valid && col < d) val = g.row(r)[col0 + col];
+            s_tile[sw128_offset<ROWS>(r, col)] = val;
+        }
+    }
+}
+
 // shared-memory matrix descriptor, 128-byte swizzle; offsets in bytes
 __device__ __forceinline__ unsigned long long sw128_desc(const elem_t* p, unsigned lead_bytes, unsigned stride_bytes) {
     return (unsigned long long)((smem_addr(p) & 0x3FFFF) >> 4)

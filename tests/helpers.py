@@ -1,5 +1,6 @@
 """Test helpers: dtypes, GPU detection and the ``gpu`` marker, inputs (random, poisoned with inf/NaN),
-a memory pool poisoned with NaN, and the contract's judgement of a forward call.
+a memory pool poisoned with NaN, the contract's judgement of a forward call, and the faked GPU of
+benchmarks/host_path.py.
 
 Tolerances live in tests/tolerances.py, hypothesis strategies in tests/strategies.py.
 """
@@ -50,6 +51,19 @@ def gpu_test(test):
 # tests that run on NumPy arrays (the CPU path) and, where a GPU is present, on CuPy arrays: parametrize
 # by ARRAY_MODULES and take the module with array_module_named
 ARRAY_MODULES = ["numpy", pytest.param("cupy", marks=requires_gpu)]
+
+
+def faked_gpu_module():
+    """benchmarks/host_path.py, whose ``FakeGPU`` answers CuPy's and the plans' device side on the host
+    (imported from the checkout): a kept call's launches and parameter structs, on any machine."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "host_path.py"
+    spec = importlib.util.spec_from_file_location("host_path_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def array_module_named(name: str):

@@ -13,7 +13,7 @@ import pytest
 
 from cupyflash import reference
 from cupyflash.kvcache import flash_attention_with_kvcache
-from helpers import ARRAY_MODULES, FLOAT_DTYPES, array_module_named, gpu_test, host
+from helpers import ARRAY_MODULES, FLOAT_DTYPES, array_module_named, faked_gpu_module, gpu_test, host
 
 TOL = {"float16": 4e-3, "bfloat16": 3e-2, "float32": 2e-5, "float64": 1e-12}
 
@@ -164,6 +164,37 @@ def test_bad_calls_are_refused_naming_what_is_wrong():
         call(q, kc, vc, lens, alibi_slopes=np.ones(4, np.float32))
 
 
+@pytest.mark.parametrize("dtype, kernel", [("float16", "flash_fwd_sm90"), ("bfloat16", "flash_fwd_sm90"),
+                                           ("float32", "flash_fwd_v2")])
+@pytest.mark.parametrize("page_size", [16, 48])
+def test_a_paged_cache_runs_the_forward_a_contiguous_one_would(monkeypatch, dtype, kernel, page_size):
+    """On an H200 (faked: benchmarks/host_path.py) a paged cache of 16-bit inputs runs the Hopper forward,
+    compiled to read pages, like a contiguous one; other dtypes V2's portable kernel. Its struct carries
+    the table, the page size and count, and the elements between pages of k and of v."""
+    pytest.importorskip("cupy")
+    from cupyflash import _launch, _params
+
+    gpu = faked_gpu_module().FakeGPU(patch=monkeypatch.setattr, keep_structs=True)
+    configs = []
+    kernels = _launch.get_kernels
+    monkeypatch.setattr(_launch, "get_kernels", lambda cfg: configs.append(cfg) or kernels(cfg))
+    B, Hkv, G, D, pages = 2, 2, 4, 128, 40
+    dt = np.dtype(dtype) if dtype != "bfloat16" else FLOAT_DTYPES[1]
+    q = gpu.array((B, Hkv * G, 1, D), dt)
+    kc, vc = gpu.array((pages, Hkv, page_size, D), dt), gpu.array((pages, Hkv, page_size, D), dt)
+    lens, table = gpu.array((B,), np.int32), gpu.array((B, pages // B), np.int32)
+    flash_attention_with_kvcache(q, kc, vc, lens, block_table=table)
+    name, struct = gpu.structs[0]   # then, split over the keys, the merge of the parts
+    assert name == kernel and all(other == "flash_merge" for other, _ in gpu.structs[1:])
+    (forward,) = {cfg for cfg in configs if cfg.kernel != "merge"}
+    assert forward.kernel == kernel[len("flash_"):] and forward.paged
+    fwd = np.frombuffer(struct[:_params.FWD.itemsize], _params.FWD)[0]
+    assert fwd["pages"]["table"] == table.data.ptr
+    assert (fwd["pages"]["size"], fwd["pages"]["count"]) == (page_size, pages)
+    assert fwd["pages"]["page_k"] == fwd["pages"]["page_v"] == Hkv * page_size * D
+    assert fwd["seqs"]["len_k"] == lens.data.ptr
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 
@@ -184,15 +215,17 @@ def test_every_dtype_and_shape_matches_the_reference_on_the_gpu(dtype, Hkv, G, N
 
 
 @gpu_test
+@pytest.mark.parametrize("hopper", [True, False], ids=["hopper", "portable"])
 @pytest.mark.parametrize("page_size", [16, 64, 256, 48, 1])
-def test_a_paged_cache_equals_the_contiguous_one_bit_for_bit(page_size, monkeypatch):
-    """On the one kernel that reads both (V2's portable kernel: a contiguous cache of 16-bit inputs runs the
-    Hopper kernel where it may, a paged one does not), paging changes no bit."""
+def test_a_paged_cache_equals_the_contiguous_one_bit_for_bit(page_size, hopper, monkeypatch):
+    """Paging changes no bit, on the Hopper forward (16-bit on sm_90, where both caches run it) and on
+    V2's portable kernel (every other device), split-KV or not; a page size that is no multiple of the
+    rows a copy pass takes (48, 1) crosses pages inside a pass."""
     import cupy
 
     from cupyflash import _launch
 
-    monkeypatch.setattr(_launch, "USE_WGMMA", False)
+    monkeypatch.setattr(_launch, "USE_WGMMA", hopper)
 
     rng = np.random.default_rng(page_size)
     q, kc, vc, lens, new, paged = _case(rng, np.float16, B=5, Hkv=4, G=8, D=128, capacity=1500, n_new=1,

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cupyflash import _launch, _tiles
+from helpers import faked_gpu_module
 
 
 def flat_offsets(layout, t):
@@ -224,18 +225,6 @@ def test_a_call_packs_each_pointer_where_its_name_says(struct, names):
         assert field == given[name], name
 
 
-def _host_path():
-    """benchmarks/host_path.py, the GPU faked (imported from the checkout)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "host_path.py"
-    spec = importlib.util.spec_from_file_location("host_path_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_a_kept_call_writes_each_address_where_the_kernels_read_it(monkeypatch, num_splits):
     """ForwardPlan and BackwardPlan pack a call's addresses in the order FWD_POINTERS and BWD_POINTERS
@@ -245,7 +234,7 @@ def test_a_kept_call_writes_each_address_where_the_kernels_read_it(monkeypatch, 
     pytest.importorskip("cupy")
     from cupyflash import _launch, _params, api
 
-    host_path = _host_path()
+    host_path = faked_gpu_module()
     gpu = host_path.FakeGPU(patch=monkeypatch.setattr, keep_structs=True)
     monkeypatch.setattr(_launch, "PLANS", {})
     q, k, v, do = (gpu.array((2, 3, 200, 64)) for _ in range(4))
