@@ -124,7 +124,8 @@ FLAGS = (
     # s <- s - slope |i + off - j|, a slope per batch entry
     Flag("alibi", SCORED, MAIN, scores=True, fields=(("alibi", "entry"),), array="alibi_slopes", per="entry"),
     # one more key of logit sink and value zero, folded into the forward's final m_i, l_i: only the forwards
-    # read it (the backward's P = exp(S - lse) takes it through m, l; the repair reads m, l; dsink is CuPy's),
+    # read it (the backward's P = exp(S - lse) takes it through m, l; the repair reads m, l; dsink is formed
+    # from flash_bwd_prep's D_i: BackwardPlan.row_sums),
     # in their epilogues, once per row: a run-time word (types.cuh: SWITCH_ON; params.cuh: sink_of)
     Flag("sink", FORWARD, (), fields=(("sink", "entry"),), array="sink", per="entry"),
     # s <- s + bias_ij

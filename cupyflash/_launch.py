@@ -860,6 +860,7 @@ def append_plan(k, v, k_new, v_new, layout: BatchLayout, cache: Cache, capacity:
 # the workspace parts of a backward, in BackwardPlan.parts order; from BWD_SUMS on the three sums
 BWD_PARTS = ("m_b", "inv_l", "lse2", "Dsum", "dq_acc.ptr", "dk_acc", "dv_acc", "dq_turns", "dk_turns", "dv_turns",
              "dq_flags", "kv_flags")
+BWD_DSUM = BWD_PARTS.index("Dsum")
 BWD_SUMS = 4
 # flash_bwd_prep's zero ranges (BwdParams.zero): the workspace's zeroed part, dbias, then the gradients
 # that are the sums themselves
@@ -927,10 +928,12 @@ class BackwardPlan:
     grad_block: Block         # dq, dk, dv in one allocation
     dbias: DbiasBuffer | None = None   # with bias_grad; flash_bwd_prep zeroes it (BwdParams.zero[ZERO_DBIAS])
     tile_map: TileMapPlan | None = None   # mask_mod's, written before the main kernel where the call must
+    row_sums: bool = False    # return flash_bwd_prep's D_i too (a sink's gradient reads them)
 
     def __call__(self, do, q, k, v, o, m, l, out=None, arrays=None, offsets=(None, None), seed=0):
         """``(dq, dk, dv)`` and, with ``dbias``, dbias (of the accumulator dtype and the bias's
-        shape); the modifiers' arrays and the seed as in ``ForwardPlan``."""
+        shape), then with ``row_sums`` the rows' D_i = rowsum(dO_i o O_i) (of the accumulator dtype and
+        m's shape); the modifiers' arrays and the seed as in ``ForwardPlan``."""
         with _on_device(self.device):
             # every buffer first: a call that does not fit raises OutOfMemoryError before any launch
             stream, alloc = call_stream()
@@ -963,13 +966,18 @@ class BackwardPlan:
                 dbias_at, *sums, *NO_SUMS[self.sums:], *(array_addresses(arrays) if arrays else NO_ARRAYS)))
             for step in (self.tile_map.launches if fresh_map else ()) + self.launches:
                 step(stream, address)
-        if dbias is None:
-            return tuple(grads)
-        if self.dbias.to is not None:
-            from ._numpy_ops import unbroadcast
+        extra = ()
+        if dbias is not None:
+            if self.dbias.to is not None:
+                from ._numpy_ops import unbroadcast
 
-            dbias = unbroadcast(dbias, self.dbias.to)
-        return (*grads, dbias)
+                dbias = unbroadcast(dbias, self.dbias.to)
+            extra = (dbias,)
+        if self.row_sums:   # the workspace's Dsum part (the array holds the workspace alive while it is read)
+            import cupy
+
+            extra += (cupy.ndarray(m.shape, m.dtype, memory + (parts[BWD_DSUM] - base)),)
+        return (*grads, *extra)
 
 
 def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: MaskGeometry, scale: float,
@@ -1054,7 +1062,8 @@ def backward_plan(do, q, k, v, o, *, schedule: str, precision: str, geometry: Ma
     if converted:
         launches.append(launch(prep["flash_convert"], convert_grid, convert_threads))
     return BackwardPlan(launches=tuple(launches), device=q.data.device_id, grads=grads, sums=sums, params=params,
-                        workspace=space, grad_block=block_layout(array_parts(grads)), dbias=dbias, tile_map=tile_map)
+                        workspace=space, grad_block=block_layout(array_parts(grads)), dbias=dbias, tile_map=tile_map,
+                        row_sums="sink" in mods.on)
 
 
 # threads per CTA of the kernels whose CTA shape does not depend on the call (their TileConfigs)

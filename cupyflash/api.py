@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 import sys
 from operator import itemgetter
 from typing import TYPE_CHECKING, Optional, Union
@@ -831,8 +832,7 @@ def _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, soft
     offsets, flags = _with_offsets(inputs, flags, varlen)
     plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS, flags, _plan_keepable(varlen) and mod_key is not None)
     if plan is not None:
-        return _with_sink_grad(plan(do, q, k, v, o, m, l, out, arrays, offsets, dropout[1]), do, o, m, l,
-                               arrays.get("sink"))
+        return _with_sink_grad(plan(do, q, k, v, o, m, l, out, arrays, offsets, dropout[1]), m, l, arrays.get("sink"))
     prob = with_softcap(check_backward(do, q, k, v, o, m, l, causal, softmax_scale, window), softcap)
     check_choice("schedule", schedule, SCHEDULES)
     check_choice("precision", precision, PRECISIONS)
@@ -871,7 +871,7 @@ def _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, soft
                 x.fill(0)
             if bias_grad:
                 out = (*out, cupy.zeros(arrays["bias"].shape, m.dtype))
-            return _with_sink_grad(out, do, o, m, l, arrays.get("sink"))
+            return _with_sink_grad(out, m, l, arrays.get("sink"), (do, o))
         ready, key = _kernel_ready((do, q, k, v, o), key)
         kernel = _launch.backward_kernel(schedule, prob.dtype, prob.D, prob.scale)
         fold = _gpu_fold(prob, ready[1:4], (ready[0], ready[4]), kernel, backward=True) if fold_ok else None
@@ -884,23 +884,38 @@ def _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, soft
                                  grad_shapes=(q.shape, k.shape, v.shape))
         grads = _backward_gpu(*ready, m, l, arrays, prob.batch_shape, prob, schedule, precision, deterministic, key,
                               out, *_packed(seqs), bias_grad=bias_grad, dropout=dropout, user=gpu_user)
-        return _with_sink_grad(grads, do, o, m, l, arrays.get("sink"))
+        return _with_sink_grad(grads, m, l, arrays.get("sink"))
 
 
-def _with_sink_grad(grads, do, o, m, l, sinks):
-    """``grads``, and with ``sinks`` the sinks' gradient after them:
-    ``dsink = -sum_i exp(sink - m_i) / l_i · rowsum(dO_i o O_i)``, summed to the sinks' shape (a few
-    CuPy reductions over the outputs, on the call's stream)."""
+def _with_sink_grad(grads, m, l, sinks, do_o=None):
+    """``grads``, and with ``sinks`` the sinks' gradient in place of the rows' ``D_i`` that end them (the
+    backward plan's, ``BackwardPlan.row_sums``; formed from ``do_o = (do, o)`` where given instead):
+    ``dsink = -sum_i exp(sink - m_i) / l_i · D_i``, ``D_i = rowsum(dO_i o O_i)``, summed to the sinks' shape
+    (one elementwise kernel and one sum over the rows, on the call's stream)."""
     if sinks is None:
         return grads
     import cupy
 
-    acc = m.dtype
-    D = cupy.einsum("...d,...d->...", do.astype(acc, copy=False), o.astype(acc, copy=False))   # (*batch, Nq)
+    if do_o is None:
+        *grads, D = grads                                                                       # (*batch, Nq)
+    else:
+        do, o = (x.astype(m.dtype, copy=False) for x in do_o)
+        D = cupy.einsum("...d,...d->...", do, o)
     s = cupy.broadcast_to(sinks, m.shape[:-1])[..., None]                                       # (*batch, 1)
-    inv_l = cupy.where(l == 0, 0, 1 / cupy.where(l == 0, 1, l))
-    P_sink = cupy.exp(s - cupy.where(m == -numpy.inf, 0, m)) * inv_l                            # (*batch, Nq)
-    return (*grads, unbroadcast(-(P_sink * D).sum(axis=-1), sinks.shape))
+    return (*grads, unbroadcast(-_sink_terms()(m, l, D, s).sum(axis=-1), sinks.shape))
+
+
+@lru_cache(maxsize=None)
+def _sink_terms():
+    """``P_sink,i D_i`` per row, as the reference forms it: ``exp(sink - m_i) · (1 / l_i) · D_i``, with
+    ``1 / l_i`` read as 0 where ``l_i = 0`` and ``m_i = -inf`` as 0 (a row of no key and no sink); CuPy's
+    elementwise kernel, broadcasting the sink over the rows."""
+    import cupy
+
+    return cupy.ElementwiseKernel(
+        "T m, T l, T d, S s", "T t",
+        "t = exp((T)s - (isinf(m) && m < (T)0 ? (T)0 : m)) * (l == (T)0 ? (T)0 : (T)1 / l) * d",
+        "cupyflash_sink_terms")
 
 
 def _backward_gpu(do, q, k, v, o, m, l, arrays, batch_shape, prob, schedule, precision, deterministic, key=None,
@@ -950,6 +965,8 @@ def _backward_gpu(do, q, k, v, o, m, l, arrays, batch_shape, prob, schedule, pre
             grads.append(sum(g[1:], g[0])[None])
         else:
             grads.append(cupy.stack(g))
+    if "sink" in arrays:   # each piece's rows' D_i (BackwardPlan.row_sums), laid out as m
+        grads.append(cupy.stack([p[-1] for p in parts]))
     if grad_shapes is not None:
         grads[:3] = [g.reshape(shape) for g, shape in zip(grads[:3], grad_shapes)]
     return (*_into(out, grads[:3]), *grads[3:])

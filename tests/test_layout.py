@@ -303,3 +303,26 @@ def test_a_kept_call_writes_each_address_where_the_kernels_read_it(monkeypatch, 
     (bplan,) = [p for p in _launch.PLANS.values() if isinstance(p, _launch.BackwardPlan)]
     base = bwd["lse2"] - bplan.workspace.offsets[_launch.BWD_PARTS.index("lse2")]   # the workspace's
     assert bwd["zero"][0]["ptr"] == base + bplan.workspace.zero_from
+
+
+def test_a_backward_with_a_sink_returns_the_rows_sums_its_prep_wrote(monkeypatch):
+    """With a sink the backward plan returns, after dq, dk, dv, the rows' D_i = rowsum(dO_i o O_i) where
+    flash_bwd_prep wrote them (the struct's Dsum, laid out as m): dsink is formed from those, not from
+    another pass over dO and O (the GPU faked, ``benchmarks/host_path.py``)."""
+    pytest.importorskip("cupy")
+    from cupyflash import _params, api
+
+    gpu = faked_gpu_module().FakeGPU(patch=monkeypatch.setattr, keep_structs=True)
+    monkeypatch.setattr(_launch, "PLANS", {})
+    q, k, v, do, o = (gpu.array((2, 3, 200, 64)) for _ in range(5))
+    m, l = gpu.array((2, 3, 200), numpy.float32), gpu.array((2, 3, 200), numpy.float32)
+    sink = gpu.array((3,), numpy.float32)
+    prob = api.check_backward(do, q, k, v, o, m, l, True, None, None)
+    for arrays, returned in (({}, 3), ({"sink": sink}, 4)):
+        gpu.structs.clear()
+        grads = api._backward_gpu(do, q, k, v, o, m, l, arrays, prob.batch_shape, prob, "auto", "highest", False)
+        assert len(grads) == returned
+    bwd = numpy.frombuffer(gpu.structs[0][1][:_params.BWD.itemsize], _params.BWD)[0]
+    rows = grads[-1]
+    assert (rows.shape, rows.dtype, rows.data.ptr) == (m.shape, m.dtype, bwd["Dsum"])
+    assert bwd["mods"]["sink"]["ptr"] == sink.data.ptr
