@@ -14,7 +14,7 @@ from typing import Optional
 import numpy
 
 from ._mask import MaskGeometry
-from ._philox import check_dropout as check_philox_dropout, keep_threshold
+from ._philox import keep_threshold
 from ._tiles import MAX_HEAD_DIM, accumulator_dtype, dtype_name
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -229,18 +229,60 @@ def check_splits(num_splits, schedule: str):
     return int(num_splits)
 
 
-def check_dropout(dropout_p, seed) -> tuple:
+def check_dropout(dropout_p, seed, q=None) -> tuple:
     """``(p, seed)`` of dropout, validated: ``dropout_p`` a real number in [0, 1) (not so close to 1 that
-    round(p 2^32), the kernels' threshold, leaves 32 bits), and for p > 0 an int ``seed`` in [0, 2^64);
-    ``(0.0, 0)`` without dropout."""
+    round(p 2^32), the kernels' threshold, leaves 32 bits), and for p > 0 a seed (``check_seed``; a device
+    seed on the device of ``q``, where given); ``(0.0, 0)`` without dropout."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, numpy.integer, numpy.floating)):
         raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
-    check_philox_dropout(float(dropout_p), seed)
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must satisfy 0 <= p < 1, got {dropout_p!r}")
     if not dropout_p:
         return 0.0, 0
     if int(keep_threshold(float(dropout_p))) >= 2**32:
         raise ValueError(f"dropout_p must be below 1 - 2^-33, got {dropout_p!r}")
-    return float(dropout_p), int(seed)
+    seed = check_seed(seed)
+    if not isinstance(seed, int) and q is not None:
+        if isinstance(q, numpy.ndarray):
+            raise TypeError("seed is a cupy.ndarray but q, k, v are NumPy arrays: pass an int or a NumPy array")
+        if seed.device.id != q.device.id:
+            raise ValueError(f"seed is on device {seed.device.id}, q on device {q.device.id}")
+    return float(dropout_p), seed
+
+
+def check_seed(seed):
+    """Dropout's seed as the kernels take it: an int in [0, 2^64), from an int or from an array that holds
+    it, one uint64 or two uint32 words (the low word first: ``jax.random.key_data`` of a key), NumPy's
+    read here; a CuPy array of those is a device seed, kept as it is (read by the kernels as they run,
+    so a captured graph or a jitted step draws a new seed from the same call), C-contiguous and
+    8-byte aligned."""
+    if isinstance(seed, (int, numpy.integer)) and not isinstance(seed, bool):
+        if not 0 <= seed < 2**64:
+            raise ValueError(f"dropout_p > 0 needs an int seed in [0, 2^64), got {seed!r}")
+        return int(seed)
+    shape = getattr(seed, "shape", None)
+    dtype = getattr(seed, "dtype", None)
+    words = {numpy.dtype(numpy.uint64): 1, numpy.dtype(numpy.uint32): 2}.get(dtype)
+    if shape is None or words is None or math.prod(shape) != words:
+        seen = repr(seed) if shape is None else f"an array of shape {shape}, dtype {dtype}"
+        raise ValueError("dropout_p > 0 needs an int seed in [0, 2^64), or an array of one uint64 or two uint32 "
+                         f"words (the low one first), got {seen}")
+    if isinstance(seed, numpy.ndarray):
+        return seed_value(seed)
+    cupy = _cupy()
+    if cupy is None or not isinstance(seed, cupy.ndarray):
+        raise TypeError(f"seed must be an int, a NumPy or a CuPy array, got {type(seed).__name__}")
+    if not seed.flags.c_contiguous or seed.data.ptr % 8:
+        raise ValueError("a CuPy seed must be C-contiguous and 8-byte aligned (the kernels read it as one uint64)")
+    return seed
+
+
+def seed_value(seed) -> int:
+    """The int of a seed ``check_seed`` took (a CuPy one read back to the host: the CPU path's)."""
+    if isinstance(seed, int):
+        return seed
+    words = numpy.asarray(seed.get() if hasattr(seed, "get") else seed).reshape(-1)
+    return int(words[0]) if words.dtype == numpy.uint64 else int(words[0]) | int(words[1]) << 32
 
 
 def with_softcap(prob: "Problem", softcap) -> "Problem":

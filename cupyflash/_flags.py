@@ -140,7 +140,7 @@ FLAGS = (
     Flag("mask", SCORED, MAIN, pair_tiles=True, scores=True, fields=(("keep", "pair"),), array="mask", per="pair"),
     # P's pairs dropped by a Philox keep set, the rest scaled by 1 / (1 - p)
     Flag("dropout", SCORED, MAIN, pair_tiles=True,
-         fields=(("threshold", "u32"), ("keep_scale", "f64"), ("seed", "u64"))),
+         fields=(("threshold", "u32"), ("keep_scale", "f64"), ("seed", "u64"), ("seed_at", "ptr"))),
     # packed variable-length sequences (params.cuh: Seqs), or a K/V cache's lengths: where each CTA's sequence
     # and its Mask come from, once per CTA (seq_of), a run-time word (types.cuh: SWITCH_ON) but in the
     # Hopper kernels, whose producer warpgroup (24-40 registers) finds each tile's sequence: there the packed

@@ -661,7 +661,7 @@ class ForwardPlan:
         """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given; ``arrays`` the
         modifiers' arrays by flag (``_flags.call_arrays``: ALiBi slopes, sink logits, bias, mask; those of
         ``Mods.on``) as laid out for the plan; ``offsets`` the int32 offsets of packed sequences (with
-        ``Packed``); ``seed`` dropout's (with ``Mods.dropout``); ``lens``, ``table`` a cache's int32
+        ``Packed``); ``seed`` dropout's (with ``Mods.dropout``: ``seed_words``); ``lens``, ``table`` a cache's int32
         lengths and page table (with ``Packed.cache``)."""
         with _on_device(self.device):
             stream, alloc = call_stream()
@@ -681,7 +681,7 @@ class ForwardPlan:
             tiles, tile_memory, fresh_map = self.tile_map.locate(alloc, stream) if self.tile_map else (0, None, False)
             struct, address = self.params.pack((
                 q.data.ptr, k.data.ptr, v.data.ptr, *parts, *self.scratch.block.pointers(scratch_base),
-                o_run.ptr if o_run else 0, _address(offsets[0]), _address(offsets[1]), seed, tiles, _address(lens),
+                o_run.ptr if o_run else 0, _address(offsets[0]), _address(offsets[1]), *seed_words(seed), tiles, _address(lens),
                 _address(table), *(array_addresses(arrays) if arrays else NO_ARRAYS)))
             for step in (self.tile_map.launches if fresh_map else ()) + self.launches[:1]:
                 step(stream, address)
@@ -698,6 +698,12 @@ class ForwardPlan:
 NO_ARRAYS = (0,) * len(_flags.ARRAY_FLAGS)
 
 
+def seed_words(seed) -> tuple:
+    """``(mods.seed, mods.seed_at)`` of dropout's ``seed``: an int, or a device seed (a CuPy array the
+    kernels read it from, ``_checks.check_seed``)."""
+    return (seed, 0) if isinstance(seed, int) else (0, seed.data.ptr)
+
+
 def array_addresses(arrays: dict) -> list:
     """The addresses of a call's modifier arrays (by flag, ``_flags.call_arrays``) in ``ARRAY_FLAGS``
     order, 0 for those it does not give."""
@@ -710,7 +716,7 @@ FWD_PARTS = ("o_parts", "m_parts", "l_parts", "tile_counter", "repair_flags")
 # V1's running O, packed sequences' offsets, dropout's seed, the tile map, a cache's lengths and page table,
 # the modifiers' arrays (_flags.Flag.pointer)
 FWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o", "m", "l", *FWD_PARTS, "o_run", "seqs.cu_q", "seqs.cu_k", "mods.seed",
-                "tiles.base", "seqs.len_k", "pages.table", *(f.pointer for f in _flags.ARRAY_FLAGS))
+                "mods.seed_at", "tiles.base", "seqs.len_k", "pages.table", *(f.pointer for f in _flags.ARRAY_FLAGS))
 
 
 def _repair(head_dim: int, dtype, flags: int, mods: Mods, used: frozenset):
@@ -871,7 +877,7 @@ NO_SUMS = (0,) * (ZERO_RANGES - ZERO_SUMS)
 # parts, packed sequences' offsets, dbias, dropout's seed, the tile map, the ranges flash_bwd_prep zeroes
 # (the workspace's zeroed part, dbias, the sums), the modifiers' arrays (_flags.Flag.pointer)
 BWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o.ptr", "dO.ptr", "m", "l", "dq", "dk.ptr", "dv.ptr", *BWD_PARTS,
-                "seqs.cu_q", "seqs.cu_k", "mods.dbias.ptr", "mods.seed", "tiles.base",
+                "seqs.cu_q", "seqs.cu_k", "mods.dbias.ptr", "mods.seed", "mods.seed_at", "tiles.base",
                 *(f"zero[{i}].ptr" for i in range(ZERO_RANGES)), *(f.pointer for f in _flags.ARRAY_FLAGS))
 
 
@@ -962,7 +968,7 @@ class BackwardPlan:
             dbias_at = _address(dbias)
             struct, address = self.params.pack((
                 q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, do.data.ptr, m.data.ptr, l.data.ptr, dq, dk, dv, *parts,
-                _address(offsets[0]), _address(offsets[1]), dbias_at, seed, tiles, base + self.workspace.zero_from,
+                _address(offsets[0]), _address(offsets[1]), dbias_at, *seed_words(seed), tiles, base + self.workspace.zero_from,
                 dbias_at, *sums, *NO_SUMS[self.sums:], *(array_addresses(arrays) if arrays else NO_ARRAYS)))
             for step in (self.tile_map.launches if fresh_map else ()) + self.launches:
                 step(stream, address)

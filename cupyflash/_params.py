@@ -55,9 +55,9 @@ ENTRY_ARRAY = _struct([("ptr", _ptr), ("s0", _i64), ("s1", _i64), ("s2", _i64)])
 USER_ARGS = _struct([("slot", numpy.uint64, (8,))])
 # the type codes of _flags.Flag.fields
 FIELD_TYPES = {"entry": ENTRY_ARRAY, "pair": PAIR_ARRAY, "i32": _i32, "u32": numpy.uint32, "f64": _f64,
-               "u64": numpy.uint64}
+               "u64": numpy.uint64, "ptr": _ptr}
 # ScoreMods (score_mod.cuh): the members of each row of _flags.FLAGS in table order (softcap, the ALiBi
-# slopes, the sink logits, the bias, dbias, the mask, dropout's threshold, scale and seed), then the flat
+# slopes, the sink logits, the bias, dbias, the mask, dropout's threshold, scale, seed and device seed), then the flat
 # batch index of the call's entry 0 and the user expressions' mod_args (UserArgs: eight 64-bit slots)
 SCORE_MODS = _struct([(name, FIELD_TYPES[code]) for flag in FLAGS for name, code in flag.fields]
                      + [("batch0", _i64), ("user", USER_ARGS)])

@@ -18,7 +18,7 @@ from ._fold import fold_of, foldable, keeps_the_gpu_busy
 from ._numpy_ops import unbroadcast
 from ._checks import (SCHEDULES, check_backward, check_bool, check_choice, check_disjoint, check_dropout,
                       check_forward, check_out, check_pairwise, check_per_entry, check_seqlens, check_splits,
-                      kernel_ready, readable_in_place, with_softcap)
+                      kernel_ready, readable_in_place, seed_value, with_softcap)
 from ._tiles import PRECISIONS, accumulator_dtype
 
 
@@ -207,8 +207,11 @@ def flash_attention_forward(q: Array, k: Array, v: Array, *, causal: bool = Fals
         it does not depend on tiles, schedule, kernel or GPU, and the
         backward with the same ``seed`` drops the same pairs. ``m``, ``l``
         are those of the scores before dropout.
-    seed : int, optional
-        Dropout's seed in ``[0, 2⁶⁴)``; needed when ``dropout_p > 0``.
+    seed : int or array, optional
+        Dropout's seed in ``[0, 2⁶⁴)``; needed when ``dropout_p > 0``. Or an array that holds it,
+        one ``uint64`` or two ``uint32`` words, the low one first (``jax.random.key_data``'s
+        layout): a CuPy one is a *device seed*, read by the kernels as they run, so a captured
+        CUDA graph replayed after the array changed (or a jitted JAX step) drops another set.
     score_mod : str, optional
         A C expression (the language of ``cupyflash._expr``: numbers,
         ``+ - * / %``, comparisons, ``&& || !``, ``?:``, casts and float
@@ -355,7 +358,7 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
     """``flash_attention_forward``, or with ``varlen`` = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k) ``flash_attention_varlen_forward``; ``user``: (score_mod, score_mod_grad, mask_mod,
     mod_args)."""
-    dropout = check_dropout(dropout_p, seed)
+    dropout = check_dropout(dropout_p, seed, q)
     expressions = user_mods(*user)
     arrays = call_arrays(alibi_slopes=alibi_slopes, sink=sink, bias=bias, mask=mask)
     inputs = _with_arrays({"q": q, "k": k, "v": v}, arrays)
@@ -822,7 +825,7 @@ def _backward(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softc
 def _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, softcap, alibi_slopes, sink, schedule,
                precision, deterministic, out, bias, mask, bias_grad, dropout_p, seed, user):
     """dq, dk, dv (dbias, dsink where asked) of ``_backward``'s call."""
-    dropout = check_dropout(dropout_p, seed)
+    dropout = check_dropout(dropout_p, seed, q)
     expressions = user_mods(*user, backward=True)
     arrays = call_arrays(alibi_slopes=alibi_slopes, sink=sink, bias=bias, mask=mask)
     inputs = _with_arrays({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}, arrays)
@@ -1160,8 +1163,8 @@ def dropout_mask(seed: int, p: float, batch_shape, n_q: int, n_k: int, *, xp=num
 
     Parameters
     ----------
-    seed : int
-        In ``[0, 2⁶⁴)`` (any value when ``p == 0``).
+    seed : int or array
+        In ``[0, 2⁶⁴)`` (any value when ``p == 0``), or an array holding it as the forward takes it.
     p : float
         ``0 <= p < 1``.
     batch_shape : tuple of int
@@ -1181,6 +1184,7 @@ def dropout_mask(seed: int, p: float, batch_shape, n_q: int, n_k: int, *, xp=num
         :func:`flash_attention_backward` keep with ``dropout_p=p, seed=seed``, on any kernel.
     """
     p, seed = check_dropout(p, seed)
+    seed = seed_value(seed)
     shape = (*tuple(int(n) for n in batch_shape), int(n_q), int(n_k))
     if xp is numpy:
         from ._philox import dropout_keep

@@ -13,10 +13,11 @@ Both targets are Python functions registered as XLA FFI handlers through ctypes
 - on the CPU the same handlers run cupyflash's NumPy path over XLA's host buffers.
 
 The options (causal, scale, window, softcap, precision, deterministic, the user expressions and the
-numbers of their ``mod_args``) travel as one XLA attribute (a JSON text, parsed once per text), checked
-when the call is traced, by cupyflash's own checks. The modifiers' arrays (ALiBi slopes, a sink, a
-bias, a mask) and those of ``mod_args`` are operands after the inputs: the sink and the bias get
-gradients, the others are constants to the VJP. The handlers run Python at every call (tens of
+numbers of their ``mod_args``, dropout's p) travel as one XLA attribute (a JSON text, parsed once per
+text), checked when the call is traced, by cupyflash's own checks. The modifiers' arrays (ALiBi slopes,
+a sink, a bias, a mask), dropout's key and the arrays of ``mod_args`` are operands after the inputs: the
+sink and the bias get gradients, the others are constants to the VJP. Dropout's key reaches the kernels
+as a device seed (read as they run), so each step's new key needs no new trace and no host read. The handlers run Python at every call (tens of
 microseconds of host time) and are not recorded into XLA's command buffers (CUDA graphs).
 
 Importing this module imports JAX; ``import cupyflash`` does not.
@@ -37,8 +38,8 @@ import jax.numpy as jnp
 import numpy
 
 from . import _xla_ffi
-from ._checks import (check_bool, check_choice, check_forward, check_offset_shapes, check_pairwise, check_per_entry,
-                      with_softcap)
+from ._checks import (check_bool, check_choice, check_dropout, check_forward, check_offset_shapes, check_pairwise,
+                      check_per_entry, check_seed, with_softcap)
 from ._expr import user_mods
 from ._tiles import PRECISIONS, accumulator_dtype
 from ._views import device_view
@@ -52,10 +53,11 @@ FORWARD_TARGET = "cupyflash_forward"
 BACKWARD_TARGET = "cupyflash_backward"
 OPTIONS = "options"     # the one attribute of both calls: their keywords as JSON (Options.attributes)
 NUMBERS = (bool, int, float, numpy.bool_, numpy.number)   # mod_args values that travel in the attribute
-# the modifiers' arrays JAX takes, operands after the inputs in this order, and cupyflash's check of each;
-# a sink and a bias get their gradients (the backward's dsink and, where the bias is differentiated, dbias)
+# the arrays of cupyflash's keywords JAX takes, operands after the inputs in this order, and cupyflash's check
+# of each; a sink and a bias get their gradients (the backward's dsink and, where the bias is differentiated,
+# dbias); `seed` is dropout's key as two uint32 words (_key_words), a device seed to the kernels
 MODIFIERS = (("alibi_slopes", check_per_entry), ("sink", check_per_entry), ("bias", check_pairwise),
-             ("mask", check_pairwise))
+             ("mask", check_pairwise), ("seed", lambda name, x, prob: check_seed(x)))
 # the block masks of traced calls by key: held by the calls' Options (so by JAX's caches of them) while used
 BLOCK_MASKS: "weakref.WeakValueDictionary[int, BlockMask]" = weakref.WeakValueDictionary()
 MAX_HEAD_DIM = 256      # the lse gradient adds one column to D (``_lse_backward``)
@@ -80,6 +82,7 @@ class Options:
     block_mask: Optional[BlockMask] = None   # in place of mask_mod and mod_args (BLOCK_MASKS holds it by id)
     varlen: Optional[tuple] = None   # packed sequences: (max_seqlen_q, max_seqlen_k); their offsets the first operands
                                      # after the inputs
+    dropout_p: float = 0.0  # its key an operand among the modifiers' (`seed`)
 
     def named(self, arrays) -> dict:
         """The modifiers' arrays among ``arrays`` (the operands after the inputs), by keyword."""
@@ -93,6 +96,8 @@ class Options:
         in BLOCK_MASKS. JSON keeps ints from floats and a float's every bit."""
         kw = dict(causal=self.causal, softmax_scale=self.softmax_scale, window=self.window, softcap=self.softcap,
                   precision=self.precision)
+        if self.dropout_p:
+            kw["dropout_p"] = self.dropout_p
         for name in ("score_mod", "mask_mod", "score_mod_grad") if backward else ("score_mod", "mask_mod"):
             if getattr(self, name) is not None:
                 kw[name] = getattr(self, name)
@@ -157,12 +162,12 @@ def _stand_in(x):
 
 def check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic, score_mod=None,
           score_mod_grad=None, mask_mod=None, mod_args=None, block_mask=None, alibi_slopes=None, sink=None,
-          bias=None, mask=None, varlen=None):
+          bias=None, mask=None, varlen=None, dropout_p=0.0, dropout_rng=None):
     """``(Problem, Options, arrays)`` of a call, by cupyflash's own checks (``_checks``,
     ``_expr.user_mods``): a TypeError or ValueError naming the argument, raised while the call is traced.
     ``varlen``: packed sequences' ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``.
-    ``arrays``: the operands after q, k, v as JAX arrays: the offsets with ``varlen``, the modifiers'
-    (``Options.modifiers``), those of ``mod_args`` (``Options.mod_arrays``)."""
+    ``arrays``: the operands after q, k, v as JAX arrays: the offsets with ``varlen``, the modifiers' and
+    dropout's key (``Options.modifiers``), those of ``mod_args`` (``Options.mod_arrays``)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
@@ -170,7 +175,13 @@ def check(q, k, v, causal, softmax_scale, window, softcap, precision, determinis
     check_choice("precision", precision, PRECISIONS)
     check_bool("deterministic", deterministic)
     offsets, maxima = _packed(varlen, prob)
-    modifiers = _modifier_arrays(prob, {"alibi_slopes": alibi_slopes, "sink": sink, "bias": bias, "mask": mask})
+    words = None if dropout_rng is None else _key_words(dropout_rng)
+    dropout_p = check_dropout(dropout_p, 0 if words is None else _stand_in(words))[0]   # p's checks
+    if dropout_p and words is None:
+        raise ValueError("dropout_p > 0 needs dropout_rng, a JAX PRNG key (jax.random.key(...) or PRNGKey(...))")
+    words = words if dropout_p else None
+    modifiers = _modifier_arrays(prob, {"alibi_slopes": alibi_slopes, "sink": sink, "bias": bias, "mask": mask,
+                                        "seed": words})
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"block_mask must be a cupyflash.BlockMask (cupyflash.block_mask(...)), got "
@@ -182,7 +193,7 @@ def check(q, k, v, causal, softmax_scale, window, softcap, precision, determinis
         if varlen is not None:
             raise TypeError("block_mask is not for packed sequences: their tile maps depend on each call's offsets")
         options = Options(prob.causal, prob.scale, prob.window, prob.softcap, precision, bool(deterministic),
-                          score_mod, score_mod_grad, None, (), (), tuple(modifiers), block_mask)
+                          score_mod, score_mod_grad, None, (), (), tuple(modifiers), block_mask, dropout_p=dropout_p)
         options.expressions()
         return prob, options, tuple(modifiers.values())
     mod_args, arrays = _mod_arrays(mod_args)
@@ -190,8 +201,22 @@ def check(q, k, v, causal, softmax_scale, window, softcap, precision, determinis
     numbers = () if user is None else tuple((name, x) for name, x in user.args.items() if name not in arrays)
     specs = tuple((name, tuple(x.shape), numpy.dtype(x.dtype).name) for name, x in arrays.items())
     return prob, Options(prob.causal, prob.scale, prob.window, prob.softcap, precision, bool(deterministic),
-                         score_mod, score_mod_grad, mask_mod, numbers, specs, tuple(modifiers), varlen=maxima), \
-        (*offsets, *modifiers.values(), *arrays.values())
+                         score_mod, score_mod_grad, mask_mod, numbers, specs, tuple(modifiers), varlen=maxima,
+                         dropout_p=dropout_p), (*offsets, *modifiers.values(), *arrays.values())
+
+
+def _key_words(key):
+    """Dropout's key as the kernels' seed: the two uint32 words of a JAX PRNG key (a typed key's
+    ``jax.random.key_data``, or a raw ``PRNGKey``), the low one first: the seed ``words[0] + 2^32
+    words[1]`` of :func:`cupyflash.flash_attention_forward`."""
+    if not hasattr(key, "dtype"):
+        key = jnp.asarray(key)
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    if key.dtype != jnp.uint32 or key.shape != (2,):
+        raise ValueError(f"dropout_rng must be one JAX PRNG key of two uint32 words (jax.random.key or PRNGKey, "
+                         f"threefry), got shape {key.shape}, dtype {key.dtype}")
+    return key
 
 
 def _packed(varlen, prob) -> tuple:
@@ -531,6 +556,9 @@ def _lse_backward(do, dlse, q, k, v, o, m, l, options, arrays, bias_grad):
     """
     if q.shape[-1] + 1 > MAX_HEAD_DIM:
         raise NotImplementedError(f"the gradient through lse needs a head dim D < {MAX_HEAD_DIM}, got D={q.shape[-1]}")
+    if options.dropout_p:   # the extra column's g_i would be dropped with the pair's dP_ij: lse is dropout's outside
+        raise NotImplementedError("the gradient through lse is not taken with dropout (lse is the statistic before "
+                                  "dropout; the wider backward that carries it would drop its term too)")
     wide = (lambda x, c: jnp.concatenate([x, jnp.broadcast_to(c, (*x.shape[:-1], 1)).astype(x.dtype)], axis=-1))
     dq, dk, dv, *extra = flash_attention_backward_ffi(wide(do, dlse[..., None]), wide(q, 0), wide(k, 0), wide(v, 1),
                                                       wide(o, 0), m, l, options, arrays, bias_grad)
@@ -550,7 +578,7 @@ def _sum_to(x, shape):
 
 def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None,
                     window=None, softcap: Optional[float] = None, alibi_slopes=None, sink=None, bias=None,
-                    mask=None, precision: str = "highest",
+                    mask=None, dropout_p: float = 0.0, dropout_rng=None, precision: str = "highest",
                     deterministic: bool = False, return_lse: bool = False, score_mod: Optional[str] = None,
                     score_mod_grad: Optional[str] = None, mask_mod: Optional[str] = None,
                     mod_args: Optional[dict] = None, block_mask: Optional[BlockMask] = None):
@@ -577,12 +605,22 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[fl
     mask : jax.Array of bool, optional
         Visible pairs, broadcasting to ``(*batch, Nq, Nk)``, as there. Traced; no
         gradient.
+    dropout_p : float, optional
+        Dropout on the attention probabilities, as in
+        :func:`cupyflash.flash_attention_forward`. Static.
+    dropout_rng : jax.Array, optional
+        A JAX PRNG key (``jax.random.key(...)`` or ``jax.random.PRNGKey(...)``),
+        needed when ``dropout_p > 0``. Traced: its two words are the kernels' seed,
+        read on the device as they run (``words[0] + 2³² words[1]``, the seed
+        :func:`cupyflash.dropout_mask` takes), so a new key each step needs no new
+        trace; the backward drops what the forward dropped. Split it per step
+        as usual; an unbatched key under ``vmap`` drops alike in every entry.
     deterministic : bool, optional
         Bitwise-identical gradients run to run (:func:`cupyflash.flash_attention_backward`).
     return_lse : bool, optional
         Also return ``lse = m + log l``, shape ``(*batch, Nq)``, float32 (float64
-        for float64 inputs). It is differentiable too (for ``D < 256``): its
-        gradient takes one backward over a head dim one wider.
+        for float64 inputs). It is differentiable too (for ``D < 256``, without
+        dropout): its gradient takes one backward over a head dim one wider.
     score_mod, score_mod_grad, mask_mod : str, optional
         User expressions, as in :func:`cupyflash.flash_attention_forward` and
         :func:`cupyflash.flash_attention_backward`; a gradient through a
@@ -625,14 +663,15 @@ def flash_attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[fl
     """
     _, options, arrays = check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic,
                                score_mod, score_mod_grad, mask_mod, mod_args, block_mask, alibi_slopes, sink, bias,
-                               mask)
+                               mask, dropout_p=dropout_p, dropout_rng=dropout_rng)
     return _attention_lse(q, k, v, arrays, options) if return_lse else _attention(q, k, v, arrays, options)
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                            causal: bool = False, softmax_scale: Optional[float] = None, window=None,
                            softcap: Optional[float] = None, alibi_slopes=None, sink=None, bias=None, mask=None,
-                           precision: str = "highest", deterministic: bool = False, return_lse: bool = False,
+                           dropout_p: float = 0.0, dropout_rng=None, precision: str = "highest",
+                           deterministic: bool = False, return_lse: bool = False,
                            score_mod: Optional[str] = None, score_mod_grad: Optional[str] = None,
                            mask_mod: Optional[str] = None, mod_args: Optional[dict] = None):
     """Exact attention over packed variable-length sequences on JAX arrays, inside or outside ``jax.jit``.
@@ -660,5 +699,5 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     """
     _, options, arrays = check(q, k, v, causal, softmax_scale, window, softcap, precision, deterministic,
                                score_mod, score_mod_grad, mask_mod, mod_args, None, alibi_slopes, sink, bias, mask,
-                               (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+                               (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), dropout_p, dropout_rng)
     return _attention_lse(q, k, v, arrays, options) if return_lse else _attention(q, k, v, arrays, options)

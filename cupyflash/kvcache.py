@@ -140,7 +140,7 @@ class CachePlan:
 
     def __call__(self, q, k_cache, v_cache, lens, table, k, v, out):
         if self.append is not None:
-            with q.device:
+            with _launch._on_device(q.data.device_id):
                 _append(self.append, k_cache, v_cache, k, v, lens, table)
         return self.forward(q, k_cache, v_cache, out, None, (None, None), 0, lens, table)
 

@@ -326,7 +326,8 @@ struct ScoreMods {
     PairArray<const unsigned char> keep;    // FLASH_MASK: bool, 1 = visible
     unsigned threshold;                     // FLASH_DROPOUT: round(p 2^32), a word below it drops its pair
     double keep_scale;                      // FLASH_DROPOUT: 1 / (1 - p)
-    unsigned long long seed;                // FLASH_DROPOUT: the Philox key (written per call)
+    unsigned long long seed;                // FLASH_DROPOUT: the Philox key (written per call) ...
+    const unsigned long long* seed_at;      // ... or where the kernels read it (a device seed), else null
     i64 batch0;                             // the flat batch index of the call's entry 0 (of a peeled piece)
     UserArgs user;                          // FLASH_USER_*: mod_args
 
@@ -359,8 +360,9 @@ struct ScoreMods {
             e.b_lo = (unsigned)b;
             e.b_hi = (unsigned)(b >> 32);
             e.pq0 = (unsigned)q0;
-            e.seed_lo = (unsigned)seed;
-            e.seed_hi = (unsigned)(seed >> 32);
+            const unsigned long long key = seed_at != nullptr ? *seed_at : seed;
+            e.seed_lo = (unsigned)key;
+            e.seed_hi = (unsigned)(key >> 32);
             e.threshold = threshold;
             e.keep_scale = (acc_t)keep_scale;
         }

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import cupyflash
 from cupyflash import _philox, blocked, reference
+from cupyflash._checks import seed_value
 from helpers import DTYPE_BY_NAME, assert_refused, gpu_test, random_inputs, to_gpu
 from strategies import attention_problem_shapes
 from test_window import SCHEDULES, WINDOWS, assert_float64_close
@@ -84,6 +85,9 @@ def test_the_blocked_path_drops_the_same_pairs_on_any_tiling():
     (dict(dropout_p=0.5), ValueError, "needs an int seed"),
     (dict(dropout_p=0.5, seed=2**64), ValueError, "needs an int seed"),
     (dict(dropout_p=0.5, seed=1.5), ValueError, "needs an int seed"),
+    (dict(dropout_p=0.5, seed=True), ValueError, "needs an int seed"),
+    (dict(dropout_p=0.5, seed=numpy.zeros(3, numpy.uint32)), ValueError, "got an array of shape (3,), dtype uint32"),
+    (dict(dropout_p=0.5, seed=numpy.zeros(2, numpy.int32)), ValueError, "got an array of shape (2,), dtype int32"),
     (dict(dropout_p=1 - 2**-40, seed=1), ValueError, "dropout_p must be below 1 - 2^-33"),
     (dict(dropout_p=True, seed=1), TypeError, "dropout_p must be a real number"),
     (dict(dropout_p="0.1", seed=1), TypeError, "dropout_p must be a real number"),
@@ -91,6 +95,31 @@ def test_the_blocked_path_drops_the_same_pairs_on_any_tiling():
 @pytest.mark.parametrize("call", ["forward", "backward", "flash_attention", "varlen"])
 def test_bad_dropout_is_refused_naming_the_argument(kw, error, words, call):
     assert_refused(call, error, words, **kw)
+
+
+@pytest.mark.parametrize("call", ["forward", "backward"])
+def test_a_seed_held_in_an_array_drops_what_its_int_drops(call):
+    """A seed given as one uint64 or as two uint32 words (the low one first, jax.random.key_data's layout)
+    is the int they hold: the NumPy path gives the same bits."""
+    rng = numpy.random.default_rng(6)
+    q, k, v = random_inputs(rng, "float32", (2, 3, 40, 16), (2, 3, 50, 16))
+    do = rng.standard_normal(q.shape).astype(numpy.float32)
+    seed = 0x0123456789ABCDEF
+    held = (numpy.array([seed], numpy.uint64), numpy.array([seed & 0xFFFFFFFF, seed >> 32], numpy.uint32),
+            numpy.array([[seed & 0xFFFFFFFF], [seed >> 32]], numpy.uint32))
+
+    def run(s):
+        o, m, l = cupyflash.flash_attention_forward(q, k, v, causal=True, dropout_p=0.3, seed=s)
+        if call == "forward":
+            return o, m, l
+        return cupyflash.flash_attention_backward(do, q, k, v, o, m, l, causal=True, dropout_p=0.3, seed=s)
+
+    want = run(seed)
+    for s in held:
+        for x, y in zip(run(s), want):
+            assert x.tobytes() == y.tobytes()
+    assert not numpy.array_equal(run(seed + 1)[0], want[0])
+    assert seed_value(held[1]) == seed
 
 
 @settings(deadline=None, max_examples=20)
@@ -241,3 +270,52 @@ def test_packed_sequences_with_dropout_match_the_reference(schedule, dtype, D, m
     ref_grads = reference.attention_varlen_backward(do, q, k, v, o.get(), m.get(), l.get(), cu_q, cu_k, **kw)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert_close_to(name, got.get(), ref, dtype)
+
+
+@gpu_test
+@pytest.mark.parametrize("schedule", ["auto", "v1", "v2-mma"])
+def test_a_device_seed_is_read_as_the_kernels_run(schedule, monkeypatch):
+    """A CuPy seed (two uint32 words, the low one first) drops what its int drops, forward and backward;
+    rewritten between calls, the kept plan reads the new value; and a captured forward + backward,
+    replayed after the array was rewritten, drops the new seed's set."""
+    import cupy
+
+    from cupyflash import _launch
+
+    monkeypatch.setattr(_launch, "USE_WGMMA", schedule != "v2-mma")
+    schedule = "v2" if schedule == "v2-mma" else schedule
+    rng = numpy.random.default_rng(7)
+    q, k, v = to_gpu(*random_inputs(rng, "float16", (2, 3, 200, 64), (2, 3, 230, 64)))
+    do = cupy.asarray(rng.standard_normal(q.shape).astype(numpy.float16))
+    words = lambda s: cupy.asarray(numpy.array([s & 0xFFFFFFFF, s >> 32], numpy.uint32))   # noqa: E731
+    kw = dict(causal=True, dropout_p=0.25, schedule=schedule)
+
+    def step(seed, fwd_out=None, bwd_out=None):
+        o, m, l = cupyflash.flash_attention_forward(q, k, v, seed=seed, out=fwd_out, **kw)
+        return (o, m, l), cupyflash.flash_attention_backward(do, q, k, v, o, m, l, seed=seed, out=bwd_out,
+                                                             deterministic=True, **kw)   # bits comparable
+
+    def assert_same(a, b):
+        for x, y in zip((*a[0], *a[1]), (*b[0], *b[1])):
+            assert x.tobytes() == y.tobytes()
+
+    device_seed = words(2**40 + 17)
+    assert_same(step(device_seed), step(2**40 + 17))
+    device_seed[...] = words(99)
+    assert_same(step(device_seed), step(99))
+
+    fwd_out = tuple(cupy.empty_like(x) for x in step(99)[0])
+    bwd_out = tuple(cupy.empty_like(x) for x in (q, k, v))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        step(device_seed, fwd_out, bwd_out)   # plans outside the capture
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            step(device_seed, fwd_out, bwd_out)
+        finally:
+            graph = stream.end_capture()
+        device_seed[...] = words(12345)
+        graph.launch(stream)
+        stream.synchronize()
+    assert_same((fwd_out, bwd_out), step(12345))

@@ -741,3 +741,65 @@ def test_packed_sequences_against_the_reference_and_against_a_call_per_sequence(
             cfj.flash_attention_varlen(q, k, v, cu_q, cu_k[None], 13, 13)
         with pytest.raises(ValueError, match="the same number of sequences"):
             cfj.flash_attention_varlen(q, k, v, cu_q, cu_k[:-1], 13, 13)
+
+
+def dropout_against_the_api(device, dtype, tolerance):
+    """Dropout under jit and grad: o and dq, dk, dv equal (to ``tolerance`` relative to the largest) to
+    cupyflash's own forward and backward with the seed the key's two words hold; a typed and a raw key
+    of one value drop alike, another key drops otherwise through the same compiled call; the reference
+    with that seed agrees."""
+    rng = numpy.random.default_rng(14)
+    q, k, v = random_inputs(rng, dtype, (2, 3, 37, 24), (2, 1, 45, 24))
+    do = rng.standard_normal((2, 3, 37, 24)).astype(q.dtype)
+    kw = dict(causal=True, dropout_p=0.3)
+    traces = []
+
+    def loss(q, k, v, do, key):
+        traces.append(1)
+        o = cfj.flash_attention(q, k, v, dropout_rng=key, **kw)
+        return jnp.sum(o.astype(jnp.float32 if o.dtype.itemsize < 8 else o.dtype) * do.astype(o.dtype)), o
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    args = [jax.device_put(x, device) for x in (q, k, v, do)]
+    results = {}
+    for name, key in (("typed", jax.random.key(5)), ("raw", jax.random.PRNGKey(5)), ("other", jax.random.key(6))):
+        (_, o), grads = step(*args, jax.device_put(key, device))
+        words = numpy.asarray(jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+                              else key)
+        seed = int(words[0]) | int(words[1]) << 32
+        ours = cupyflash.flash_attention_forward(q, k, v, seed=seed, **kw)
+        want = (ours[0], *cupyflash.flash_attention_backward(do, q, k, v, *ours, seed=seed, **kw))
+        for part, a, b in zip(("o", "dq", "dk", "dv"), (o, *grads), want):
+            a, b = numpy.asarray(a).astype(numpy.float64), b.astype(numpy.float64)
+            assert numpy.abs(a - b).max() <= tolerance * numpy.abs(b).max(), (name, part)
+        results[name] = numpy.asarray(o)
+    assert len(traces) == 2   # a typed key and a raw one trace apart; another key of either kind does not
+    numpy.testing.assert_array_equal(results["typed"], results["raw"])
+    assert not numpy.array_equal(results["typed"], results["other"])
+    q64, k64, v64 = (x.astype(numpy.float64) for x in (q, k, v))
+    reference_o = reference.attention_forward(q64, k64, v64, seed=seed, **kw)[0]
+    assert numpy.abs(results["other"] - reference_o).max() <= max(tolerance, 1e-9) * numpy.abs(reference_o).max()
+
+
+def test_dropout_takes_a_jax_key_as_a_traced_seed():
+    with jax.enable_x64(True):
+        dropout_against_the_api(jax.devices("cpu")[0], "float64", 1e-12)
+
+
+def test_dropout_refuses_a_missing_or_strange_key_and_a_gradient_through_lse():
+    q = jnp.zeros((1, 4, 8), jnp.float32)
+    with pytest.raises(ValueError, match="needs dropout_rng"):
+        cfj.flash_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_rng must be one JAX PRNG key"):
+        cfj.flash_attention(q, q, q, dropout_p=0.1, dropout_rng=jnp.zeros(4, jnp.uint32))
+    with pytest.raises(ValueError, match="dropout_p must satisfy"):
+        cfj.flash_attention(q, q, q, dropout_p=1.5, dropout_rng=jax.random.key(0))
+    with pytest.raises(NotImplementedError, match="through lse is not taken with dropout"):
+        jax.grad(lambda q: jnp.sum(cfj.flash_attention(q, q, q, return_lse=True, dropout_p=0.1,
+                                                       dropout_rng=jax.random.key(0))[1]))(q)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@gpu_test
+def test_gpu_dropout_takes_a_jax_key_as_a_device_seed(dtype):
+    dropout_against_the_api(gpu_device(), dtype, 2e-2 if dtype == "float16" else 1e-4)

@@ -260,7 +260,7 @@ def test_a_kept_call_writes_each_address_where_the_kernels_read_it(monkeypatch, 
     assert [fwd[x]["ptr"] for x in "qkv"] == [x.data.ptr for x in (q, k, v)]
     assert [fwd[x] for x in "oml"] == [x.data.ptr for x in (o, m, l)]
     assert fwd["mods"]["alibi"]["ptr"] == slopes.data.ptr and fwd["mods"]["bias"]["ptr"] == 0
-    assert fwd["mods"]["seed"] == 4321 and fwd["tiles"]["base"] == 0
+    assert fwd["mods"]["seed"] == 4321 and fwd["mods"]["seed_at"] == 0 and fwd["tiles"]["base"] == 0
     scratch = plan.scratch.kept[0].ptr
     assert [fwd["tile_counter"], fwd["repair_flags"]] == plan.scratch.block.pointers(scratch)
     if num_splits == 1:
@@ -272,6 +272,13 @@ def test_a_kept_call_writes_each_address_where_the_kernels_read_it(monkeypatch, 
         assert [merge[x]["ptr"][0] for x in "oml"] == [fwd[f"{x}_parts"] for x in "oml"] and fwd["o_parts"]
         assert [merge[f"{x}_out"] for x in "oml"] == [x.data.ptr for x in (o, m, l)]
         assert gpu.structs[2][1][:_params.FWD.itemsize] == gpu.structs[0][1][:_params.FWD.itemsize]
+
+    device_seed = gpu.array((2,), numpy.uint32)   # read by the kernels: the struct holds its address instead
+    gpu.structs.clear()
+    api.flash_attention_forward(q, k, v, **dict(kw, seed=device_seed))
+    seeded = numpy.frombuffer(gpu.structs[0][1][:_params.FWD.itemsize], _params.FWD)[0]
+    assert (seeded["mods"]["seed"], seeded["mods"]["seed_at"]) == (0, device_seed.data.ptr)
+    assert len(_launch.PLANS) == 1   # the same plan
 
     # into given outputs (cupyflash.torch's and cupyflash.jax's calls): their addresses, the same parts after them
     given = api.FreshOut((gpu.array(o.shape), gpu.array(m.shape, numpy.float32), gpu.array(l.shape, numpy.float32)))
