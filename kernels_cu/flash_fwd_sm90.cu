@@ -357,6 +357,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
             acc_t S[B_C / 8][4];                            // (16, B_C) per warp: S_ij, then P~_ij
             unsigned P[B_C / 16][4];                        // P~_ij as A fragments
             acc_t m_new[2], alpha[2], rowsum[2];
+            PairsOfTile<B_C / 8> pairs;   // a bias's and a mask's pairs of S_ij, loaded under Q_i K_j^T
 
             // S_ij -> P~_ij, its statistics into m_new, alpha, rowsum (masked online softmax); modified
             // scores (score_mod.cuh) in the modifiers' units. `visit`: Visits::entry of step j, loaded
@@ -364,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
             auto softmax_step = [&](int visit) {
                 const int kv0 = Visits::tile_of(visit) * B_C;
                 entry.user_all = Visits::all_of(visit);
-                if (SCORE_MODS && entry.modifies()) modify_raw_scores(S, mods, r0, kv0);
+                if (SCORE_MODS && entry.modifies()) modify_raw_scores(S, mods, r0, kv0, pairs);
                 mask_scores(S, mask, r0, kv0);
                 online_softmax(S, m_i, m_new, alpha, rowsum, log2_unit);
                 if constexpr (DROPOUT) drop_probs(S, entry, r0, kv0);   // out of P~_ij V_j, not of l_i
@@ -415,6 +416,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
                 wgmma_fence();
                 issue_scores(S, s_Qg, s_K + (kv % STAGES) * TILE_KV);
                 your_turn();
+                pairs.load(entry, r0, Visits::tile_of(visit0) * B_C);
                 wgmma_wait<0>();
                 wgmma_pin(S);
                 if (my_stop == 1) release_q();
@@ -433,6 +435,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
                     issue_scores(S, s_Qg, s_K + s * TILE_KV);
                     issue_values(O, P, s_V + sp * TILE_KV);
                     your_turn();
+                    pairs.load(entry, r0, Visits::tile_of(visit) * B_C);
                     wgmma_wait<1>();
                     wgmma_pin(S);
                     if (j == my_stop - 1) release_q();

@@ -533,8 +533,9 @@ __device__ __forceinline__ void raw_base(acc_t (&base)[2], int off, int r0, int 
 
 // RawMods on the four accumulator values x of n-tile n of a warp's tile of raw scores (base from
 // raw_base, rows r0 .., columns c0 .. as there); DERIV: grad gets each one's ds'/ds (the softcap's
-// and score_mod's; untouched without either)
-template <bool TRANSPOSED, bool DERIV = false>
+// and score_mod's; untouched without either). PAIRS: the bias and the masks too (else the caller's:
+// modify_raw_scores with a PairTile)
+template <bool TRANSPOSED, bool DERIV = false, bool PAIRS = true>
 __device__ __forceinline__ void modify_raw_quad(acc_t (&x)[4], acc_t (&grad)[4], const RawMods& mods,
                                                 const acc_t (&base)[2], int r0, int c0, int n) {
     if constexpr (SOFTCAP)
@@ -554,7 +555,7 @@ __device__ __forceinline__ void modify_raw_quad(acc_t (&x)[4], acc_t (&grad)[4],
     if constexpr (ALIBI)
 #pragma unroll
         for (int e = 0; e < 4; ++e) x[e] -= mods.slope * fabs(base[e / 2] - (acc_t)(8 * n + e % 2));
-    if constexpr (BIAS || HIDES)
+    if constexpr (PAIRS && (BIAS || HIDES))
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             int i, j;
@@ -574,6 +575,105 @@ __device__ __forceinline__ void modify_raw_scores(acc_t (&S)[NT][4], const RawMo
     raw_base<false>(base, mods.entry.off, r0, c0);
 #pragma unroll
     for (int n = 0; n < NT; ++n) modify_raw_quad<false>(S[n], unused, mods, base, r0, c0, n);
+}
+
+// the unsigned type of two values of `BYTES` bytes each
+template <int BYTES> struct TwoValues;
+template <> struct TwoValues<1> { using type = unsigned short; };
+template <> struct TwoValues<2> { using type = unsigned; };
+
+// The values of per-pair arrays over a warp's (16, 8 NT) tile of pairs in the accumulator layout (rows
+// r0 + g, r0 + g + 8; columns c0 + 8n + 2t + {0, 1}), loaded ahead of the tile's scores: the Hopper
+// forward issues the loads under Q_i K_j^T, so their latency is not the softmax's, and one load brings
+// two pairs where the array's rows allow (pair_words). Word [n][h] holds row r0 + g + 8h's two values,
+// the even column's in the low bits; 0 past the lengths (a hidden pair for the mask).
+template <int NT>
+struct PairTile {
+    unsigned bias[NT][2];   // BIAS: two 16-bit values a word
+    unsigned keep[NT][2];   // BOOL_MASK: two bytes a word
+
+    __device__ __forceinline__ void load(const EntryMods& m, int r0, int c0) {
+        if constexpr (BIAS) pair_words(bias, m.bias, m.Nq, m.Nk, r0, c0);
+        if constexpr (BOOL_MASK)
+            if (SWITCH_ON(MASK, m.uses)) pair_words(keep, m.keep, m.Nq, m.Nk, r0, c0);
+    }
+
+    // pair (n, e) of the accumulator tile (e: row e / 2, column e % 2 of the n-tile's quad)
+    __device__ __forceinline__ acc_t bias_at(int n, int e) const {
+        return to_acc((elem_t)(bias[n][e / 2] >> (16 * (e % 2))));
+    }
+    __device__ __forceinline__ bool kept(int n, int e) const { return (keep[n][e / 2] >> (8 * (e % 2))) & 0xffu; }
+
+    // the words of array `a` (16-bit or bytes): one load per word where the warp's pairs lie inside the
+    // lengths and the array's rows keep two pairs aligned (a key stride of 1), else one per value
+    template <typename T>
+    __device__ __forceinline__ static void pair_words(unsigned (&w)[NT][2], const Pairs<const T>& a, int Nq, int Nk,
+                                                      int r0, int c0) {
+        static_assert(sizeof(T) <= 2, "two values a word");
+        using Two = typename TwoValues<sizeof(T)>::type;
+        const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+        const bool aligned = a.sj == 1 && a.si % 2 == 0 && reinterpret_cast<unsigned long long>(a.ptr) % sizeof(Two) == 0;
+        if (aligned && r0 + 16 <= Nq && c0 + 8 * NT <= Nk) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const T* row = a.ptr + (i64)(r0 + g + 8 * h) * a.si + c0 + 2 * t;
+#pragma unroll
+                for (int n = 0; n < NT; ++n) w[n][h] = *reinterpret_cast<const Two*>(row + 8 * n);
+            }
+        } else {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int i = r0 + g + 8 * h;
+                const T* row = a.ptr + (i64)min(i, Nq - 1) * a.si;   // a tile has rows of the sequence: Nq >= 1
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    const int j = c0 + 8 * n + 2 * t;
+                    const unsigned lo = i < Nq && j < Nk ? (unsigned)row[(i64)j * a.sj] : 0u;
+                    const unsigned hi = i < Nq && j + 1 < Nk ? (unsigned)row[(i64)(j + 1) * a.sj] : 0u;
+                    w[n][h] = lo | hi << (8 * sizeof(T));
+                }
+            }
+        }
+    }
+};
+
+// No pairs loaded ahead: a kernel whose modifiers read their pairs themselves, or read none
+struct NoPairTile {
+    __device__ __forceinline__ void load(const EntryMods&, int, int) {}
+};
+
+// PairTile<NT> where `AHEAD`, else NoPairTile
+template <bool AHEAD, int NT> struct PairsAhead { using type = NoPairTile; };
+template <int NT> struct PairsAhead<true, NT> { using type = PairTile<NT>; };
+// What a kernel that loads its pairs ahead holds: a bias's and a boolean mask's, unless a mask_mod reads
+// pairs too
+template <int NT> using PairsOfTile = typename PairsAhead<(BIAS || BOOL_MASK) && !USER_MASK, NT>::type;
+
+// RawMods on a warp's tile with its bias and boolean mask from `pairs` (loaded ahead), not read pair by
+// pair: the same scores (a pair past the lengths adds 0 and is hidden, as a hidden or masked one)
+template <int NT>
+__device__ __forceinline__ void modify_raw_scores(acc_t (&S)[NT][4], const RawMods& mods, int r0, int c0,
+                                                  const PairTile<NT>& pairs) {
+    static_assert(!USER_MASK, "mask_mod reads its pairs itself");
+    acc_t base[2], unused[4];
+    raw_base<false>(base, mods.entry.off, r0, c0);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        modify_raw_quad<false, false, false>(S[n], unused, mods, base, r0, c0, n);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            if constexpr (BIAS) S[n][e] += pairs.bias_at(n, e) * mods.inv_unit;
+            if constexpr (BOOL_MASK)
+                if (SWITCH_ON(MASK, mods.entry.uses) && !pairs.kept(n, e)) S[n][e] = NEG_INF;
+        }
+    }
+}
+
+// ... and with none loaded ahead: every modifier reads its own
+template <int NT>
+__device__ __forceinline__ void modify_raw_scores(acc_t (&S)[NT][4], const RawMods& mods, int r0, int c0,
+                                                  const NoPairTile&) {
+    modify_raw_scores(S, mods, r0, c0);
 }
 
 // ... the forward's form: no derivative
