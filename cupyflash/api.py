@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 import sys
+from functools import lru_cache
 from operator import itemgetter
 from typing import TYPE_CHECKING, Optional, Union
 

@@ -3,6 +3,7 @@
     from cupyflash.torch import flash_attention
     o = flash_attention(q, k, v, causal=True)                    # q, k, v (B, H, N, D), as torch SDPA
     o = flash_attention(q, k, v, causal=True, layout="bnhd")     # (B, N, H, D), as flash_attn_func
+    o = flash_attention_with_kvcache(q, k_cache, v_cache, lens, k, v)   # decoding; k, v appended in place
 
 The bridge, per call, and why it costs little host time:
 
@@ -38,9 +39,9 @@ import numpy
 import torch
 import torch.autograd.function
 
-from . import _views, api
+from . import _views, api, kvcache
 
-__all__ = ["flash_attention", "flash_attention_varlen"]
+__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache"]
 
 LAYOUTS = ("bhnd", "bnhd")
 # the axes of a torch tensor in the order the kernels read it: (batch..., heads, rows, D)
@@ -83,6 +84,15 @@ def _contiguous(shape) -> list:
         strides.append(step)
         step *= max(n, 1)
     return strides[::-1]
+
+
+def _output_strides(shape, order) -> tuple:
+    """Torch strides of an output of torch ``shape`` that is C-contiguous in the kernel ``order``."""
+    kernel = _contiguous([shape[i] for i in order])
+    strides = [0] * len(shape)
+    for position, axis in enumerate(order):
+        strides[axis] = kernel[position]
+    return tuple(strides)
 
 
 def _split_heads(shape, strides, axis: int, kv_heads: int, group: int, query_side: bool):
@@ -262,11 +272,8 @@ class _Plan:
 
     def _output(self, shape, query_side: bool, dtype):
         """(torch shape, torch strides, view) of an output of an input's ``shape``, C-contiguous in kernel order."""
-        kernel_strides = _contiguous([shape[i] for i in self.order])
-        strides = [0] * len(shape)
-        for position, axis in enumerate(self.order):
-            strides[axis] = kernel_strides[position]
-        return tuple(shape), tuple(strides), self.view(shape, strides, query_side, dtype)
+        strides = _output_strides(shape, self.order)
+        return tuple(shape), strides, self.view(shape, strides, query_side, dtype)
 
     def do_view(self, do) -> _View:
         """The view of the output's gradient ``do`` (or of another tensor of o's shape), of whatever strides
@@ -745,3 +752,105 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                  _tensor(alibi_slopes, stats, q.device), _tensor(mask, torch.bool, q.device), return_lse,
                  _backward_settings(deterministic, score_mod_grad))
     return _apply(q, k, v, call, _tensor(sink, stats, q.device), _tensor(bias, q.dtype, q.device))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decoding against a K/V cache (no gradient)
+
+def _tensor_array(name: str, x, dtypes: dict, order, device):
+    """A tensor as cupyflash reads it (a CuPy view of a CUDA tensor's memory, a NumPy one of a CPU
+    tensor's), its axes in ``order``; its dtype one of ``dtypes`` (torch -> NumPy) and its device q's."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {x.dtype}")
+    if (x.get_device() if x.is_cuda else None) != device or x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} is on {x.device}, q on {'cpu' if device is None else f'cuda:{device}'}")
+    if x.dim() != len(order):
+        raise ValueError(f"{name} must have {len(order)} dims, got shape {tuple(x.shape)}")
+    view = _View([x.shape[i] for i in order], [x.stride()[i] for i in order], dtypes[x.dtype])
+    return (_host_array if device is None else _held_array)(x, view, device)
+
+
+def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 cache_seqlens: torch.Tensor, k: Optional[torch.Tensor] = None,
+                                 v: Optional[torch.Tensor] = None, *, block_table: Optional[torch.Tensor] = None,
+                                 causal: bool = True, softmax_scale: Optional[float] = None, window=None,
+                                 softcap: Optional[float] = None, alibi_slopes=None,
+                                 num_splits: Optional[int] = None, layout: str = "bhnd", return_lse: bool = False):
+    """Attention of new queries against a K/V cache on torch tensors, appending new keys in place first
+    (decoding; FlashAttention's ``flash_attn_with_kvcache``). No gradient.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (B, Hq, Nq, D), or (B, Nq, Hq, D) with ``layout="bnhd"``
+        float16, bfloat16, float32 or float64, on a CUDA device or the CPU.
+    k_cache, v_cache : torch.Tensor
+        Contiguous cache ``(B, Hkv, N_max, D)`` (``bnhd``: ``(B, N_max, Hkv, D)``), or paged
+        ``(pages, Hkv, page_size, D)`` (``bnhd``: ``(pages, page_size, Hkv, D)``) with ``block_table``;
+        q's dtype and device, any strides with a contiguous last axis. ``Hq`` a multiple of ``Hkv``
+        (GQA). Written in place where ``k``, ``v`` are given.
+    cache_seqlens : torch.Tensor of int32, shape (B,)
+        Each entry's valid keys before this call; on q's device (read there, not checked on the GPU:
+        :func:`cupyflash.flash_attention_with_kvcache`).
+    k, v : torch.Tensor, shape (B, Hkv, Nnew, D) (``bnhd``: (B, Nnew, Hkv, D)), optional
+        New keys and values, written into the cache at ``cache_seqlens`` before attending (the caller
+        advances ``cache_seqlens``).
+    block_table : torch.Tensor of int32, shape (B, max_pages), optional
+        Page numbers of a paged cache.
+    causal, softmax_scale, window, softcap, alibi_slopes, num_splits
+        As in :func:`cupyflash.flash_attention_with_kvcache` (``causal`` aligns the new queries with the
+        last keys; ``alibi_slopes`` float32 of shape ``(Hq,)`` or ``(B, Hq)``).
+    layout : {'bhnd', 'bnhd'}, optional
+        The axes of q, the caches, k, v and o.
+    return_lse : bool, optional
+        Also return ``lse = m + log l``, shape ``(B, Hq, Nq)``, float32 (float64 for float64 inputs).
+
+    Returns
+    -------
+    o : torch.Tensor, q's shape and dtype
+        ``bnhd``: a view of memory laid out as ``(B, Hq, Nq, D)``.
+    lse : torch.Tensor, shape (B, Hq, Nq)
+        With ``return_lse`` only.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A tensor of another kind, dtype, device or rank than named above, and whatever
+        :func:`cupyflash.flash_attention_with_kvcache` refuses (naming the argument).
+
+    See Also
+    --------
+    cupyflash.flash_attention_with_kvcache : the call made, on views of the tensors' memory.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q must lie on a CUDA device or the CPU, got {q.device}")
+    device = q.get_device() if q.is_cuda else None
+    order, int32 = KERNEL_ORDER[layout], {torch.int32: numpy.dtype(numpy.int32)}
+    same = {q.dtype: DTYPES[q.dtype]} if q.dtype in DTYPES else DTYPES
+    arrays = {name: _tensor_array(name, x, same, order, device)
+              for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v))
+              if x is not None}
+    lens = _tensor_array("cache_seqlens", cache_seqlens, int32, (0,), device)
+    table = None if block_table is None else _tensor_array("block_table", block_table, int32, (0, 1), device)
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = _tensor(alibi_slopes, STATS_DTYPES[q.dtype], q.device)
+        slopes = _tensor_array("alibi_slopes", slopes, {slopes.dtype: DTYPES[slopes.dtype]}, range(slopes.dim()),
+                               device)
+    B, Hq, Nq, D = arrays["q"].shape
+    o = torch.empty_strided(tuple(q.shape), _output_strides(q.shape, order), dtype=q.dtype, device=q.device)
+    m, l = (torch.empty((B, Hq, Nq), dtype=STATS_DTYPES[q.dtype], device=q.device) for _ in range(2))
+    stats = DTYPES[STATS_DTYPES[q.dtype]]
+    out = (_tensor_array("o", o, {o.dtype: DTYPES[o.dtype]}, order, device),
+           *(_tensor_array(name, x, {x.dtype: stats}, (0, 1, 2), device) for name, x in (("m", m), ("l", l))))
+    with _torch_stream(device):
+        kvcache.flash_attention_with_kvcache(arrays["q"], arrays["k_cache"], arrays["v_cache"], lens, k=arrays.get("k"),
+                                             v=arrays.get("v"), block_table=table, causal=causal,
+                                             softmax_scale=softmax_scale, window=window, softcap=softcap,
+                                             alibi_slopes=slopes, num_splits=num_splits, out=api.FreshOut(out))
+    return (o, torch.log(l).add_(m)) if return_lse else o

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
+import cupyflash  # noqa: E402
 from cupyflash import reference  # noqa: E402
 from cupyflash.torch import flash_attention, flash_attention_varlen  # noqa: E402
 from helpers import gpu_test  # noqa: E402
@@ -390,6 +391,75 @@ def test_bad_calls_raise_naming_what_is_wrong(call, error, words):
         call(q, k, v)
 
 
+def kvcache_case(rng, paged: bool, dtype=numpy.float64, B=2, Hkv=2, G=3, Nq=2, D=16, N_max=40, page=8):
+    """(q, k_cache, v_cache, lens, k, v, table) of a decoding call, NumPy in (B, H, N, D) order: lengths that
+    leave room for Nq new keys, a paged cache's pages shuffled."""
+    q = rng.standard_normal((B, Hkv * G, Nq, D)).astype(dtype)
+    k, v = (rng.standard_normal((B, Hkv, Nq, D)).astype(dtype) for _ in range(2))
+    lens = numpy.array([5, N_max - Nq][:B] + [3] * (B - 2), numpy.int32)
+    shape = (B * N_max // page, Hkv, page, D) if paged else (B, Hkv, N_max, D)
+    k_cache, v_cache = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+    table = rng.permutation(shape[0]).reshape(B, -1).astype(numpy.int32) if paged else None
+    return q, k_cache, v_cache, lens, k, v, table
+
+
+def as_layout(x, layout):
+    """A tensor of NumPy ``x`` (given in (B, H, N, D) order) laid out in ``layout``: (B, N, H, D) memory for
+    ``bnhd`` (a paged cache's pages as (page, H, D))."""
+    t = torch.from_numpy(numpy.ascontiguousarray(x))
+    return t if layout == "bhnd" else t.transpose(1, 2).contiguous()
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_decodes_and_appends_as_cupyflash_does(layout, paged):
+    """cupyflash.torch.flash_attention_with_kvcache on CPU tensors (the NumPy path over their memory) gives
+    cupyflash's own call on NumPy arrays of the same values: o, lse, and the caches after the new keys
+    were written into them in place, in both layouts, GQA, a paged cache's shuffled pages; q, the new
+    keys, the lengths and the table unchanged."""
+    from cupyflash.torch import flash_attention_with_kvcache as torch_kvcache
+
+    rng = numpy.random.default_rng(3)
+    q, kc, vc, lens, k, v, table = kvcache_case(rng, paged)
+    want_kc, want_vc = kc.copy(), vc.copy()
+    want = cupyflash.flash_attention_with_kvcache(q, want_kc, want_vc, lens, k=k, v=v, block_table=table,
+                                                  causal=True, softcap=3.0)
+    tq, tkc, tvc, tk, tv = (as_layout(x, layout) for x in (q, kc, vc, k, v))
+    tlens, ttable = torch.from_numpy(lens.copy()), None if table is None else torch.from_numpy(table.copy())
+    before = [x.clone() for x in (tq, tk, tv, tlens)]
+    o, lse = torch_kvcache(tq, tkc, tvc, tlens, tk, tv, block_table=ttable, causal=True, softcap=3.0, layout=layout,
+                           return_lse=True)
+    assert o.shape == tq.shape and o.dtype == tq.dtype and lse.shape == (2, 6, 2)
+    numpy.testing.assert_allclose(bhnd(o, layout).numpy(), want[0], rtol=1e-12, atol=1e-14)
+    numpy.testing.assert_allclose(lse.numpy(), want[1] + numpy.log(want[2]), rtol=1e-12, atol=1e-14)
+    for got, expected in ((tkc, want_kc), (tvc, want_vc)):
+        numpy.testing.assert_array_equal(bhnd(got, layout).numpy(), expected)
+    for x, y in zip((tq, tk, tv, tlens), before):
+        assert torch.equal(x, y)
+    if table is not None:
+        numpy.testing.assert_array_equal(ttable.numpy(), table)
+
+
+@pytest.mark.parametrize("change, error, words", [
+    (dict(layout="nhd"), ValueError, "layout"),
+    (dict(lens=torch.tensor([1, 2], dtype=torch.int64)), TypeError, "cache_seqlens must have dtype torch.int32"),
+    (dict(k_cache=torch.zeros(2, 2, 40, 16, dtype=torch.float32)), TypeError, "k_cache must have dtype"),
+    (dict(q=numpy.zeros((2, 6, 2, 16))), TypeError, "q must be a torch.Tensor"),
+    (dict(v_cache=torch.zeros(2, 40, 16, dtype=torch.float64)), ValueError, "v_cache must have 4 dims"),
+    (dict(lens=torch.tensor([50, 2], dtype=torch.int32)), ValueError, "cache_seqlens"),
+])
+def test_kvcache_bad_calls_raise_naming_the_argument(change, error, words):
+    from cupyflash.torch import flash_attention_with_kvcache as torch_kvcache
+
+    q, kc, vc, lens, k, v, _ = kvcache_case(numpy.random.default_rng(4), False)
+    args = dict(q=torch.from_numpy(q), k_cache=torch.from_numpy(kc), v_cache=torch.from_numpy(vc),
+                lens=torch.from_numpy(lens), k=torch.from_numpy(k), v=torch.from_numpy(v), layout="bhnd")
+    args.update(change)
+    with pytest.raises(error, match=words):
+        torch_kvcache(args["q"], args["k_cache"], args["v_cache"], args["lens"], args["k"], args["v"],
+                      layout=args["layout"])
+
+
 # ---------------------------------------------------------------------------
 # CUDA tensors: the kernels, against the float64 reference and torch SDPA
 
@@ -593,3 +663,32 @@ def test_the_training_benchmarks_model_gives_one_loss_with_either_attention():
 def test_the_host_cost_benchmark_runs_on_the_cpu():
     done = run_script("benchmarks/torch_host_cost.py", "--calls", "40")
     assert done.returncode == 0 and "forward + backward through autograd" in done.stdout, done.stdout + done.stderr
+
+
+@gpu_test
+@needs_torch_cuda
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_gpu_kvcache_equals_cupyflash_on_the_same_memory(layout, paged):
+    """On CUDA tensors, o, lse and the appended caches equal cupyflash's own call on CuPy arrays of the same
+    values, bit for bit (fp16, GQA, a paged cache's shuffled pages), queued on torch's current stream."""
+    import cupy
+
+    from cupyflash.torch import flash_attention_with_kvcache as torch_kvcache
+
+    q, kc, vc, lens, k, v, table = kvcache_case(numpy.random.default_rng(5), paged, numpy.float16, D=64, N_max=256,
+                                                page=16)
+    want_kc, want_vc = cupy.asarray(kc), cupy.asarray(vc)
+    want = cupyflash.flash_attention_with_kvcache(cupy.asarray(q), want_kc, want_vc, cupy.asarray(lens),
+                                                  k=cupy.asarray(k), v=cupy.asarray(v),
+                                                  block_table=None if table is None else cupy.asarray(table))
+    tq, tkc, tvc, tk, tv = (as_layout(x, layout).cuda() for x in (q, kc, vc, k, v))
+    tlens, ttable = torch.from_numpy(lens).cuda(), None if table is None else torch.from_numpy(table).cuda()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        o, lse = torch_kvcache(tq, tkc, tvc, tlens, tk, tv, block_table=ttable, layout=layout, return_lse=True)
+    stream.synchronize()
+    assert numpy.array_equal(bhnd(o, layout).cpu().numpy(), want[0].get())
+    numpy.testing.assert_allclose(lse.cpu().numpy(), (want[1] + cupy.log(want[2])).get(), rtol=1e-6)
+    for got, expected in ((tkc, want_kc), (tvc, want_vc)):
+        assert numpy.array_equal(bhnd(got, layout).cpu().numpy(), expected.get())
