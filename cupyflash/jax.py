@@ -3,6 +3,8 @@
 ``flash_attention(q, k, v, ...)`` is a ``jax.custom_vjp`` function. Its forward rule is one XLA
 custom call (``jax.ffi.ffi_call``) to the target ``cupyflash_forward``, whose results are
 ``o, m, l``; its backward rule one call to ``cupyflash_backward`` with results ``dq, dk, dv``.
+``flash_attention_with_kvcache`` (decoding, no gradient) is one call to ``cupyflash_kvcache``, whose
+results alias the caches it is given.
 Both targets are Python functions registered as XLA FFI handlers through ctypes
 (``cupyflash._xla_ffi``), so nothing is compiled but cupyflash's own kernels:
 
@@ -37,9 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy
 
-from . import _xla_ffi
+from . import _xla_ffi, kvcache
 from ._checks import (check_bool, check_choice, check_dropout, check_forward, check_offset_shapes, check_pairwise,
-                      check_per_entry, check_seed, with_softcap)
+                      check_per_entry, check_seed, check_splits, with_softcap)
 from ._expr import user_mods
 from ._tiles import PRECISIONS, accumulator_dtype
 from ._views import device_view
@@ -47,10 +49,12 @@ from .api import (FreshOut, flash_attention_backward, flash_attention_forward, f
                   flash_attention_varlen_forward)
 from .blockmask import BlockMask
 
-__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_forward_ffi", "flash_attention_backward_ffi"]
+__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache", "flash_attention_forward_ffi",
+           "flash_attention_backward_ffi"]
 
 FORWARD_TARGET = "cupyflash_forward"
 BACKWARD_TARGET = "cupyflash_backward"
+KVCACHE_TARGET = "cupyflash_kvcache"
 OPTIONS = "options"     # the one attribute of both calls: their keywords as JSON (Options.attributes)
 NUMBERS = (bool, int, float, numpy.bool_, numpy.number)   # mod_args values that travel in the attribute
 # the arrays of cupyflash's keywords JAX takes, operands after the inputs in this order, and cupyflash's check
@@ -349,9 +353,39 @@ def _into_rets(results, rets):
         ret[...] = result
 
 
+def _run_kvcache(call: _xla_ffi.Call, on_gpu: bool):
+    """One call of the K/V cache's target: its operands q, k_cache, v_cache, cache_seqlens, then those the
+    attribute names (k, v, block_table, alibi_slopes); its results o, m, l and the caches, which alias the
+    caches given (XLA's ``input_output_aliases``): the new keys are written into those, then attended."""
+    kw, names = _parsed_kvcache(call.attrs[OPTIONS])
+    if not on_gpu:
+        args = [_host_array(b) for b in call.args]
+        rets = [_host_array(b) for b in call.rets]
+        kvcache.flash_attention_with_kvcache(args[0], rets[3], rets[4], args[3], out=FreshOut(rets[:3]), **kw,
+                                             **dict(zip(names, args[4:])))
+        return
+    import cupy
+
+    device = call.device()
+    with cupy.cuda.Device(device), _cupy_stream(call.stream(), device):
+        args = [_device_array(b, device) for b in call.args]
+        rets = [_device_array(b, device) for b in call.rets]
+        kvcache.flash_attention_with_kvcache(args[0], rets[3], rets[4], args[3], out=FreshOut(rets[:3]), **kw,
+                                             **dict(zip(names, args[4:])))
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed_kvcache(text: str) -> tuple:
+    """``(keywords, operand names)`` of the K/V cache call's ``OPTIONS`` text, parsed once per text."""
+    parsed = json.loads(text)
+    kw = parsed["keywords"]
+    kw["window"] = tuple(kw["window"])
+    return kw, tuple(parsed["operands"])
+
+
 # (target, platform as JAX names it, whether the handler runs CuPy)
-TARGETS = ((FORWARD_TARGET, "cpu", False), (BACKWARD_TARGET, "cpu", False),
-           (FORWARD_TARGET, "CUDA", True), (BACKWARD_TARGET, "CUDA", True))
+TARGETS = ((FORWARD_TARGET, "cpu", False), (BACKWARD_TARGET, "cpu", False), (KVCACHE_TARGET, "cpu", False),
+           (FORWARD_TARGET, "CUDA", True), (BACKWARD_TARGET, "CUDA", True), (KVCACHE_TARGET, "CUDA", True))
 _handlers: dict = {}          # (target, platform) -> _xla_ffi.Handler, alive as long as XLA may call it
 _registering = threading.Lock()
 
@@ -389,7 +423,8 @@ def register() -> None:
         for target, platform, on_gpu in TARGETS:
             if platform not in platforms or (target, platform) in _handlers:
                 continue
-            execute = functools.partial(_run, on_gpu=on_gpu, backward=target == BACKWARD_TARGET)
+            execute = (functools.partial(_run_kvcache, on_gpu=on_gpu) if target == KVCACHE_TARGET else
+                       functools.partial(_run, on_gpu=on_gpu, backward=target == BACKWARD_TARGET))
             handler = _xla_ffi.Handler(target, execute, _version())
             try:
                 jax.ffi.register_ffi_target(target, handler.capsule, platform=platform)
@@ -701,3 +736,98 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                                score_mod, score_mod_grad, mask_mod, mod_args, None, alibi_slopes, sink, bias, mask,
                                (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), dropout_p, dropout_rng)
     return _attention_lse(q, k, v, arrays, options) if return_lse else _attention(q, k, v, arrays, options)
+
+
+class _Shape:
+    """What cupyflash's shape checks read of a JAX array (``kvcache._check_shapes``): its shape, dtype and
+    the strides of a C-ordered array of them."""
+
+    def __init__(self, x):
+        self.shape, self.dtype = tuple(x.shape), numpy.dtype(x.dtype)
+        self.ndim, self.itemsize = len(self.shape), self.dtype.itemsize
+        strides, step = [], self.itemsize
+        for n in reversed(self.shape):
+            strides.append(step)
+            step *= max(n, 1)
+        self.strides = tuple(reversed(strides))
+
+
+def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=None, *, block_table=None,
+                                 causal: bool = True, softmax_scale: Optional[float] = None, window=None,
+                                 softcap: Optional[float] = None, alibi_slopes=None, num_splits: Optional[int] = None,
+                                 return_lse: bool = False):
+    """Attention of new queries against a K/V cache on JAX arrays, the new keys appended first, inside or
+    outside ``jax.jit`` (decoding; no gradient).
+
+    Parameters
+    ----------
+    q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, softmax_scale, window, softcap,
+    alibi_slopes, num_splits
+        As in :func:`cupyflash.flash_attention_with_kvcache`: q ``(B, Hq, Nq, D)``, a contiguous cache
+        ``(B, Hkv, N_max, D)`` or a paged one ``(pages, Hkv, page_size, D)`` with ``block_table``
+        (int32), ``cache_seqlens`` int32 ``(B,)``, new keys and values ``(B, Hkv, Nnew, D)``. Traced:
+        arrays; static: the rest.
+    return_lse : bool, optional
+        Also return ``lse = m + log l``, shape ``(B, Hq, Nq)``.
+
+    Returns
+    -------
+    o : jax.Array, q's shape and dtype
+    k_cache, v_cache : jax.Array
+        The caches with the new keys and values written at ``cache_seqlens`` (the caller advances it).
+        The call's results alias the caches given: donated (``jax.jit(..., donate_argnums=...)``) they
+        are written in place; otherwise XLA copies them first.
+    lse : jax.Array, shape (B, Hq, Nq)
+        With ``return_lse`` only.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`cupyflash.flash_attention_with_kvcache` for bad shapes, dtypes or options, while
+        the call is traced; lengths past the capacity where the CPU reads them (as there, the GPU clamps
+        and does not check).
+    """
+    register()
+    given = {name: jnp.asarray(x) for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                                                  ("k", k), ("v", v), ("block_table", block_table))
+             if x is not None}
+    q, k_cache, v_cache = given["q"], given["k_cache"], given["v_cache"]
+    B, Hq, Nq, D, Hkv, capacity, n_new = kvcache._check_shapes(
+        *(None if given.get(name) is None else _Shape(given[name])
+          for name in ("q", "k_cache", "v_cache", "k", "v", "block_table")))
+    for name in ("k_cache", "v_cache"):
+        if given[name].dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {given[name].dtype}")
+    G = Hq // Hkv
+    stand = (_stand_in(jax.ShapeDtypeStruct(s, q.dtype)) for s in ((B, Hkv, G, Nq, D), (B, Hkv, 1, capacity, D)))
+    q5, k5 = stand
+    prob = with_softcap(check_forward(q5, k5, k5, causal, softmax_scale, window), softcap)
+    num_splits = check_splits(num_splits, "auto")
+    lens = jnp.asarray(cache_seqlens)
+    if lens.shape != (B,) or not jnp.issubdtype(lens.dtype, jnp.integer):
+        raise ValueError(f"cache_seqlens must hold B = {B} integer lengths, got shape {lens.shape}, dtype {lens.dtype}")
+    operands, names = [q, k_cache, v_cache, lens.astype(jnp.int32)], []
+    if k is not None:
+        operands += [given["k"], given["v"]]
+        names += ["k", "v"]
+    if block_table is not None:
+        operands.append(given["block_table"].astype(jnp.int32))
+        names.append("block_table")
+    acc = accumulator_dtype(q.dtype)
+    if alibi_slopes is not None:
+        slopes = jnp.asarray(alibi_slopes)
+        try:
+            slopes = jnp.broadcast_to(slopes, (B, Hq)).astype(acc)
+        except ValueError:
+            raise ValueError(f"alibi_slopes of shape {slopes.shape} does not broadcast to (B, Hq) = ({B}, {Hq})") \
+                from None
+        operands.append(slopes)
+        names.append("alibi_slopes")
+    kw = dict(causal=prob.causal, softmax_scale=prob.scale, window=prob.window, softcap=prob.softcap,
+              num_splits=num_splits)
+    stats = jax.ShapeDtypeStruct((B, Hq, Nq), acc)
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats, jax.ShapeDtypeStruct(k_cache.shape, q.dtype),
+               jax.ShapeDtypeStruct(v_cache.shape, q.dtype))
+    call = jax.ffi.ffi_call(KVCACHE_TARGET, results, input_output_aliases={1: 3, 2: 4}, vmap_method="sequential")
+    o, m, l, k_cache, v_cache = call(*operands, **{OPTIONS: json.dumps({"keywords": kw, "operands": names})})
+    return (o, k_cache, v_cache, _lse(m, l)) if return_lse else (o, k_cache, v_cache)

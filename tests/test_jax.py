@@ -803,3 +803,74 @@ def test_dropout_refuses_a_missing_or_strange_key_and_a_gradient_through_lse():
 @gpu_test
 def test_gpu_dropout_takes_a_jax_key_as_a_device_seed(dtype):
     dropout_against_the_api(gpu_device(), dtype, 2e-2 if dtype == "float16" else 1e-4)
+
+
+def kvcache_against_the_api(device, dtype, tolerance, paged):
+    """A jitted decoding step of ``cupyflash.jax.flash_attention_with_kvcache`` (the caches donated):
+    o, lse and the caches it returns against cupyflash's own call on NumPy copies (the new keys written
+    at the lengths, GQA, a paged cache's shuffled pages)."""
+    rng = numpy.random.default_rng(15)
+    B, Hkv, G, Nq, D, N_max, page = 2, 2, 3, 2, 32, 48, 16
+    q = rng.standard_normal((B, Hkv * G, Nq, D)).astype(dtype)
+    k, v = (rng.standard_normal((B, Hkv, Nq, D)).astype(dtype) for _ in range(2))
+    lens = numpy.array([7, N_max - Nq], numpy.int32)
+    shape = (B * N_max // page, Hkv, page, D) if paged else (B, Hkv, N_max, D)
+    kc, vc = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
+    table = rng.permutation(shape[0]).reshape(B, -1).astype(numpy.int32) if paged else None
+    want_kc, want_vc = kc.copy(), vc.copy()
+    want = cupyflash.flash_attention_with_kvcache(q, want_kc, want_vc, lens, k=k, v=v, block_table=table,
+                                                  softcap=5.0)
+
+    def step(q, kc, vc, lens, k, v, table):
+        return cfj.flash_attention_with_kvcache(q, kc, vc, lens, k, v, block_table=table, softcap=5.0,
+                                                return_lse=True)
+
+    put = (lambda x: None if x is None else jax.device_put(x, device))
+    o, new_kc, new_vc, lse = jax.jit(step, donate_argnums=(1, 2))(*map(put, (q, kc, vc, lens, k, v, table)))
+    for name, a, b in (("o", o, want[0]), ("lse", lse, want[1] + numpy.log(want[2])), ("k_cache", new_kc, want_kc),
+                       ("v_cache", new_vc, want_vc)):
+        a, b = numpy.asarray(a).astype(numpy.float64), numpy.asarray(b).astype(numpy.float64)
+        assert a.shape == b.shape, name
+        assert numpy.abs(a - b).max() <= tolerance * numpy.abs(b).max(), name
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_step_under_jit_appends_and_attends_as_cupyflash_does(paged):
+    with jax.enable_x64(True):
+        kvcache_against_the_api(jax.devices("cpu")[0], "float64", 1e-12, paged)
+
+
+def test_kvcache_leaves_caches_it_was_not_given_to_keep_unchanged():
+    """Without donation the caches returned are new arrays (XLA copies before the in-place write); the
+    arrays given keep their values, eager or jitted."""
+    rng = numpy.random.default_rng(16)
+    q, kc = (jnp.asarray(rng.standard_normal(s).astype(numpy.float32)) for s in ((1, 2, 1, 16), (1, 2, 8, 16)))
+    before, new = numpy.asarray(kc).copy(), jnp.ones((1, 2, 1, 16), jnp.float32)
+    for call in (cfj.flash_attention_with_kvcache, jax.jit(cfj.flash_attention_with_kvcache)):
+        _, k_cache, v_cache = call(q, kc, kc, jnp.array([3], jnp.int32), new, new)
+        numpy.testing.assert_array_equal(numpy.asarray(kc), before)
+        for cache in (k_cache, v_cache):
+            numpy.testing.assert_array_equal(numpy.asarray(cache)[0, :, 3], 1.0)
+            numpy.testing.assert_array_equal(numpy.delete(numpy.asarray(cache), 3, axis=2), numpy.delete(before, 3, axis=2))
+
+
+def test_kvcache_refuses_what_cupyflash_refuses_while_tracing():
+    q, kc = jnp.zeros((2, 6, 1, 16)), jnp.zeros((2, 2, 32, 16))
+    lens = jnp.zeros(2, jnp.int32)
+    with pytest.raises(ValueError, match="multiple of the cache's"):
+        cfj.flash_attention_with_kvcache(jnp.zeros((2, 5, 1, 16)), kc, kc, lens)
+    with pytest.raises(ValueError, match="k and v .* come together"):
+        cfj.flash_attention_with_kvcache(q, kc, kc, lens, jnp.zeros((2, 2, 1, 16)))
+    with pytest.raises(ValueError, match="cache_seqlens must hold B = 2"):
+        cfj.flash_attention_with_kvcache(q, kc, kc, jnp.zeros(3, jnp.int32))
+    with pytest.raises(TypeError, match="v_cache must have q's dtype"):
+        cfj.flash_attention_with_kvcache(q, kc, kc.astype(jnp.float16), lens)
+    with pytest.raises(ValueError, match="window"):
+        cfj.flash_attention_with_kvcache(q, kc, kc, lens, window=(-2, 0))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@gpu_test
+def test_gpu_kvcache_step_under_jit_appends_and_attends(dtype, paged):
+    kvcache_against_the_api(gpu_device(), dtype, 2e-3 if dtype == "float16" else 1e-5, paged)
