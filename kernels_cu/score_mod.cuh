@@ -593,9 +593,10 @@ struct PairTile {
     unsigned keep[NT][2];   // BOOL_MASK: two bytes a word
 
     __device__ __forceinline__ void load(const EntryMods& m, int r0, int c0) {
-        if constexpr (BIAS) pair_words(bias, m.bias, m.Nq, m.Nk, r0, c0);
+        const int lane = threadIdx.x % WARP_SIZE;
+        if constexpr (BIAS) pair_words(bias, m.bias, m.Nq, m.Nk, r0, c0, lane);
         if constexpr (BOOL_MASK)
-            if (SWITCH_ON(MASK, m.uses)) pair_words(keep, m.keep, m.Nq, m.Nk, r0, c0);
+            if (SWITCH_ON(MASK, m.uses)) pair_words(keep, m.keep, m.Nq, m.Nk, r0, c0, lane);
     }
 
     // pair (n, e) of the accumulator tile (e: row e / 2, column e % 2 of the n-tile's quad)
@@ -604,14 +605,15 @@ struct PairTile {
     }
     __device__ __forceinline__ bool kept(int n, int e) const { return (keep[n][e / 2] >> (8 * (e % 2))) & 0xffu; }
 
-    // the words of array `a` (16-bit or bytes): one load per word where the warp's pairs lie inside the
-    // lengths and the array's rows keep two pairs aligned (a key stride of 1), else one per value
+    // the words of array `a` (16-bit or bytes) that lane `lane` holds: one load per word where the warp's
+    // pairs lie inside the lengths and the array's rows keep two pairs aligned (a key stride of 1), else
+    // one per value (host code too: tests/test_score_mod_cuh.py)
     template <typename T>
-    __device__ __forceinline__ static void pair_words(unsigned (&w)[NT][2], const Pairs<const T>& a, int Nq, int Nk,
-                                                      int r0, int c0) {
+    __host__ __device__ __forceinline__ static void pair_words(unsigned (&w)[NT][2], const Pairs<const T>& a, int Nq,
+                                                               int Nk, int r0, int c0, int lane) {
         static_assert(sizeof(T) <= 2, "two values a word");
         using Two = typename TwoValues<sizeof(T)>::type;
-        const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
+        const int g = lane / 4, t = lane % 4;
         const bool aligned = a.sj == 1 && a.si % 2 == 0 && reinterpret_cast<unsigned long long>(a.ptr) % sizeof(Two) == 0;
         if (aligned && r0 + 16 <= Nq && c0 + 8 * NT <= Nk) {
 #pragma unroll

@@ -21,7 +21,7 @@ from cupyflash import flash_attention, flash_attention_backward, flash_attention
 from helpers import (BFLOAT16, FLOAT16, FLOAT32, FLOAT64, FLOAT_DTYPES, MAX_HEAD_DIM, UNSUPPORTED_DTYPES,
                      assert_non_finite_rules, forward_contract_errors, gpu_test, random_array)
 from strategies import backward_calls, forward_calls
-from tolerances import VIEW_RTOL
+from tolerances import VIEW_RTOL, largest_logit
 
 # Valid calls on random data emit no warning; an overflow or 0/0 would be a bug.
 pytestmark = pytest.mark.filterwarnings("error")
@@ -549,12 +549,14 @@ def test_any_forward_call_succeeds_as_documented_or_raises_value_or_type_error(c
     batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
     assert_forward_outputs(outputs, batch, q.shape[-2], q.shape[-1], q.dtype)
     assert_gradients(gradients, q, k, v)
-    # strided views compute what their contiguous copies do
+    # strided views compute what their contiguous copies do, to a rounding of the scores: BLAS may sum
+    # them in another order, and a score's rounding grows with its size (scale 2 at D 256: hundreds)
     same = flash_attention_forward(*(np.ascontiguousarray(x) for x in (q, k, v)), causal=causal,
                                    softmax_scale=softmax_scale)
+    scale = 1 / np.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    tolerance = VIEW_RTOL[q.dtype] * max(1.0, largest_logit(q, k, causal, scale))
     for got, want in zip(outputs, same):
-        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=VIEW_RTOL[q.dtype],
-                                   atol=VIEW_RTOL[q.dtype])
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tolerance, atol=tolerance)
 
 
 @settings(max_examples=100, deadline=None)
