@@ -96,9 +96,9 @@ struct KeyRows {
     int first;             // PAGED: the key of row 0
 
     // the rows are a paged cache's (read at run time: a table given)
-    __device__ __forceinline__ bool paged() const { return PAGED && (!PAGED_AT_RUN_TIME || table != nullptr); }
+    __host__ __device__ __forceinline__ bool paged() const { return PAGED && (!PAGED_AT_RUN_TIME || table != nullptr); }
 
-    __device__ __forceinline__ T* row(int j) const {
+    __host__ __device__ __forceinline__ T* row(int j) const {
         if (paged()) {
             const At at = walk(j);
             return page_rows(at.page) + (i64)at.row * sn;
@@ -107,13 +107,13 @@ struct KeyRows {
     }
 
     // Paged: row j as (the table's entry `page`, row `row` of that page), for a walk down the rows that
-    // looks each page up once (sm90.cuh: load_pages_sw128)
+    // looks each page up once (sm90.cuh: load_pages_sw128; host code too: tests/test_params_cuh.py)
     struct At { int page, row; };
-    __device__ __forceinline__ At walk(int j) const {
+    __host__ __device__ __forceinline__ At walk(int j) const {
         j += first;
         return {j / size, j % size};
     }
-    __device__ __forceinline__ void step(At& at, int rows) const {
+    __host__ __device__ __forceinline__ void step(At& at, int rows) const {
         at.row += rows;
         if (at.row >= size) {
             at.page += at.row / size;
@@ -121,7 +121,7 @@ struct KeyRows {
         }
     }
     // the first row of the table's entry n (its page number clamped to the cache)
-    __device__ __forceinline__ T* page_rows(int n) const {
+    __host__ __device__ __forceinline__ T* page_rows(int n) const {
         return base + (i64)min((unsigned)table[n], (unsigned)(count - 1)) * page;
     }
 
