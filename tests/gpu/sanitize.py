@@ -18,7 +18,10 @@ score_mod and a mask_mod (its tile map's kernels too); under the NaN masks the r
 modifier at run time (cupyflash/_flags.py: FLAGS).
 ``--splits N`` runs the V2 forwards split-KV in N parts (merged by flash_merge.cu);
 ``--merge`` runs merge_attention's kernel instead (every dtype, 1, 3 and 17 parts listed and stacked, a
-head dim of 16-byte rows and one without, empty rows), against the NumPy merge.
+head dim of 16-byte rows and one without, empty rows), against the NumPy merge. ``--kvcache`` runs
+flash_attention_with_kvcache instead (the append kernel, then the forward that reads the cache: the
+Hopper kernel for 16-bit inputs, contiguous and paged, pages of 16, 48 and 1 rows shuffled; GQA; a
+length at the capacity and one at 0; split-KV and not), against its NumPy path.
 ``--quick`` keeps two head dims, ``--head-dims`` picks some, ``--dtypes`` some dtypes, ``--schedules`` some
 schedules, ``--masks`` some masks (racecheck over all six head dims takes
 longer than one 10-minute device call: run it in parts). The script also checks each result
@@ -142,6 +145,41 @@ def merge_cases(rng) -> int:
     return failures
 
 
+def kvcache_cases(rng, dtypes, head_dims) -> int:
+    """flash_attention_with_kvcache (append, then attention) on contiguous and paged caches; the failures."""
+    import cupy
+
+    failures = cases = 0
+    B, Hkv, G, N_max = 3, 2, 4, 96
+    for (name, dtype, _, tolerance), D, page, n_new, splits in itertools.product(
+            [v for v in VARIANTS if v[2] != "tf32" and (not dtypes or v[0] in dtypes)], head_dims, (None, 16, 48, 1),
+            (1, 3), (None, 1)):
+        q = rng.standard_normal((B, Hkv * G, n_new, D)).astype(dtype)
+        new = [rng.standard_normal((B, Hkv, n_new, D)).astype(dtype) for _ in range(2)]
+        lens = numpy.array([N_max - n_new, 0, 37], numpy.int32)
+        shape = (B, Hkv, N_max, D) if page is None else (B * N_max // page, Hkv, page, D)
+        caches = [rng.standard_normal(shape).astype(dtype) for _ in range(2)]
+        table = None if page is None else rng.permutation(shape[0]).reshape(B, -1).astype(numpy.int32)
+        want_caches = [c.copy() for c in caches]
+        want = cupyflash.flash_attention_with_kvcache(q, *want_caches, lens, k=new[0], v=new[1], block_table=table)
+        got_caches = [cupy.asarray(c) for c in caches]
+        got = cupyflash.flash_attention_with_kvcache(cupy.asarray(q), *got_caches, cupy.asarray(lens),
+                                                     k=cupy.asarray(new[0]), v=cupy.asarray(new[1]),
+                                                     block_table=None if table is None else cupy.asarray(table),
+                                                     num_splits=splits)
+        err = max(float(numpy.abs(g.get().astype(numpy.float64) - w.astype(numpy.float64)).max()
+                        / max(1.0, float(numpy.abs(w.astype(numpy.float64)).max())))
+                  for g, w in zip(got, want))
+        same = all(numpy.array_equal(g.get(), w) for g, w in zip(got_caches, want_caches))
+        cases += 1
+        if not (err <= SANITIZE_REL_ERR[tolerance] * 10 and same):
+            failures += 1
+            print(f"FAIL kvcache {name} D={D} page={page} new={n_new} splits={splits}: error {err:.2e}, "
+                  f"caches {'equal' if same else 'differ'}", flush=True)
+    print(f"{cases - failures} of {cases} cases within tolerance", flush=True)
+    return failures
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"head dims {QUICK_HEAD_DIMS} only")
@@ -157,6 +195,7 @@ def main(argv=None) -> int:
     parser.add_argument("--mods", nargs="+", choices=list(MODS), default=["none"], metavar="NAME",
                         help=f"the modifier sets (default none; all: {' '.join(MODS['all'])})")
     parser.add_argument("--merge", action="store_true", help="merge_attention's kernel only")
+    parser.add_argument("--kvcache", action="store_true", help="flash_attention_with_kvcache only")
     parser.add_argument("--splits", type=int, default=1, help="the forwards' num_splits (V2 schedules; default 1)")
     args = parser.parse_args(argv)
     if args.merge:
@@ -164,6 +203,8 @@ def main(argv=None) -> int:
     head_dims = args.head_dims or (QUICK_HEAD_DIMS if args.quick else HEAD_DIMS)
     if any(not 1 <= d <= _tiles.MAX_HEAD_DIM for d in head_dims):
         parser.error(f"--head-dims must lie in 1..{_tiles.MAX_HEAD_DIM}, got {head_dims}")
+    if args.kvcache:
+        return 1 if kvcache_cases(numpy.random.default_rng(0), args.dtypes, head_dims) else 0
     rng = numpy.random.default_rng(0)
     failures = 0
     masks = [MASKS[name] for name in args.masks or MASKS]
