@@ -55,6 +55,8 @@ DTYPES = {torch.float16: numpy.dtype(numpy.float16), torch.bfloat16: numpy.dtype
 STATS_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float32,
                 torch.float64: torch.float64}
 EXTRA_DTYPES = {**DTYPES, torch.bool: numpy.dtype(numpy.bool_)}   # a mask is bool
+# a seed tensor (a device seed): its dtype -> (the words cupyflash reads, how many)
+SEED_DTYPES = {torch.int64: (numpy.dtype(numpy.uint64), 1), torch.int32: (numpy.dtype(numpy.uint32), 2)}
 
 MAX_KEPT = 256   # plans and streams kept before their caches start over
 MAX_HEAD_DIM = 256   # cupyflash's; the gradient through lse adds a column to D (_gradients_through_lse)
@@ -289,6 +291,17 @@ class _Plan:
         n = self.stats_size
         return ml[:n].view(self.stats_shape), ml[self.l_start:self.l_start + n].view(self.stats_shape)
 
+    def seed(self, x):
+        """A tensor holding dropout's seed (``SEED_DTYPES``) as an array over its memory (which holds it):
+        cupyflash reads a CuPy one on the device as the kernels run."""
+        if x.device != self.torch_device:
+            raise ValueError(f"seed is on {x.device}, q on {self.torch_device}")
+        words = SEED_DTYPES.get(x.dtype)
+        if words is None or x.numel() != words[1] or not x.is_contiguous():
+            raise ValueError(f"a seed tensor holds one int64 or two int32 words (the low one first), contiguous; got "
+                             f"shape {tuple(x.shape)}, dtype {x.dtype}")
+        return self.held(x, _View((words[1],), (1,), words[0]), self.device)
+
     def flat(self, name: str, x):
         """A tensor of ``mod_args`` as a 1-D array (which holds it; a copy where it is not contiguous)."""
         if x.device != self.torch_device:
@@ -339,19 +352,22 @@ class _Call:
     """One call's settings: ``kw`` the keywords both passes take, ``varlen`` (cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k) or None, the modifiers that get no gradient, and the backward's own."""
 
-    __slots__ = ("layout", "kw", "varlen", "alibi_slopes", "mask", "return_lse", "backward_kw")
+    __slots__ = ("layout", "kw", "varlen", "alibi_slopes", "mask", "return_lse", "backward_kw", "seed_tensor")
 
     def __init__(self, layout, kw, varlen, alibi_slopes, mask, return_lse, backward_kw):
         self.layout, self.kw, self.varlen = layout, kw, varlen
         self.alibi_slopes, self.mask, self.return_lse, self.backward_kw = alibi_slopes, mask, return_lse, backward_kw
+        self.seed_tensor = isinstance(kw.get("seed"), torch.Tensor)   # a device seed (SEED_DTYPES)
 
     def keywords(self, plan: _Plan, sink, bias) -> dict:
         """The keywords of a forward (and, with ``backward_kw``, a backward) call, the modifiers given as
         arrays over their tensors' memory."""
         if sink is None and bias is None and self.alibi_slopes is None and self.mask is None and self.varlen is None \
-                and "mod_args" not in self.kw:
+                and "mod_args" not in self.kw and not self.seed_tensor:
             return self.kw
         kw = dict(self.kw)
+        if self.seed_tensor:
+            kw["seed"] = plan.seed(kw["seed"])
         if isinstance(kw.get("mod_args"), dict):   # tensors among them as 1-D arrays, in C order
             kw["mod_args"] = {name: plan.flat(name, x) if isinstance(x, torch.Tensor) else x
                               for name, x in kw["mod_args"].items()}
@@ -619,9 +635,11 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         True = visible; a hidden pair has no term at all.
     dropout_p : float, optional
         Dropout on the attention weights (``0 <= p < 1``); the backward drops the same pairs.
-    seed : int, optional
+    seed : int or torch.Tensor, optional
         Dropout's seed in ``[0, 2⁶⁴)``; default: drawn from torch's default generator (so
-        ``torch.manual_seed`` repeats it).
+        ``torch.manual_seed`` repeats it). Or a tensor on q's device holding it (one int64, its bits
+        the seed, or two int32 words, the low one first): on a GPU the kernels read it as they run, so a
+        captured CUDA graph replayed after the tensor was rewritten drops another set.
     layout : {'bhnd', 'bnhd'}, optional
         'bhnd' (default): torch SDPA's ``(B, H, N, D)``. 'bnhd': FlashAttention's ``flash_attn_func``
         ``(B, N, H, D)``, read in place as the ``(B, H, N, D)`` view of the same memory.

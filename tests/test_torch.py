@@ -299,6 +299,20 @@ def test_dropout_repeats_under_one_seed_and_matches_the_reference():
     assert torch.equal(drawn, flash_attention(q, k, v, dropout_p=0.3))   # the seed comes from torch's generator
 
 
+def test_a_seed_tensor_drops_what_its_int_drops():
+    """A seed given as a tensor (one int64, or two int32 words, the low one first) is the seed it holds:
+    o and the gradients equal the int seed's; a tensor of another kind is refused naming the seed."""
+    q, k, v, do = random_qkv((1, 2, 20, 8), (1, 2, 24, 8))
+    seed = 0x12345678_9ABCDEF
+    want = ours(q, k, v, do, dropout_p=0.3, seed=seed, causal=True)
+    for held in (torch.tensor([seed], dtype=torch.int64),
+                 torch.tensor([seed & 0xFFFFFFFF, seed >> 32], dtype=torch.int64).to(torch.int32)):
+        got = ours(q, k, v, do, dropout_p=0.3, seed=held, causal=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="seed tensor holds one int64 or two int32"):
+        flash_attention(q, k, v, dropout_p=0.3, seed=torch.zeros(3, dtype=torch.int32))
+
+
 # four packed sequences, one with no query rows, against more keys each
 PACKED_Q, PACKED_K = [5, 0, 17, 9], [7, 3, 17, 12]
 
