@@ -320,3 +320,20 @@ def test_a_decoding_step_against_the_cache(dtype, page_size):
                                         n_new=2, page_size=page_size)
     out, caches = _call(cupy, q, kc, vc, lens, new, paged, causal=True)
     _assert_matches(out, _expected(q, kc, vc, lens, new, causal=True), dtype)
+
+
+@pytest.mark.parametrize("page_size", [16, 48])
+def test_a_paged_cache_on_the_hopper_forward_equals_the_contiguous_one(page_size, monkeypatch):
+    """The Hopper forward reading pages through the table (16-bit, sm_90; elsewhere the portable kernel):
+    bit for bit the contiguous cache's, split-KV or not (tests/test_kvcache.py)."""
+    from test_kvcache import test_a_paged_cache_equals_the_contiguous_one_bit_for_bit as paged_equals_contiguous
+
+    paged_equals_contiguous(page_size, True, monkeypatch)
+
+
+def test_a_device_seed_drops_what_its_int_drops(monkeypatch):
+    """A CuPy seed read by the dropout kernels as they run, forward and backward, a graph replay included
+    (tests/test_dropout.py), on the default schedule."""
+    from test_dropout import test_a_device_seed_is_read_as_the_kernels_run as device_seed
+
+    device_seed("auto", monkeypatch)
