@@ -6,6 +6,9 @@ Tolerances live in tests/tolerances.py, hypothesis strategies in tests/strategie
 """
 
 import math
+import shutil
+import subprocess
+from pathlib import Path
 
 import ml_dtypes
 import numpy
@@ -51,6 +54,25 @@ def gpu_test(test):
 # tests that run on NumPy arrays (the CPU path) and, where a GPU is present, on CuPy arrays: parametrize
 # by ARRAY_MODULES and take the module with array_module_named
 ARRAY_MODULES = ["numpy", pytest.param("cupy", marks=requires_gpu)]
+
+
+NVCC = shutil.which("nvcc")
+# the tests of kernels_cu/ headers compiled for the host: skipped where nvcc is not on the PATH
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
+
+
+def host_driver(folder, name: str, source: str, defines=()):
+    """``source`` (C++ that includes kernels_cu/ headers) built for the host with nvcc in ``folder``, with
+    ``-D`` ``defines``: the binary's path (an assertion carrying nvcc's message where it does not build)."""
+    from cupyflash import _compile
+
+    folder = Path(folder)
+    source_path, binary = folder / f"{name}.cu", folder / name
+    source_path.write_text(source)
+    build = subprocess.run([NVCC, "-std=c++17", *(f"-D{d}" for d in defines), "-I", str(_compile.kernel_dir()),
+                            "-o", str(binary), str(source_path)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    return binary
 
 
 def faked_gpu_module():

@@ -6,17 +6,15 @@ fill the struct. Causal masks, sliding windows and both, ragged lengths, the til
 kernels use. No GPU needed; skipped where nvcc is not on the PATH.
 """
 
-import shutil
 import subprocess
 
 import numpy
 import pytest
 
-from cupyflash import _compile
 from cupyflash._mask import MaskGeometry
+from helpers import host_driver, needs_nvcc
 
-NVCC = shutil.which("nvcc")
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
+pytestmark = needs_nvcc
 
 # (B_R, B_C) of the kernels' tiles (forwards, backwards, the Hopper kernels' warpgroup rows)
 TILES = ((16, 16), (64, 32), (64, 64), (128, 64), (64, 128), (128, 128))
@@ -66,12 +64,7 @@ def geometries():
 @pytest.fixture(scope="module")
 def answers(tmp_path_factory):
     """The driver's output for every case of `geometries`, parsed: {case index: {...}}."""
-    folder = tmp_path_factory.mktemp("mask_cuh")
-    source, binary = folder / "mask_driver.cu", folder / "mask_driver"
-    source.write_text(DRIVER)
-    build = subprocess.run([NVCC, "-std=c++17", "-I", str(_compile.kernel_dir()), "-o", str(binary), str(source)],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
+    binary = host_driver(tmp_path_factory.mktemp("mask_cuh"), "mask_driver", DRIVER)
     cases = geometries()
     stdin = "".join("%d %d %d %d\n" % g.kernel_fields() for g in cases)
     run = subprocess.run([str(binary)], input=stdin, capture_output=True, text=True, check=True)
@@ -185,11 +178,7 @@ def test_a_band_gives_each_sequence_the_mask_of_its_own_lengths(tmp_path):
     """Packed sequences share one Band (``MaskGeometry.band_fields``); ``Band::of`` must give each
     sequence exactly the Mask a call of its lengths gets (``kernel_fields``), sides that bound
     nothing included, and lengths of 0."""
-    source, binary = tmp_path / "band_driver.cu", tmp_path / "band_driver"
-    source.write_text(BAND_DRIVER)
-    build = subprocess.run([NVCC, "-std=c++17", "-I", str(_compile.kernel_dir()), "-o", str(binary), str(source)],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
+    binary = host_driver(tmp_path, "band_driver", BAND_DRIVER)
     cases = geometries() + [MaskGeometry(0, 5, True), MaskGeometry(5, 0, False, 3, None), MaskGeometry(0, 0, True, 2, 2),
                             MaskGeometry(7, 9, False, 2**31 - 1, 2**31 - 1)]
     stdin = "".join("%d %d %d %d\n" % (*g.band_fields(), g.n_q, g.n_k) for g in cases)

@@ -6,16 +6,14 @@ than a pass, equal, larger, not dividing it), from any first key, with page numb
 clamped. No GPU needed; skipped where nvcc is not on the PATH.
 """
 
-import shutil
 import subprocess
 
 import numpy
 import pytest
 
-from cupyflash import _compile
+from helpers import host_driver, needs_nvcc
 
-NVCC = shutil.which("nvcc")
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
+pytestmark = needs_nvcc
 
 DRIVER = r"""
 #include <cstdio>
@@ -65,12 +63,8 @@ def cases():
 
 @pytest.fixture(scope="module")
 def walked(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("params_cuh")
-    source, binary = folder / "walk.cu", folder / "walk"
-    source.write_text(DRIVER)
-    build = subprocess.run([NVCC, "-std=c++17", "-DFLASH_DTYPE=0", "-DFLASH_PAGED=1", "-DFLASH_VARLEN=1", "-I",
-                            str(_compile.kernel_dir()), "-o", str(binary), str(source)], capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
+    binary = host_driver(tmp_path_factory.mktemp("params_cuh"), "walk", DRIVER,
+                         ("FLASH_DTYPE=0", "FLASH_PAGED=1", "FLASH_VARLEN=1"))
     stdin = "".join(" ".join(map(str, (*c[:8], len(c[8]), *c[8]))) + "\n" for c in cases())
     run = subprocess.run([str(binary)], input=stdin, capture_output=True, text=True, check=True)
     results, current = [], []

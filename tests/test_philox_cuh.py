@@ -3,16 +3,15 @@
 across the 32-bit range, and so the same keep set. No GPU needed; skipped where nvcc is not on the PATH.
 """
 
-import shutil
 import subprocess
 
 import numpy
 import pytest
 
-from cupyflash import _compile, _philox
+from cupyflash import _philox
+from helpers import host_driver, needs_nvcc
 
-NVCC = shutil.which("nvcc")
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
+pytestmark = needs_nvcc
 
 DRIVER = r"""
 #include <cstdio>
@@ -31,12 +30,7 @@ int main() {
 
 @pytest.fixture(scope="module")
 def philox_binary(tmp_path_factory):
-    where = tmp_path_factory.mktemp("philox")
-    (where / "driver.cu").write_text(DRIVER)
-    binary = where / "driver"
-    subprocess.run([NVCC, "-std=c++17", "-I", str(_compile.kernel_dir()), "-o", str(binary), str(where / "driver.cu")],
-                   check=True, capture_output=True)
-    return binary
+    return host_driver(tmp_path_factory.mktemp("philox"), "driver", DRIVER)
 
 
 def test_the_kernels_words_are_the_definitions(philox_binary):

@@ -6,16 +6,14 @@ the even column's value in the low bits, 0 past the lengths; with a key stride o
 ragged edges. No GPU needed; skipped where nvcc is not on the PATH.
 """
 
-import shutil
 import subprocess
 
 import numpy
 import pytest
 
-from cupyflash import _compile
+from helpers import host_driver, needs_nvcc
 
-NVCC = shutil.which("nvcc")
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on the PATH")
+pytestmark = needs_nvcc
 
 NT = 8   # n-tiles of 8 keys: the Hopper forward's 64-key tiles under a bias or mask
 
@@ -74,13 +72,8 @@ def expected(bytes_, Nq, Nk, si, sj, off, r0, c0) -> numpy.ndarray:
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("score_mod_cuh")
-    source, binary = folder / "pair_words.cu", folder / "pair_words"
-    source.write_text(DRIVER)
-    build = subprocess.run([NVCC, "-std=c++17", "-DFLASH_DTYPE=0", "-DFLASH_BIAS=1", "-DFLASH_MASK=1", "-I",
-                            str(_compile.kernel_dir()), "-o", str(binary), str(source)], capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
-    return binary
+    return host_driver(tmp_path_factory.mktemp("score_mod_cuh"), "pair_words", DRIVER,
+                       ("FLASH_DTYPE=0", "FLASH_BIAS=1", "FLASH_MASK=1"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[" ".join(map(str, c)) for c in CASES])
