@@ -8,7 +8,9 @@ Attention of queries over a key set split into disjoint parts is the merge of th
 That is how split-KV decoding, shared-prefix (cascade) inference and ring attention put their pieces
 together. ``merge_attention`` takes the parts one by one, ``merge_attention_stacked`` stacked along an
 axis; both run one fused kernel on CuPy arrays (``kernels_cu/flash_merge.cu``) and NumPy's own
-arithmetic on NumPy arrays.
+arithmetic on NumPy arrays. A call like an earlier one (CuPy arrays of the same shapes, strides, dtypes,
+alignment and device, no ``out=``) reuses its checks and launch (``KeptMerge``): a decoding step's
+merges cost a launch and an allocation of host time, not the checks.
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ def merge_attention(parts, *, out=None):
     ``dq`` (the shares sum to the full ``dq``). More than 16 parts on the GPU are stacked into one
     array first (a copy); ``merge_attention_stacked`` avoids it.
     """
+    key = _listed_key(parts) if out is None else None
+    kept = _KEPT.get(key) if key is not None else None
+    if kept is not None:   # a like call's launch: CuPy parts of the same layout, nothing to check again
+        return kept([part[j].data.ptr for j in range(3) for part in parts])
     if not isinstance(parts, (list, tuple)) or not parts:
         raise ValueError(f"parts must be a non-empty list or tuple of (o, m, l), got {_describe(parts)}")
     triples = []
@@ -91,8 +97,9 @@ def merge_attention(parts, *, out=None):
     if len(triples) > _params.MERGE_POINTERS:
         stacked = [xp.stack([p[j] for p in triples]) for j in range(3)]
         return _merge_gpu(stacked, len(triples), True, out)
+    contiguous = all(x.flags.c_contiguous for part in triples for x in part)
     return _merge_gpu([[x if x.flags.c_contiguous else xp.ascontiguousarray(x) for x in arrays]
-                       for arrays in zip(*triples)], len(triples), False, out)
+                       for arrays in zip(*triples)], len(triples), False, out, key if contiguous else None)
 
 
 def merge_attention_stacked(o, m, l, axis=0, *, out=None):
@@ -120,6 +127,10 @@ def merge_attention_stacked(o, m, l, axis=0, *, out=None):
     TypeError, ValueError
         As ``merge_attention``; an ``axis`` out of range or naming the rows' axis; no part.
     """
+    key = _launch.call_key((o, m, l), ("stacked", axis)) if out is None else None
+    kept = _KEPT.get(key) if key is not None else None
+    if kept is not None:
+        return kept([o.data.ptr, m.data.ptr, l.data.ptr])
     named = {"o": o, "m": m, "l": l}
     xp = array_module(named)
     if m.ndim < 2:
@@ -144,8 +155,9 @@ def merge_attention_stacked(o, m, l, axis=0, *, out=None):
     out = _checked_out(out, result_shape, o_dtype, xp, device, named)
     if xp is numpy:
         return _merge_numpy(o, m, l, out)
+    contiguous = all(_parts_contiguous(x) for x in (o, m, l))
     stacked = [x if _parts_contiguous(x) else xp.ascontiguousarray(x) for x in (o, m, l)]
-    return _merge_gpu(stacked, parts, True, out)
+    return _merge_gpu(stacked, parts, True, out, key if contiguous else None)
 
 
 def _describe(x) -> str:
@@ -228,23 +240,32 @@ def _plan(dtype: str, rows: int, D: int, parts: int, strides: tuple, vec: bool, 
     return _launch.merge_plan(dtype, rows, D, parts, strides, vec, listed=not strides[0])
 
 
-def _merge_gpu(arrays, parts: int, stacked: bool, out):
+def _merge_gpu(arrays, parts: int, stacked: bool, out, key=None):
     """The merge on the GPU: ``arrays`` = [o, m, l], each a list of C-contiguous parts or (``stacked``)
-    one array of C-contiguous parts along axis 0."""
-    import cupy
-
+    one array of C-contiguous parts along axis 0. Without ``out`` its launch is kept under ``key`` (the
+    call's ``_launch.call_key``; None: not kept) for like calls."""
     o = arrays[0] if stacked else arrays[0][0]
     o_shape = o.shape[1:] if stacked else o.shape
     dtype, device = o.dtype, o.data.device_id
     acc = accumulator_dtype(dtype)
+    rows, D = math.prod(o_shape[:-1]), o_shape[-1]
+    bases = [[x.data.ptr] for x in arrays] if stacked else [[x.data.ptr for x in group] for group in arrays]
+    strides = tuple(x.strides[0] // x.itemsize for x in arrays) if stacked else (0, 0, 0)
+    item = dtype.itemsize
+    vec = D * item % 16 == 0 and all(b % 16 == 0 for b in bases[0]) and (strides[0] * item) % 16 == 0
     with _launch._on_device(device):
-        if out is None:   # one allocation from CuPy's pool
+        step = _plan(dtype_name(dtype), rows, D, parts, strides, vec, device) if rows else None
+        pointers = [*bases[0], *bases[1], *bases[2]]
+        if out is None:
             specs = ((o_shape, dtype), (o_shape[:-1], acc), (o_shape[:-1], acc))
-            block = _output_block(specs)
-            out = block.arrays(cupy.cuda.alloc(max(block.nbytes, 1)), specs)
-        rows, D = math.prod(o_shape[:-1]), o_shape[-1]
-        if rows:
-            _launch_merge(arrays, parts, stacked, out, rows, D, dtype, device)
+            merge = KeptMerge(device, specs, _output_block(specs), step)
+            if key is not None:
+                if len(_KEPT) >= MAX_KEPT:
+                    _KEPT.clear()
+                _KEPT[key] = merge
+            return merge(pointers)
+        if step is not None:
+            _launch_step(step, pointers, out)
     return tuple(out)
 
 
@@ -253,16 +274,48 @@ def _output_block(specs) -> "_launch.Block":
     return _launch.block_layout(_launch.array_parts(specs))
 
 
-def _launch_merge(arrays, parts, stacked, out, rows, D, dtype, device):
-    if stacked:
-        strides = tuple(x.strides[0] // x.itemsize for x in arrays)
-        bases = [[x.data.ptr] for x in arrays]
-    else:
-        strides = (0, 0, 0)
-        bases = [[x.data.ptr for x in group] for group in arrays]
-    item = dtype.itemsize
-    vec = D * item % 16 == 0 and all(b % 16 == 0 for b in bases[0]) and (strides[0] * item) % 16 == 0
-    merge, params = _plan(dtype_name(dtype), rows, D, parts, strides, vec, device)
+def _launch_step(step, pointers, out):
+    """flash_merge.cu's launch (``_launch.merge_plan``) over the parts at ``pointers`` (every o, every m,
+    every l) into ``out``, on the current stream."""
+    merge, params = step
     stream, _ = _launch.call_stream()
-    buffer, address = params.pack([*bases[0], *bases[1], *bases[2], *(x.data.ptr for x in out)])
+    buffer, address = params.pack([*pointers, *(x.data.ptr for x in out)])
     merge(stream, address)   # cuLaunchKernel copies the struct: `buffer` may go once it returns
+
+
+class KeptMerge:
+    """A merge with everything but its parts' addresses settled: ``merge(pointers)`` (every part's o, then
+    every m, every l; or the stacked o, m, l) returns new ``(o, m, l)`` from one allocation of CuPy's pool."""
+
+    __slots__ = ("device", "specs", "block", "step")
+
+    def __init__(self, device: int, specs, block, step):
+        self.device, self.specs, self.block, self.step = device, specs, block, step
+
+    def __call__(self, pointers):
+        import cupy
+
+        with _launch._on_device(self.device):
+            out = self.block.arrays(cupy.cuda.alloc(max(self.block.nbytes, 1)), self.specs)
+            if self.step is not None:   # rows to merge
+                _launch_step(self.step, pointers, out)
+        return tuple(out)
+
+
+# Merges of earlier calls (CuPy arrays, no out=): their checks and plan read only the arrays' types,
+# shapes, strides, dtypes, 16-byte alignment and devices (``_launch.call_key``), so a like call reuses them
+_KEPT: dict = {}
+MAX_KEPT = 256
+
+
+def _listed_key(parts):
+    """``_launch.call_key`` of ``merge_attention``'s parts (o, m, l of each, in order), or None where they
+    are not a list or tuple of at most MERGE_POINTERS triples of CuPy arrays."""
+    if not isinstance(parts, (list, tuple)) or not 0 < len(parts) <= _params.MERGE_POINTERS:
+        return None
+    arrays = []
+    for part in parts:
+        if not isinstance(part, (list, tuple)) or len(part) != 3:
+            return None
+        arrays += part
+    return _launch.call_key(arrays, ("listed", len(parts)))

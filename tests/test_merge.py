@@ -272,3 +272,40 @@ def test_bad_stacks_and_outs_are_refused():
         cupyflash.merge_attention_stacked(o, m, l, out=(np.zeros((2, 5, 9), np.float16), m[0].copy(), l[0].copy()))
     with pytest.raises(ValueError, match="overlaps"):
         cupyflash.merge_attention_stacked(o, m, l, out=(o[0], m[0], l[0]))
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["listed", "stacked"])
+def test_a_like_merge_reuses_its_launch_and_reads_its_own_parts(monkeypatch, stacked):
+    """A second merge of CuPy parts of the same layout skips the checks and the plan (the GPU faked,
+    benchmarks/host_path.py): its launch's struct names its own parts and fresh outputs; a part of another
+    layout plans anew."""
+    pytest.importorskip("cupy")
+    from cupyflash import _params, merge
+    from helpers import faked_gpu_module
+
+    gpu = faked_gpu_module().FakeGPU(patch=monkeypatch.setattr, keep_structs=True)
+    monkeypatch.setattr(merge, "_KEPT", {})
+
+    def call(n=3, rows=5):
+        if stacked:
+            o, m, l = gpu.array((n, 2, rows, 64)), gpu.array((n, 2, rows), np.float32), gpu.array((n, 2, rows), np.float32)
+            return (o, m, l), cupyflash.merge_attention_stacked(o, m, l)
+        parts = [(gpu.array((2, rows, 64)), gpu.array((2, rows), np.float32), gpu.array((2, rows), np.float32))
+                 for _ in range(n)]
+        return parts, cupyflash.merge_attention(parts)
+
+    for trial in range(3):
+        gpu.structs.clear()
+        given, result = call()
+        (name, raw), = gpu.structs
+        struct = np.frombuffer(raw[:_params.MERGE.itemsize], _params.MERGE)[0]
+        if stacked:
+            assert [struct[x]["ptr"][0] for x in "oml"] == [x.data.ptr for x in given]
+            assert [struct[x]["stride"] for x in "oml"] == [2 * 5 * 64, 2 * 5, 2 * 5]
+        else:
+            assert [list(struct[x]["ptr"][:3]) for x in "oml"] == [[p[j].data.ptr for p in given] for j in range(3)]
+        assert [struct[f"{x}_out"] for x in "oml"] == [x.data.ptr for x in result]
+        assert [x.shape for x in result] == [(2, 5, 64), (2, 5), (2, 5)]
+        assert len(merge._KEPT) == 1
+    call(rows=6)
+    assert len(merge._KEPT) == 2
