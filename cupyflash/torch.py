@@ -776,8 +776,9 @@ def flash_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 # Decoding against a K/V cache (no gradient)
 
 def _tensor_array(name: str, x, dtypes: dict, order, device):
-    """A tensor as cupyflash reads it (a CuPy view of a CUDA tensor's memory, a NumPy one of a CPU
-    tensor's), its axes in ``order``; its dtype one of ``dtypes`` (torch -> NumPy) and its device q's."""
+    """A tensor as cupyflash reads it (a CuPy view of a CUDA tensor's memory, kept by address: the caller
+    holds the tensor for the call; a NumPy one of a CPU tensor's), its axes in ``order``; its dtype one of
+    ``dtypes`` (torch -> NumPy) and its device q's."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in dtypes:
@@ -787,7 +788,7 @@ def _tensor_array(name: str, x, dtypes: dict, order, device):
     if x.dim() != len(order):
         raise ValueError(f"{name} must have {len(order)} dims, got shape {tuple(x.shape)}")
     view = _View([x.shape[i] for i in order], [x.stride()[i] for i in order], dtypes[x.dtype])
-    return (_host_array if device is None else _held_array)(x, view, device)
+    return (_host_array if device is None else _device_array)(x, view, device)
 
 
 def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
