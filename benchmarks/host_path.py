@@ -5,6 +5,7 @@
 A call that agrees with an earlier one (shapes, strides, dtypes, keywords) finds that call's plan and
 only allocates its outputs, writes its pointers into the kept parameter struct and launches
 (``cupyflash/_launch.py``). This times that path, float16 and causal as ``benchmarks/host_profile.py``,
+then a decoding step against a K/V cache (contiguous and paged, with a key appended or not) and merges,
 with everything the GPU would do replaced: the arrays are CuPy arrays over host memory (never read),
 CuPy's pool allocator hands out addresses in that memory, the device queries answer as an H200 would,
 and a kernel launch is a Python call that does nothing. What is left is the library's own Python and
@@ -126,6 +127,29 @@ def first_call(call, make_plan):
     return make_plan(keys[0])
 
 
+def decoding_calls(gpu) -> dict:
+    """Kept calls of a decoding step, on the faked GPU: one query row of 32 heads over 8 K/V heads (D 128,
+    fp16) against a contiguous cache of 16384 rows and a paged one (pages of 256), with and without a new
+    key appended, and merges of 2 and 8 parts of those rows; each made once first (a like call keeps it)."""
+    B, Hkv, G, D = 1, 8, 4, 128
+    q, lens, new = gpu.array((B, Hkv * G, 1, D)), gpu.array((B,), numpy.int32), gpu.array((B, Hkv, 1, D))
+    contiguous = (gpu.array((B, Hkv, 16384, D)), gpu.array((B, Hkv, 16384, D)), None)
+    paged = (gpu.array((64, Hkv, 256, D)), gpu.array((64, Hkv, 256, D)), gpu.array((B, 64), numpy.int32))
+    parts = [(gpu.array((B, Hkv * G, 1, D)), gpu.array((B, Hkv * G, 1), numpy.float32),
+              gpu.array((B, Hkv * G, 1), numpy.float32)) for _ in range(8)]
+    calls = {}
+    for name, (k_cache, v_cache, table) in (("decode, contiguous cache", contiguous), ("decode, paged cache", paged)):
+        calls[name] = lambda k_cache=k_cache, v_cache=v_cache, table=table: cupyflash.flash_attention_with_kvcache(
+            q, k_cache, v_cache, lens, block_table=table)
+        calls[name + ", a key appended"] = lambda k_cache=k_cache, v_cache=v_cache, table=table: \
+            cupyflash.flash_attention_with_kvcache(q, k_cache, v_cache, lens, k=new, v=new, block_table=table)
+    for n in (2, 8):
+        calls[f"merge of {n} parts"] = lambda n=n: cupyflash.merge_attention(parts[:n])
+    for call in calls.values():
+        call()
+    return calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=4, default=(1, 1, 64, 64), metavar=("B", "H", "N", "D"))
@@ -144,7 +168,8 @@ def main() -> None:
                lambda key: api._backward_gpu(do, q, k, v, o, m, l, {}, bprob.batch_shape, bprob, "auto", "highest",
                                              False, key))
     calls = {"forward": lambda: cupyflash.flash_attention_forward(q, k, v, causal=True),
-             "backward": lambda: cupyflash.flash_attention_backward(do, q, k, v, o, m, l, causal=True)}
+             "backward": lambda: cupyflash.flash_attention_backward(do, q, k, v, o, m, l, causal=True),
+             **decoding_calls(gpu)}
     print(f"cupyflash on a faked GPU, float16, causal, shape {tuple(args.shape)}, kept plans\n")
     print("| call | us per call (the library's Python) | launches | allocations |")
     print("|---|---:|---:|---:|")
