@@ -112,6 +112,24 @@ def assert_twice_naive(name, got, ref, naive, dtype, ceilings, slack_units=1.0, 
     assert err <= bound, f"{name}: error {err:.3e} over ceiling {ceilings[dtype]:.0e} + inherited {inherited:.3e}"
 
 
+def row_max_slack(m_ref, q, k, scale, dtype, bias=None, alibi_slopes=None, **_) -> float:
+    """The rounding of the row maxima ``m`` as ``assert_twice_naive``'s ``inherited`` (relative, over the
+    finite entries): each m_i is one score, whose rounding is the accumulator's unit roundoff of its
+    largest term (``scale |q_i| |k_j|``, Cauchy-Schwarz over every pair, plus the largest bias and ALiBi
+    offset), however small the terms' sum (a lone key nearly orthogonal to its query)."""
+    finite = numpy.isfinite(m_ref)
+    norm = numpy.linalg.norm(m_ref[finite])
+    if not finite.any() or norm == 0:
+        return 0.0
+    f64 = (lambda x: numpy.asarray(x, dtype=numpy.float64))
+    term = scale * numpy.linalg.norm(f64(q), axis=-1).max() * numpy.linalg.norm(f64(k), axis=-1).max()
+    if bias is not None:
+        term += numpy.abs(f64(bias)).max(initial=0.0)
+    if alibi_slopes is not None:
+        term += numpy.abs(f64(alibi_slopes)).max(initial=0.0) * max(q.shape[-2], k.shape[-2])
+    return float(ACCUMULATOR_ROUNDOFF[precision(dtype)] * term * math.sqrt(finite.sum()) / norm)
+
+
 def _visible(Nq, Nk, causal, window):
     """Which pairs the causal mask and the window leave visible, (Nq, Nk); None: all."""
     from cupyflash.reference import _visibility
