@@ -11,11 +11,12 @@ from .merge import merge_attention, merge_attention_stacked
 from .api import (ForwardResult, dropout_mask, flash_attention, flash_attention_backward, flash_attention_forward,
                   flash_attention_varlen_backward, flash_attention_varlen_forward)
 from .kvcache import flash_attention_with_kvcache
+from .float8 import flash_attention_forward_fp8
 from .blockmask import BlockMask, block_mask
 from . import distributed
 
 __version__ = "0.1.0"
 __all__ = ["flash_attention", "flash_attention_forward", "flash_attention_backward", "flash_attention_varlen_forward",
            "flash_attention_varlen_backward", "ForwardResult", "flash_attention_with_kvcache", "merge_attention",
-           "merge_attention_stacked", "dropout_mask", "block_mask", "BlockMask", "precompile", "reference",
+           "merge_attention_stacked", "flash_attention_forward_fp8", "dropout_mask", "block_mask", "BlockMask", "precompile", "reference",
            "distributed", "__version__"]

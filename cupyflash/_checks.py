@@ -18,6 +18,8 @@ from ._philox import keep_threshold
 from ._tiles import MAX_HEAD_DIM, accumulator_dtype, dtype_name
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# float8 e4m3 inputs (cupyflash.float8): ml_dtypes' NumPy dtype, or their bits as uint8 (CuPy has no float8)
+FLOAT8_DTYPES = ("float8_e4m3fn", "uint8")
 LOG2E = math.log2(math.e)
 
 
@@ -290,13 +292,13 @@ def with_softcap(prob: "Problem", softcap) -> "Problem":
     return replace(prob, softcap=check_softcap(softcap, prob.dtype))
 
 
-def check_forward(q, k, v, causal, softmax_scale, window=None) -> Problem:
-    """Validate ``q, k, v`` and the flags of a forward call."""
+def check_forward(q, k, v, causal, softmax_scale, window=None, supported=SUPPORTED_DTYPES) -> Problem:
+    """Validate ``q, k, v`` and the flags of a forward call (of one of the ``supported`` dtypes)."""
     xp = array_module({"q": q, "k": k, "v": v})
     dtypes = {name: x.dtype for name, x in (("q", q), ("k", k), ("v", v))}
     for name, dt in dtypes.items():
-        if dt.name not in SUPPORTED_DTYPES or not dt.isnative:
-            raise TypeError(f"{name} has dtype {dt}; supported (native byte order): {', '.join(SUPPORTED_DTYPES)}")
+        if dt.name not in supported or not dt.isnative:
+            raise TypeError(f"{name} has dtype {dt}; supported (native byte order): {', '.join(supported)}")
     if len(set(dtypes.values())) > 1:
         raise TypeError("q, k, v must share one dtype, got " + ", ".join(f"{n}: {d}" for n, d in dtypes.items()))
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -325,7 +327,7 @@ def check_forward(q, k, v, causal, softmax_scale, window=None) -> Problem:
         except OverflowError:
             scale = math.inf
         # the kernels multiply in float32 (float64 for float64 inputs): the scale must be finite there
-        limit = numpy.finfo(accumulator_dtype(q.dtype)).max
+        limit = numpy.finfo(numpy.float32 if q.dtype.name in FLOAT8_DTYPES else accumulator_dtype(q.dtype)).max
         if not math.isfinite(scale) or abs(scale) * LOG2E > limit:
             raise ValueError(f"softmax_scale must be finite in the accumulator precision, got {softmax_scale}")
     if xp is not numpy:

@@ -649,13 +649,14 @@ class ForwardPlan:
     launches: tuple           # Launch of the main kernel, then of flash_fwd_repair where it runs
     device: int
     outputs: tuple            # ((shape, dtype) of o, m, l)
-    fresh: Block              # o, m, l and the splits' parts
+    fresh: Block              # o, m, l, the splits' parts and the float8 forward's V^T
     given: Block              # the same but o, m, l: a call with ``out``
     scratch: Scratch          # the tile counters and the repair flags, kept per stream
     o_run: int                # bytes of V1's running O_i (0: not used), a workspace of its own
     params: Params            # FwdParams
     tile_map: TileMapPlan | None = None   # mask_mod's, written before the main kernel where the call must
     merge: tuple | None = None   # split-KV: (Launch of flash_merge, its MergeParams), after the main kernel
+    before: tuple = ()        # Launches before the main kernel's (the float8 forward's flash_fp8_values)
 
     def __call__(self, q, k, v, out=None, arrays=None, offsets=(None, None), seed=0, lens=None, table=None):
         """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given; ``arrays`` the
@@ -670,7 +671,7 @@ class ForwardPlan:
 
                 memory, base = self.fresh.allocate(cupy.cuda.alloc, stream)
                 o, m, l = self.fresh.arrays(memory, self.outputs)
-                parts = self.fresh.pointers(base)   # o, m, l, the splits' parts
+                parts = self.fresh.pointers(base)   # o, m, l, the splits' parts, V^T
             else:
                 o, m, l = out
                 memory, base = self.given.allocate(alloc, stream)
@@ -683,11 +684,11 @@ class ForwardPlan:
                 q.data.ptr, k.data.ptr, v.data.ptr, *parts, *self.scratch.block.pointers(scratch_base),
                 o_run.ptr if o_run else 0, _address(offsets[0]), _address(offsets[1]), *seed_words(seed), tiles, _address(lens),
                 _address(table), *(array_addresses(arrays) if arrays else NO_ARRAYS)))
-            for step in (self.tile_map.launches if fresh_map else ()) + self.launches[:1]:
+            for step in (self.tile_map.launches if fresh_map else ()) + self.before + self.launches[:1]:
                 step(stream, address)
             if self.merge is not None:   # the splits' parts into o, m, l, before the repair reads them
                 merge_launch, merge_params = self.merge
-                merge_struct, merge_address = merge_params.pack((*parts[3:], *parts[:3]))
+                merge_struct, merge_address = merge_params.pack((*parts[3:6], *parts[:3]))
                 merge_launch(stream, merge_address)
             for step in self.launches[1:]:
                 step(stream, address)
@@ -711,7 +712,7 @@ def array_addresses(arrays: dict) -> list:
 
 
 # the workspace parts of a forward after o, m, l: ForwardPlan.fresh's (and .given's), then its scratch's
-FWD_PARTS = ("o_parts", "m_parts", "l_parts", "tile_counter", "repair_flags")
+FWD_PARTS = ("o_parts", "m_parts", "l_parts", "vt.ptr", "tile_counter", "repair_flags")
 # the pointers a forward call writes, in this order (ForwardPlan.__call__): inputs, outputs, workspace parts,
 # V1's running O, packed sequences' offsets, dropout's seed, the tile map, a cache's lengths and page table,
 # the modifiers' arrays (_flags.Flag.pointer)
@@ -809,10 +810,53 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
                    (kv_splits * rows * acc.itemsize, False)] if kv_splits > 1 else [(0, False)] * 3
     merge = merge_plan(q.dtype, rows, D, kv_splits) if kv_splits > 1 else None
     return ForwardPlan(launches=tuple(launches), device=q.data.device_id, outputs=outputs,
-                       fresh=block_layout(array_parts(outputs) + split_parts),
-                       given=block_layout([(0, False)] * 3 + split_parts),
+                       fresh=block_layout(array_parts(outputs) + split_parts + [(0, False)]),
+                       given=block_layout([(0, False)] * 3 + split_parts + [(0, False)]),
                        scratch=Scratch(block_layout([(counter, True), (4 * flags, True)])),
                        o_run=o_run, params=params, tile_map=tile_map, merge=merge)
+
+
+def fp8_forward_plan(q, k, v, *, out_dtype, geometry: MaskGeometry, scale: float, v_scale: float, batch_shape,
+                     layout: BatchLayout):
+    """The float8 Hopper forward (``fwd_fp8``) of validated float8 e4m3 ``q, k, v`` (CuPy uint8 arrays of
+    their bits, D <= FP8_HEAD_DIM) as a ``ForwardPlan``: ``flash_fp8_values`` writes V^T into the call's
+    workspace (one (DP, Nk rounded up to B_c) block per batch entry of v, broadcast entries once), then the
+    persistent main kernel; o of ``out_dtype``, m and l float32. ``scale`` multiplies q k^T (softmax_scale
+    times q's and k's descales), ``v_scale`` o."""
+    rows_q, D = q.shape[-2:]
+    rows_k = k.shape[-2]
+    BH = layout.count
+    cfg = device_tiles("fwd_fp8", D, out_dtype)
+    kernels = get_kernels(cfg)
+    T_r, T_c = -(-rows_q // cfg.block_r), -(-rows_k // cfg.block_c)
+    keys = T_c * cfg.block_c   # V^T's row stride: every run of B_c keys written, zero past Nk
+    # V^T's collapsed batch strides: contiguous over the dims along which v does not broadcast
+    vt_strides, size = [0, 0, 0], cfg.d_pad * keys
+    for axis in (2, 1, 0):
+        if layout.of("v")[axis]:
+            vt_strides[axis] = size
+            size *= layout.sizes[axis]
+    flags = BH * T_r if _masked_pairs(geometry) else 0   # the main kernel repairs the Q tiles it flags
+    sms = current_limits().sms
+    params = Params(FWD, FWD_POINTERS,
+                    q=_strides4(q, layout.of("q")), k=_strides4(k, layout.of("k")), v=_strides4(v, layout.of("v")),
+                    vt=(*vt_strides, keys), batch=(layout.sizes[1], layout.sizes[2], BH),
+                    **_sequence_fields(geometry, None, BH, rows_q, rows_k), D=D, vec=int(_vector_ok((q, k, v), D)),
+                    head_group=head_group(BH, 2 * rows_k * D), n_splits=1, kv_splits=1, tile_rows=cfg.block_r,
+                    scale=float(numpy.float32(scale)), v_scale=float(numpy.float32(v_scale)))
+    stats = (*batch_shape, rows_q)
+    outputs = (((*stats, D), numpy.dtype(out_dtype)), (stats, numpy.float32), (stats, numpy.float32))
+    vt_part = [(size, False)]
+    return ForwardPlan(launches=(launch(kernels["flash_fwd_sm90"], min(BH * T_r, sms), cfg.threads, cfg.smem_bytes),),
+                       device=q.data.device_id, outputs=outputs,
+                       fresh=block_layout(array_parts(outputs) + [(0, False)] * 3 + vt_part),
+                       given=block_layout([(0, False)] * 6 + vt_part),
+                       scratch=Scratch(block_layout([(8, True), (4 * flags, True)])), o_run=0, params=params,
+                       before=(launch(kernels["flash_fp8_values"], _launch_grid(BH * T_c), FP8_VALUES_THREADS),))
+
+
+# threads of flash_fp8_values (flash_fwd_sm90.cu: VALUES_THREADS)
+FP8_VALUES_THREADS = 256
 
 
 def merge_plan(dtype, rows: int, D: int, parts: int, strides=None, vec: bool | None = None,

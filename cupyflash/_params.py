@@ -71,7 +71,7 @@ FWD = _struct([
     ("o_parts", _ptr), ("m_parts", _ptr), ("l_parts", _ptr),
     ("batch", BATCH), ("mask", MASK), ("seqs", SEQS), ("tiles", TILE_MAP), ("mods", SCORE_MODS), ("pages", PAGES),
     ("D", _i32), ("vec", _i32), ("head_group", _i32), ("n_splits", _i32), ("kv_splits", _i32), ("tile_rows", _i32),
-    ("uses", numpy.uint32), ("scale", _f64),
+    ("uses", numpy.uint32), ("scale", _f64), ("v_scale", _f64), ("vt", TENSOR),
 ])
 
 BWD = _struct([

@@ -25,6 +25,9 @@ How tiles are chosen (``choose_tiles``):
   B_c = 128 keys up to D = 128, 96 at D = 192 and 64 at 256; the head dim is padded to whole
   64-column swizzle blocks. The CTAs are persistent, one per SM, with Q_i double-buffered where two fit
   (``q_stages``).
+* ``fwd_fp8`` (the Hopper forward on float8 e4m3 q, k, v, 16-bit o; sm_90a, D <= 128): ``fwd_sm90``'s
+  kernel compiled with float8 operands, two consumers, B_r = B_c = 128, the head dim padded to one
+  128-byte swizzle column block (DP = 128 for every D); its V^T is written first (``flash_fp8_values``).
 * ``bwd``: each warp owns 16 key rows of a K/V tile (B_c = 16 x warps); the Q tiles walked by the
   inner loop have B_r rows. dK_j and dV_j live in registers, so the head dim is split into chunks
   of ``d_chunk`` columns, one CTA per chunk (S and dP are recomputed per chunk; D <= 128 is one
@@ -73,6 +76,7 @@ SM90_SMEM_BLOCK = 227 * 1024   # shared memory a block may opt in to on sm_90 (H
 REGISTER_FILE = 65536          # 32-bit registers per SM (sm_80, sm_90)
 WARP_SIZE = 32
 BWD_SM90_MAX_HEAD_DIM = 128    # dK_j, dV_j of 64 keys per warpgroup in registers; the wide kernel above
+FP8_HEAD_DIM = 128             # the float8 forward's one padded head dim: a 128-byte swizzle line of float8
 REPAIR_WARPS = 8               # flash_repair.cu: rows in flight per CTA
 PREP_WARPS, PREP_ROWS = 8, 32  # flash_bwd_prep.cu: 256 threads, 8 per row; flash_convert: 256 threads
 MERGE_WARPS = 8                # flash_merge.cu: 256 threads, MergeParams.lanes per row
@@ -123,7 +127,7 @@ AUTO_FORWARD = {
     "float64": ((128, "v2"), (256, "v1")),
 }
 # registers setmaxnreg leaves the producer warpgroup of a warp-specialised kernel, by consumers
-_PRODUCER_REGS = {"fwd_sm90": {2: 40, 3: 32}, "bwd_sm90": {2: 24}, "bwd_sm90_wide": {2: 24}}
+_PRODUCER_REGS = {"fwd_sm90": {2: 40, 3: 32}, "fwd_fp8": {2: 40}, "bwd_sm90": {2: 24}, "bwd_sm90_wide": {2: 24}}
 
 
 def dtype_name(dtype) -> str:
@@ -220,6 +224,11 @@ class TileConfig:
         return ITEMSIZE[self.dtype]
 
     @property
+    def operand_itemsize(self) -> int:
+        """Bytes of an element of q, k, v: the dtype's, or a float8 family's 1 (``KernelSpec.float8``)."""
+        return 1 if self.spec.float8 else self.itemsize
+
+    @property
     def acc_itemsize(self) -> int:
         """Bytes of the accumulator type (float32, float64 for float64)."""
         return accumulator_dtype(self.dtype).itemsize
@@ -280,6 +289,8 @@ class TileConfig:
         ]
         if self.dtype == "float32":
             out.append(f"-DFLASH_FP32_MMA={self.fp32_mma}")
+        if self.spec.float8:
+            out.append("-DFLASH_FP8=1")
         # the flags compiled in, and those the family reads at run time (types.cuh: FLASH_<NAME>)
         out += [f"-D{flag.define}={1 if flag.name in self.flags else _flags.AT_RUN_TIME}" for flag in _flags.FLAGS
                 if flag.name in self.flags or flag.read_at_run_time(self.kernel, self.flags)]
@@ -324,7 +335,7 @@ def _fwd_sm90_bytes(c: TileConfig, q_stages: Optional[int] = None) -> int:
     # a ring of q_stages Q_i (B_r, DP); rings of two K_j and two V_j (B_c, DP), swizzled;
     # 2 q_stages + 8 mbarriers; q_stages + 1 tile indices (8 bytes each); + slack to align the tiles to 1024 bytes
     q_stages = c.q_stages if q_stages is None else q_stages
-    return ((q_stages * c.block_r + 4 * c.block_c) * c.d_pad * c.itemsize + (2 * q_stages + 8) * 8
+    return ((q_stages * c.block_r + 4 * c.block_c) * c.d_pad * c.operand_itemsize + (2 * q_stages + 8) * 8
             + (q_stages + 1) * 8 + 1024)
 
 
@@ -354,7 +365,7 @@ def _bwd_sm90_wide_bytes(c: TileConfig, q_stages: Optional[int] = None) -> int:
 
 
 # the families whose Q ring has one or two stages by what fits (TileConfig.q_stages)
-_STAGED = {"fwd_sm90": _fwd_sm90_bytes, "bwd_sm90_wide": _bwd_sm90_wide_bytes}
+_STAGED = {"fwd_sm90": _fwd_sm90_bytes, "fwd_fp8": _fwd_sm90_bytes, "bwd_sm90_wide": _bwd_sm90_wide_bytes}
 
 
 def _no_smem(c: TileConfig) -> int:
@@ -391,6 +402,12 @@ def _fwd_sm90_tiles(kernel, head_dim, name, smem_limit):
     d_pad = -(-head_dim_bucket(head_dim) // 64) * 64   # whole 64-column swizzle blocks, zero-filled
     br, bc, w = _FWD_SM90_CANDIDATES[min(b for b in _FWD_SM90_CANDIDATES if d_pad <= b)]
     return _first_fit((TileConfig(kernel, name, d_pad, br, bc, w, d_pad),), smem_limit)
+
+
+def _fwd_fp8_tiles(kernel, head_dim, name, smem_limit):
+    # one 128-byte column block of float8 (DP = 128 for every D <= 128), two consumers of 64 rows, B_c = 128:
+    # V^T's rows are one block of B_c keys
+    return _first_fit((TileConfig(kernel, name, FP8_HEAD_DIM, 128, 128, 12, FP8_HEAD_DIM),), smem_limit)
 
 
 def _bwd_tiles(kernel, head_dim, name, smem_limit):
@@ -446,6 +463,7 @@ class KernelSpec:
     any_head_dim: bool = False     # one specialisation per dtype serves every head dim
     fp32_products: bool = False    # its float32 products follow ``precision`` (FP32_PRODUCTS)
     score_mods: bool = True        # computes scores, so takes the score modifiers (_flags.SCORED)
+    float8: bool = False           # q, k, v are float8 e4m3 (FLASH_FP8); ``dtypes`` are o's
 
 
 ALL_DTYPES = tuple(DTYPE_CODES)
@@ -456,6 +474,8 @@ KERNELS = {
                          _fwd_v2_tiles, _fwd_v2_bytes, fp32_products=True),
     "fwd_sm90": KernelSpec("flash_fwd_sm90.cu", ("flash_fwd_sm90",), ("FwdParams",), "sm_90a", SIXTEEN_BIT,
                            MAX_HEAD_DIM, _fwd_sm90_tiles, _fwd_sm90_bytes),
+    "fwd_fp8": KernelSpec("flash_fwd_sm90.cu", ("flash_fwd_sm90", "flash_fp8_values"), ("FwdParams",) * 2, "sm_90a",
+                          SIXTEEN_BIT, FP8_HEAD_DIM, _fwd_fp8_tiles, _fwd_sm90_bytes, score_mods=False, float8=True),
     "bwd_prep": KernelSpec("flash_bwd_prep.cu", ("flash_bwd_prep", "flash_convert"), ("BwdParams",) * 2, None,
                            ALL_DTYPES, MAX_HEAD_DIM, _bwd_prep_tiles, _no_smem, any_head_dim=True, score_mods=False),
     "bwd": KernelSpec("flash_bwd.cu", ("flash_bwd",), ("BwdParams",), None, ALL_DTYPES, MAX_HEAD_DIM,

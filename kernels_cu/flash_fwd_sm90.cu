@@ -4,7 +4,15 @@
 // It follows FlashAttention-3 (Shah et al., 2024): warp specialisation with a producer warpgroup
 // and register reallocation (section 3.1), ping-pong scheduling of the consumer warpgroups (3.1)
 // and the intra-warpgroup overlap of one step's softmax with the previous step's P~ V (3.2). It
-// differs in its copies (cp.async from the producer, not TMA) and keeps 16-bit arithmetic (no FP8).
+// differs in its copies (cp.async from the producer, not TMA).
+//
+// FP8 (the fwd_fp8 family, FLASH_FP8): q, k, v are float8 e4m3 (in_t), o is 16-bit, both products run
+// on float8 operands (FA3 section 3.3, without its incoherent processing) at twice the 16-bit rate. A
+// float8 operand from shared memory must be K-major, so the PV product reads V^T, which
+// flash_fp8_values (below) writes before the main kernel: (DP, keys) per batch entry of v, zero past
+// D and Nk, the keys of each 32 permuted so that P~_ij's accumulator registers are the A fragments
+// as they stand (frag_to_a_e4m3: no shuffles). P~_ij is rounded to float8 before P~_ij V_j; l_i sums it
+// unrounded. S_ij and O_i take the descales of q and k (in the scale) and of v (the epilogue's).
 //
 // Same loop order as flash_fwd_v2.cu: per (Q tile i, batch*head), O_i, m_i, l_i in registers,
 // normalisation deferred to the end. What changes is who does what, and that the CTAs are
@@ -71,9 +79,11 @@ constexpr int WG_THREADS = 4 * WARP_SIZE;              // one warpgroup
 constexpr int CONSUMERS = NTHREADS / WG_THREADS - 1;    // consumer warpgroups, 64 query rows each
 constexpr int STAGES = 2;
 constexpr int Q_STAGES = FLASH_Q_STAGES;               // two where they fit (the host's choice)
-constexpr int TILE_Q = B_R * DP, TILE_KV = B_C * DP;   // elements
+constexpr int TILE_Q = B_R * DP, TILE_KV = B_C * DP;   // operand elements (in_t); FP8's V^T tiles (DP, B_C)
+constexpr int K_STEP = 32 / sizeof(in_t);              // the contraction of one wgmma: 16 16-bit, 32 float8
+constexpr int P_FRAGS = B_C / K_STEP;                  // A fragments of P~_ij per thread
 constexpr int N_BARRIERS = 2 * Q_STAGES + 4 * STAGES;
-constexpr int SMEM_BYTES = (Q_STAGES * TILE_Q + 2 * STAGES * TILE_KV) * (int)sizeof(elem_t) + N_BARRIERS * 8
+constexpr int SMEM_BYTES = (Q_STAGES * TILE_Q + 2 * STAGES * TILE_KV) * (int)sizeof(in_t) + N_BARRIERS * 8
                            + (Q_STAGES + 1) * 8        // s_index, s_claim (8 bytes apart)
                            + SW_ATOM_BYTES;             // + slack for the 1024-byte alignment
 // setmaxnreg moves registers between the warpgroups of the CTA's fixed allocation: the fewest to
@@ -91,6 +101,7 @@ static_assert(Q_STAGES == 1 || Q_STAGES == 2, "one or two Q buffers");
 static_assert(DP % SW_COLS == 0 && (B_C == 64 || B_C == 96 || B_C == 128), "tile shapes");
 static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * (65536 / NTHREADS / 8 * 8), "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
+static_assert(!FP8 || (DP == 128 && B_C == 128), "FP8: V^T tiles of one 128-byte column block, one PV instruction");
 
 // The value of this CTA's repair flags, blockIdx.x + 1, read where it is written (volatile: the
 // compiler would hold it in one of the producer's few registers through the tile loop)
@@ -104,7 +115,7 @@ __device__ __forceinline__ unsigned cta_mark() {
 // swizzled buffer, then its arrival on `full` once that has landed (the `%` tells the compiler
 // the range of ptid, from which it counts each thread's passes)
 template <int ROWS>
-__device__ __forceinline__ void produce_tile(elem_t* s, const elem_t* g, i64 sn, int rows, int D, bool vec,
+__device__ __forceinline__ void produce_tile(in_t* s, const in_t* g, i64 sn, int rows, int D, bool vec,
                                              unsigned long long* full, unsigned ptid) {
     load_tile_sw128<ROWS, DP, WG_THREADS>(s, g, sn, rows, D, vec, ptid % WG_THREADS);
     arrive_when_landed(full, vec);
@@ -112,7 +123,7 @@ __device__ __forceinline__ void produce_tile(elem_t* s, const elem_t* g, i64 sn,
 
 // Producer thread `ptid`: K/V tile j, key rows j B_C .. j B_C + rows - 1 of `g` (a paged cache's through
 // its table), into a swizzled (B_C, DP) buffer, then its arrival on `full` once that has landed
-__device__ __forceinline__ void produce_keys(elem_t* s, const KeyRows<const elem_t>& g, int j, int rows, int D,
+__device__ __forceinline__ void produce_keys(in_t* s, const KeyRows<const in_t>& g, int j, int rows, int D,
                                              bool vec, unsigned long long* full, unsigned ptid) {
     if (g.paged())
         load_pages_sw128<B_C, DP, WG_THREADS>(s, g.from(j * B_C), rows, D, vec, ptid % WG_THREADS);
@@ -122,18 +133,28 @@ __device__ __forceinline__ void produce_keys(elem_t* s, const KeyRows<const elem
 }
 
 // S (64, B_C) = Q_i K_j^T for this warpgroup's 64 rows of Q_i, issued (not waited for)
-__device__ __forceinline__ void issue_scores(acc_t (&S)[B_C / 8][4], const elem_t* s_Qg, const elem_t* s_Kj) {
+__device__ __forceinline__ void issue_scores(acc_t (&S)[B_C / 8][4], const in_t* s_Qg, const in_t* s_Kj) {
 #pragma unroll
-    for (int kk = 0; kk < DP / 16; ++kk)
-        Wgmma<B_C>::ss(S, sw128_desc(s_Qg + sw128_offset<B_R>(0, kk * 16), 16, SW_ATOM_BYTES),
-                       sw128_desc(s_Kj + sw128_offset<B_C>(0, kk * 16), 16, SW_ATOM_BYTES), kk > 0);
+    for (int kk = 0; kk < DP / K_STEP; ++kk) {
+        const unsigned long long a = sw128_desc(s_Qg + sw128_offset<B_R>(0, kk * K_STEP), 16, SW_ATOM_BYTES);
+        const unsigned long long b = sw128_desc(s_Kj + sw128_offset<B_C>(0, kk * K_STEP), 16, SW_ATOM_BYTES);
+#if FLASH_FP8
+        WgmmaE4m3<B_C>::ss(S, a, b, kk > 0);
+#else
+        Wgmma<B_C>::ss(S, a, b, kk > 0);
+#endif
+    }
     wgmma_commit();
 }
 
-// O (64, DP) += P~ V_j for this warpgroup, issued (not waited for)
-__device__ __forceinline__ void issue_values(acc_t (&O)[DP / 8][4], const unsigned (&P)[B_C / 16][4],
-                                             const elem_t* s_Vj) {
-    wgmma_rs_tile<DP, B_C / 16>(O, P, s_Vj);
+// O (64, DP) += P~ V_j for this warpgroup, issued (not waited for); FP8: s_Vj holds V_j^T
+__device__ __forceinline__ void issue_values(acc_t (&O)[DP / 8][4], const unsigned (&P)[P_FRAGS][4],
+                                             const in_t* s_Vj) {
+#if FLASH_FP8
+    wgmma_rs_tile_e4m3<DP, P_FRAGS>(O, P, s_Vj);
+#else
+    wgmma_rs_tile<DP, P_FRAGS>(O, P, s_Vj);
+#endif
     wgmma_commit();
 }
 
@@ -156,9 +177,9 @@ __device__ __noinline__ void repair_own_tiles(const FwdParams& p, i64 n, int T_r
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const __grid_constant__ FwdParams p) {
     extern __shared__ __align__(16) unsigned char smem[];
     const unsigned misalign = smem_addr(smem) % SW_ATOM_BYTES;
-    elem_t* s_Q = reinterpret_cast<elem_t*>(smem + (misalign ? SW_ATOM_BYTES - misalign : 0));   // (Q_STAGES, B_R, DP)
-    elem_t* s_K = s_Q + Q_STAGES * TILE_Q;                               // (STAGES, B_C, DP)
-    elem_t* s_V = s_K + STAGES * TILE_KV;                                // (STAGES, B_C, DP)
+    in_t* s_Q = reinterpret_cast<in_t*>(smem + (misalign ? SW_ATOM_BYTES - misalign : 0));   // (Q_STAGES, B_R, DP)
+    in_t* s_K = s_Q + Q_STAGES * TILE_Q;                                 // (STAGES, B_C, DP)
+    in_t* s_V = s_K + STAGES * TILE_KV;                                  // (STAGES, B_C, DP); FP8: V^T (STAGES, DP, B_C)
     unsigned long long* q_full = reinterpret_cast<unsigned long long*>(s_V + STAGES * TILE_KV);   // (Q_STAGES) each
     unsigned long long* q_empty = q_full + Q_STAGES;
     unsigned long long* k_full = q_empty + Q_STAGES;                     // (STAGES) each
@@ -236,7 +257,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
             const unsigned flag = s == 0 ? pending0 : pending1;
             if (pos < 0 || flag == NONE) return;
             mbar_wait(&v_full[s], (pos / STAGES) & 1);
+#if FLASH_FP8
+            if (rows_nan_e4m3(s_V + s * TILE_KV, TILE_KV / SW_COLS, SW_COLS, SW_COLS, tid % WG_THREADS, WG_THREADS)) {
+#else
             if (rows_nonfinite(s_V + s * TILE_KV, TILE_KV / SW_COLS, SW_COLS, SW_COLS, tid % WG_THREADS, WG_THREADS)) {
+#endif
                 p.repair_flags[flag] = cta_mark();
                 *s_flagged = 1u;
             }
@@ -274,8 +299,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
             const Seq sq = seq_of(p, w.w);
             const Mask& mask = w.mask;
             const int Nq = mask.Nq, Nk = mask.Nk;
-            const elem_t* q_h = sq.q_rows(p.q);
-            const KeyRows<const elem_t> k_h = k_rows_of(p, sq), v_h = v_rows_of(p, sq);   // PAGED: paged
+            const in_t* q_h = sq.q_rows(p.q);
+            const KeyRows<const in_t> k_h = k_rows_of(p, sq), v_h = v_rows_of(p, sq);   // PAGED: paged
+            const in_t* vt_h = FP8 ? p.vt.at(sq.bi) : nullptr;                         // FP8: (DP, keys) V^T
             const i64 q_sn = p.q.sn;
             produce_tile<B_R>(s_Q + qs * TILE_Q, q_h + (i64)w.i * B_R * q_sn, q_sn, min(B_R, Nq - w.i * B_R), D, vec,
                               &q_full[qs], ptid);
@@ -293,7 +319,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
                     scan_values(pos - STAGES);
                     mbar_wait(&v_empty[s], (use - 1) & 1);
                 }
-                produce_keys(s_V + s * TILE_KV, v_h, j, rows, D, vec, &v_full[s], ptid);
+                if constexpr (FP8)   // V_j^T: DP rows of B_C keys, every one written (zero past D and Nk)
+                    produce_tile<DP>(s_V + s * TILE_KV, vt_h + (i64)j * B_C, p.vt.sn, DP, B_C, true, &v_full[s], ptid);
+                else
+                    produce_keys(s_V + s * TILE_KV, v_h, j, rows, D, vec, &v_full[s], ptid);
                 const unsigned flag = may_hide(mask, w.i * B_R, B_R, j * B_C, B_C, Visits::all_of(visit))
                                           ? (unsigned)(w.w * T_r + w.i) : NONE;
                 if (s == 0) pending0 = flag;
@@ -336,7 +365,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
             // j counts the tile's visits from 0 here: K/V tile w.visits.tile(w.visits.begin + j), ring position kv + j
             const int i = w.i, j_stop = w.visits.count();
             const int r0 = i * B_R + 16 * warp;             // first query row of this warp
-            const elem_t* s_Qg = s_Q + qs * TILE_Q + c * 64 * SW_COLS;
+            const in_t* s_Qg = s_Q + qs * TILE_Q + c * 64 * SW_COLS;
 
             acc_t O[DP / 8][4];                             // (16, DP) per warp: unnormalised O_i
             zero_frag(O);
@@ -355,7 +384,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
             const acc_t unit = SCORE_MODS ? mods.unit : scale, log2_unit = unit * (acc_t)LOG2E;
             acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
             acc_t S[B_C / 8][4];                            // (16, B_C) per warp: S_ij, then P~_ij
-            unsigned P[B_C / 16][4];                        // P~_ij as A fragments
+            unsigned P[P_FRAGS][4];                         // P~_ij as A fragments (FP8: rounded to float8)
             acc_t m_new[2], alpha[2], rowsum[2];
             PairsOfTile<B_C / 8> pairs;   // a bias's and a mask's pairs of S_ij, loaded under Q_i K_j^T
 
@@ -385,7 +414,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
                             O[nn][2 * h + 1] *= alpha[h];
                         }
                 }
+#if FLASH_FP8
+                frag_to_a_e4m3(P, S);
+#else
                 frag_to_a(P, S);
+#endif
             };
 
             // The K/V tiles this warpgroup's rows need: the CTA's first to my_stop - 1 (fewer than the
@@ -471,7 +504,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
             const acc_t sink = SINK_WITH_MODS ? sink_here : sinks ? sink_of(p, seq_of(p, w.w), w.split) : (acc_t)0;
             store_output_rows(p.o_at(w.split, row0), p.m_at(w.split, row0), p.l_at(w.split, row0), O, m_i,
                               l_i, unit, r0, Nq, D, sinks, sink,
-                              DROPOUT ? entry.keep_scale : (acc_t)1);
+                              FP8 ? (acc_t)p.v_scale : DROPOUT ? entry.keep_scale : (acc_t)1);
             kv += j_stop;
         }
         if (c == 0) my_turn();   // the hand-off of the last issue
@@ -487,4 +520,53 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
 #ifdef FLASH_USER_MASK
 extern "C" __global__ void __launch_bounds__(TILE_MAP_THREADS) flash_tile_map(const FwdParams p) { tile_map_states<B_R, B_C>(p); }
 extern "C" __global__ void __launch_bounds__(TILE_MAP_THREADS) flash_tile_lists(const FwdParams p) { tile_map_lists(p); }
+#endif
+
+#if FLASH_FP8
+// V^T for the FP8 forward: for each batch entry of v (those of the call that share one, through a stride
+// 0, write it once: broadcast_rank 0) and each run of B_C keys, the (DP, B_C) block of p.vt, key column
+// k of each 32 holding key e4m3_key_of(k) (sm90.cuh), zero past D and Nk. A CTA per (entry, run): the
+// keys' rows into shared memory as they lie in v (16-byte loads where p.vec), then each thread gathers
+// 16 columns of one row of V^T from them. NaNs are copied: the main kernel's scan finds them.
+constexpr int VALUES_THREADS = 256;
+constexpr int VALUES_PITCH = DP + 16;   // bytes of a shared key row: rows 16 bytes apart in the banks
+
+extern "C" __global__ void __launch_bounds__(VALUES_THREADS) flash_fp8_values(const __grid_constant__ FwdParams p) {
+    __shared__ __align__(16) in_t s_v[B_C * VALUES_PITCH];   // (B_C, DP) keys of this run, padded rows
+    const int runs = (p.mask.Nk + B_C - 1) / B_C;
+    const i64 e = blockIdx.x / runs;
+    const int run = (int)(blockIdx.x - e * runs), k0 = run * B_C, D = p.D, Nk = p.mask.Nk;
+    const BatchIndex bi = p.batch.split(e);
+    if (broadcast_rank(bi, p.batch.n1, p.batch.n2, p.v.s0, p.v.s1, p.v.s2) != 0) return;   // another CTA's entry
+    const in_t* v = p.v.at(bi) + (i64)k0 * p.v.sn;
+    constexpr int CHUNKS = DP / IN_VEC;   // 16-byte chunks of a row
+    for (int c = threadIdx.x; c < B_C * CHUNKS; c += VALUES_THREADS) {
+        const int r = c / CHUNKS, d0 = c % CHUNKS * IN_VEC;
+        uint4 x = make_uint4(0u, 0u, 0u, 0u);
+        if (k0 + r < Nk && d0 < D) {
+            if (p.vec) {
+                x = *reinterpret_cast<const uint4*>(v + (i64)r * p.v.sn + d0);
+            } else {
+                in_t b[IN_VEC];
+#pragma unroll
+                for (int i = 0; i < IN_VEC; ++i) b[i] = d0 + i < D ? v[(i64)r * p.v.sn + d0 + i] : (in_t)0;
+                x = *reinterpret_cast<const uint4*>(b);
+            }
+        }
+        *reinterpret_cast<uint4*>(s_v + r * VALUES_PITCH + d0) = x;
+    }
+    __syncthreads();
+    in_t* vt = const_cast<in_t*>(p.vt.at(bi)) + k0;
+    constexpr int COL_CHUNKS = B_C / IN_VEC;   // 16-byte chunks of a V^T row
+    for (int c = threadIdx.x; c < DP * COL_CHUNKS; c += VALUES_THREADS) {
+        const int d = c / COL_CHUNKS, k_first = c % COL_CHUNKS * IN_VEC;
+        alignas(16) in_t b[IN_VEC];
+#pragma unroll
+        for (int i = 0; i < IN_VEC; ++i) {
+            const int k = k_first + i;
+            b[i] = s_v[(k / 32 * 32 + e4m3_key_of(k % 32)) * VALUES_PITCH + d];
+        }
+        *reinterpret_cast<uint4*>(vt + (i64)d * p.vt.sn + k_first) = *reinterpret_cast<const uint4*>(b);
+    }
+}
 #endif

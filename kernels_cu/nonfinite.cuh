@@ -70,6 +70,24 @@ __device__ __forceinline__ bool rows_nonfinite(const elem_t* s, int rows, int co
     return scan_nonfinite(acc);
 }
 
+#if FLASH_FP8
+// The same question of `rows` rows of `cols` float8 e4m3 operands (a multiple of IN_VEC), `pitch` apart:
+// e4m3fn has no inf, and a NaN is a byte whose seven low bits are all set (a byte of w & 0x7f7f7f7f
+// equal to 0x7f: one of w' = ~(w | 0x80808080)'s bytes zero)
+__device__ __forceinline__ bool rows_nan_e4m3(const in_t* s, int rows, int cols, int pitch, int tid, int threads) {
+    const int chunks = cols / IN_VEC;
+    unsigned found = 0u;
+    auto zero_byte = [](unsigned w) { return (w - 0x01010101u) & ~w & 0x80808080u; };
+#pragma unroll 1
+    for (int c = tid; c < rows * chunks; c += threads) {
+        const uint4 x = *reinterpret_cast<const uint4*>(s + (c / chunks) * pitch + c % chunks * IN_VEC);
+        found |= zero_byte(~(x.x | 0x80808080u)) | zero_byte(~(x.y | 0x80808080u))
+               | zero_byte(~(x.z | 0x80808080u)) | zero_byte(~(x.w | 0x80808080u));
+    }
+    return found != 0u;
+}
+#endif
+
 // The same question of `n` acc_t values in shared memory
 __device__ __forceinline__ bool values_nonfinite(const acc_t* s, int n, int tid, int threads) {
     acc_t acc = 0;

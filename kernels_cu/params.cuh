@@ -232,9 +232,9 @@ struct ZeroRange {
 };
 
 struct FwdParams {
-    Tensor<const elem_t> q;    // (batch..., rows_q, D)
-    Tensor<const elem_t> k;    // (batch..., rows_k, D)
-    Tensor<const elem_t> v;    // (batch..., rows_k, D)
+    Tensor<const in_t> q;      // (batch..., rows_q, D)
+    Tensor<const in_t> k;      // (batch..., rows_k, D)
+    Tensor<const in_t> v;      // (batch..., rows_k, D)
     elem_t* o;                 // (BH, rows_q, D)
     acc_t* m;                  // (BH, rows_q) row max, natural units
     acc_t* l;                  // (BH, rows_q) row exp-sum
@@ -260,7 +260,9 @@ struct FwdParams {
                                // into o_parts, m_parts, l_parts; 1: one CTA, into o, m, l
     int tile_rows;             // rows of a flagged Q tile (the main kernel's B_r), for the repair
     unsigned uses;             // the switches the call uses (types.cuh: Uses)
-    double scale;              // softmax_scale, as the accumulator type rounds it
+    double scale;              // softmax_scale (FP8: times q's and k's descale), as the accumulator type rounds it
+    double v_scale;            // FP8: v's descale, a factor of o (1 otherwise)
+    Tensor<const in_t> vt;     // FP8: V^T, (v's batch..., DP, keys) keys permuted (flash_fp8_values), sn its row stride
 
     // where split `split` of a forward writes the rows from `row0` on: o, m, l, or its parts
     __device__ __forceinline__ elem_t* o_at(int split, i64 row0) const {
@@ -275,10 +277,10 @@ struct FwdParams {
 };
 
 // the key rows of sequence sq in k or v of a forward (PAGED: in the paged cache)
-__device__ __forceinline__ KeyRows<const elem_t> k_rows_of(const FwdParams& p, const Seq& sq) {
+__device__ __forceinline__ KeyRows<const in_t> k_rows_of(const FwdParams& p, const Seq& sq) {
     return p.pages.rows(p.k, p.pages.page_k, sq.bi, sq.k0);
 }
-__device__ __forceinline__ KeyRows<const elem_t> v_rows_of(const FwdParams& p, const Seq& sq) {
+__device__ __forceinline__ KeyRows<const in_t> v_rows_of(const FwdParams& p, const Seq& sq) {
     return p.pages.rows(p.v, p.pages.page_v, sq.bi, sq.k0);
 }
 

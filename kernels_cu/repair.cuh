@@ -7,7 +7,8 @@
 //
 // S_ij = scale q_i . k_j, modified where modifiers apply (score_mod.cuh); the modifiers take whatever
 // form the including kernel compiles them in (flash_repair.cu: at run time). A row that saw no key
-// (l_i = 0) adds nothing, as in the main kernels.
+// (l_i = 0) adds nothing, as in the main kernels. Float8 operands (FP8) are read exactly and P is not
+// rounded to float8 here; o takes v's descale.
 
 #pragma once
 
@@ -19,7 +20,7 @@
 constexpr int RPL = (FLASH_DP + WARP_SIZE - 1) / WARP_SIZE;   // head-dim elements per lane: d = lane + 32 e
 
 // This lane's elements of a row of D values (zero past D)
-__device__ __forceinline__ void load_row(acc_t (&x)[RPL], const elem_t* row, int D) {
+__device__ __forceinline__ void load_row(acc_t (&x)[RPL], const in_t* row, int D) {
     const int lane = threadIdx.x % WARP_SIZE;
 #pragma unroll
     for (int e = 0; e < RPL; ++e) {
@@ -76,9 +77,9 @@ __device__ __forceinline__ void repair_forward_tile(const FwdParams& p, i64 tile
     const Mask& mask = mask_of(p, sq);
     const int Nq = mask.Nq;
     const int r0 = (int)(tile % T_r) * tile_rows;
-    const elem_t* q_h = sq.q_rows(p.q);
-    const KeyRows<const elem_t> k_h = k_rows_of(p, sq);
-    const KeyRows<const elem_t> v_h = v_rows_of(p, sq);
+    const in_t* q_h = sq.q_rows(p.q);
+    const KeyRows<const in_t> k_h = k_rows_of(p, sq);
+    const KeyRows<const in_t> v_h = v_rows_of(p, sq);
     const EntryMods mods = mods_of(p, sq);
     for (int r = r0 + warp; r < min(r0 + tile_rows, Nq); r += warps) {
         const acc_t m_i = p.m[sq.row0 + r], l_i = p.l[sq.row0 + r];
@@ -98,6 +99,6 @@ __device__ __forceinline__ void repair_forward_tile(const FwdParams& p, i64 tile
             }
         }
         store_row(p.o + (sq.row0 + r) * D, o_i,
-                  l_i == (acc_t)0 ? (acc_t)0 : (mods.drops() ? mods.keep_scale : (acc_t)1) / l_i, D);
+                  l_i == (acc_t)0 ? (acc_t)0 : (FP8 ? (acc_t)p.v_scale : mods.drops() ? mods.keep_scale : (acc_t)1) / l_i, D);
     }
 }

@@ -4,7 +4,8 @@
 // local #include in place, once, so nothing here may #include a system header. Compile-time
 // parameters arrive as -D defines made by cupyflash/_tiles.py (TileConfig.defines):
 //
-//   FLASH_DTYPE   0 = float16, 1 = bfloat16, 2 = float32, 3 = float64
+//   FLASH_DTYPE   0 = float16, 1 = bfloat16, 2 = float32, 3 = float64 (with FLASH_FP8: of the output)
+//   FLASH_FP8     1: q, k, v are float8 e4m3 (in_t below; the Hopper forward's FP8 family), 0 or undefined: elem_t
 //   FLASH_DP      head dim padded up to its bucket (multiple of 16)
 //   FLASH_BR      B_r, query rows per tile
 //   FLASH_BC      B_c, key rows per tile
@@ -45,6 +46,18 @@ typedef double acc_t;
 #define FLASH_TENSOR_CORES 0
 #endif
 
+// The operands q, k, v: float8 e4m3 bytes under FLASH_FP8 (o stays elem_t, 16-bit), else elem_t
+#ifndef FLASH_FP8
+#define FLASH_FP8 0
+#endif
+constexpr bool FP8 = FLASH_FP8 != 0;
+#if FLASH_FP8
+static_assert(FLASH_DTYPE == 0 || FLASH_DTYPE == 1, "float8 operands give a 16-bit output");
+typedef unsigned char in_t;
+#else
+typedef elem_t in_t;
+#endif
+
 // float32 as 3xTF32: the kernels check their operand tiles to pick how they split (mma_sm80.cuh, Split)
 #if FLASH_DTYPE == 2 && FLASH_FP32_MMA == 1
 constexpr bool TF32_SPLITS = true;
@@ -82,6 +95,7 @@ enum Uses : unsigned {
 
 [[maybe_unused]] constexpr int VEC = 16 / sizeof(elem_t);               // elements in one 16-byte access
 [[maybe_unused]] constexpr int PAD = SMEM_PAD_BYTES / sizeof(elem_t);   // row pad of every shared tile
+[[maybe_unused]] constexpr int IN_VEC = 16 / sizeof(in_t);              // operand elements in one 16-byte access
 
 __device__ __forceinline__ float bits_to_float(unsigned short h) {
 #if FLASH_DTYPE == 0
@@ -111,6 +125,25 @@ __device__ __forceinline__ acc_t to_acc(elem_t x) {
     return x;
 #endif
 }
+
+#if FLASH_FP8
+// a float8 e4m3 operand (e4m3fn: no inf, NaN where the seven low bits are all set) as a float, exactly
+__device__ __forceinline__ float to_acc(in_t x) {
+    unsigned short h2;
+    asm("{\n.reg .b32 r;\ncvt.rn.f16x2.e4m3x2 r, %1;\nmov.b32 {%0, _}, r;\n}" : "=h"(h2) : "h"((unsigned short)x));
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h2));
+    return f;
+}
+
+// four floats -> four packed e4m3 values, round to nearest even, saturated to +-448; `a` in the low byte
+__device__ __forceinline__ unsigned pack4_e4m3(float a, float b, float c, float d) {
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+    return (unsigned)lo | (unsigned)hi << 16;
+}
+#endif
 
 __device__ __forceinline__ elem_t from_acc(acc_t x) {
 #if FLASH_TENSOR_CORES

@@ -95,7 +95,7 @@ def nvrtc_version() -> tuple:
 
 
 def is_fast(cfg) -> bool:
-    """The kernels that must not spill: the plain V2 forwards, 16-bit at D <= 128 and float32 (both
+    """The kernels that must not spill: the plain V2 forwards (and the float8 one), 16-bit at D <= 128 and float32 (both
     precisions) at D <= 192. With score modifiers some spill a few bytes: they are held to their
     measured speed (benchmarks/variants.py) instead.
 
@@ -106,7 +106,7 @@ def is_fast(cfg) -> bool:
         return False
     if cfg.kernel == "fwd_v2" and cfg.dtype == "float32":
         return cfg.d_pad <= 192
-    return cfg.kernel in ("fwd_v2", "fwd_sm90") and cfg.itemsize == 2 and cfg.d_pad <= 128
+    return cfg.kernel in ("fwd_v2", "fwd_sm90", "fwd_fp8") and cfg.itemsize == 2 and cfg.d_pad <= 128
 
 
 def assembled(cfg) -> bool:
@@ -183,7 +183,7 @@ def test_tiles_fit_and_follow_the_seed_bound(arch, smem):
             assert cfg.block_c == 64 * (cfg.warps // 4 - 1) and cfg.warps % 4 == 0
         elif cfg.kernel == "bwd_sm90_wide":   # a producer warpgroup, then two consumers sharing 64 keys
             assert (cfg.block_r, cfg.block_c, cfg.warps) == (64, 64, 12)
-        elif cfg.kernel == "fwd_sm90":    # a producer warpgroup, then 64 query rows per consumer warpgroup
+        elif cfg.kernel in ("fwd_sm90", "fwd_fp8"):   # a producer warpgroup, then 64 query rows per consumer warpgroup
             assert cfg.block_r == 64 * (cfg.warps // 4 - 1) and cfg.warps % 4 == 0
         elif cfg.kernel in ("fwd_v1", "fwd_v2"):
             assert cfg.block_r == 16 * cfg.warps

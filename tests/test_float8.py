@@ -1,0 +1,249 @@
+"""``cupyflash.float8.flash_attention_forward_fp8``: float8 e4m3 q, k, v with per-tensor descales.
+
+On the CPU: the NumPy path (exact float32 arithmetic on the float8 values) against the float64
+reference of the descaled inputs, ml_dtypes' arrays against their uint8 bits, the refusals, and the float8
+Hopper plan's launches and parameter struct with the GPU faked. On the GPU: the float8 kernel against an
+emulation of its arithmetic (P~ rounded to float8 before P~ V, l unrounded) and against the reference,
+with causal masks, windows, ragged ends, GQA broadcast, strided inputs, masked NaNs, and the float16 path
+of head dims past the kernel's.
+"""
+
+import math
+
+import ml_dtypes
+import numpy
+import pytest
+
+from cupyflash import _launch, _params, reference
+from cupyflash._mask import MaskGeometry
+from cupyflash.float8 import as_float32, flash_attention_forward_fp8
+from helpers import faked_gpu_module, gpu_test
+
+E4M3 = ml_dtypes.float8_e4m3fn
+UNIT = 2.0 ** -4   # float8 e4m3's unit roundoff (3 mantissa bits)
+
+
+def float8_inputs(rng, q_shape, kv_shape, spread=1.0):
+    return tuple((rng.standard_normal(shape) * spread).astype(E4M3) for shape in (q_shape, kv_shape, kv_shape))
+
+
+def descaled_reference(q, k, v, descales, **kw):
+    """The float64 reference of ``descale · x`` for float8 (or uint8 bits) q, k, v."""
+    return reference.attention_forward(*(as_float32(x).astype(numpy.float64) * d for x, d in zip((q, k, v), descales)),
+                                       **kw)
+
+
+def emulated(q, k, v, descales, causal=False, window=None, softmax_scale=None):
+    """The float8 kernel's arithmetic in float64: S of the descaled float8 values, P~ = exp(S - m) rounded to
+    float8 for P~ V, l summed unrounded; rows without a key o = 0."""
+    qf, kf, vf = (as_float32(x).astype(numpy.float64) for x in (q, k, v))
+    D = qf.shape[-1]
+    scale = (1 / math.sqrt(D) if softmax_scale is None else softmax_scale) * descales[0] * descales[1]
+    s = scale * qf @ numpy.swapaxes(kf, -1, -2)
+    Nq, Nk = s.shape[-2:]
+    visible = MaskGeometry(Nq, Nk, causal, *(window or (None, None))).visible(numpy.arange(Nq), numpy.arange(Nk))
+    s = numpy.where(visible, s, -numpy.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = numpy.where(visible, numpy.exp(s - numpy.where(numpy.isfinite(m), m, 0)), 0)
+    l = p.sum(axis=-1)
+    p8 = p.astype(E4M3).astype(numpy.float64)
+    with numpy.errstate(invalid="ignore", divide="ignore"):
+        o = numpy.where(l[..., None] > 0, p8 @ vf * descales[2] / l[..., None], 0)
+    return o, m[..., 0], l
+
+
+# ---------------------------------------------------------------------------
+# CPU: the NumPy path, refusals, the plan
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (False, (20, 5))])
+def test_the_numpy_path_is_exact_attention_of_the_descaled_values(causal, window):
+    rng = numpy.random.default_rng(0)
+    q, k, v = float8_inputs(rng, (2, 3, 50, 40), (2, 1, 70, 40))
+    descales = (0.5, 0.25, 3.0)
+    o, m, l = flash_attention_forward_fp8(q, k, v, q_descale=0.5, k_descale=0.25, v_descale=3.0, causal=causal,
+                                          window=window)
+    ro, rm, rl = descaled_reference(q, k, v, descales, causal=causal, window=window)
+    assert o.dtype == ml_dtypes.bfloat16 and m.dtype == l.dtype == numpy.float32
+    vmax = numpy.abs(as_float32(v)).max() * 3.0
+    assert numpy.abs(o.astype(numpy.float64) - ro).max() <= 2.0 ** -8 * vmax + 1e-6   # o's rounding to bfloat16
+    finite = numpy.isfinite(rm)
+    assert numpy.array_equal(finite, numpy.isfinite(m))
+    numpy.testing.assert_allclose(m[finite], rm[finite], rtol=1e-6, atol=1e-6)
+    numpy.testing.assert_allclose(l, rl, rtol=1e-5, atol=0)
+
+
+def test_uint8_bits_are_the_float8_values_and_inputs_stay_as_they_were():
+    rng = numpy.random.default_rng(1)
+    q, k, v = float8_inputs(rng, (1, 2, 33, 64), (1, 2, 33, 64))
+    copies = [x.copy() for x in (q, k, v)]
+    a = flash_attention_forward_fp8(q, k, v, causal=True, out_dtype="float16")
+    b = flash_attention_forward_fp8(*(x.view(numpy.uint8) for x in (q, k, v)), causal=True, out_dtype=numpy.float16)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and numpy.array_equal(x, y, equal_nan=True)
+    for x, c in zip((q, k, v), copies):
+        assert numpy.array_equal(x.view(numpy.uint8), c.view(numpy.uint8))
+
+
+def test_out_receives_the_results():
+    rng = numpy.random.default_rng(2)
+    q, k, v = float8_inputs(rng, (2, 17, 32), (2, 23, 32))
+    want = flash_attention_forward_fp8(q, k, v)
+    out = (numpy.empty((2, 17, 32), ml_dtypes.bfloat16), numpy.empty((2, 17), numpy.float32),
+           numpy.empty((2, 17), numpy.float32))
+    got = flash_attention_forward_fp8(q, k, v, out=out)
+    assert all(g is o for g, o in zip(got, out))
+    for x, y in zip(got, want):
+        assert numpy.array_equal(x, y)
+
+
+@pytest.mark.parametrize("change, error, words", [
+    (dict(q="float16"), TypeError, "q has dtype float16"),
+    (dict(v="mixed"), TypeError, "share one dtype"),
+    (dict(q_descale=0.0), ValueError, "q_descale must be positive"),
+    (dict(v_descale=float("nan")), ValueError, "v_descale must be positive"),
+    (dict(k_descale="2"), TypeError, "k_descale must be a real number"),
+    (dict(out_dtype="float32"), TypeError, "out_dtype must be float16 or bfloat16"),
+    (dict(D=300), ValueError, "head dim D must be in [1, 256]"),
+    (dict(softmax_scale=1e38, q_descale=1e10), ValueError, "not finite in float32"),
+])
+def test_bad_calls_name_the_argument(change, error, words):
+    rng = numpy.random.default_rng(3)
+    D = change.pop("D", 16)
+    q, k, v = float8_inputs(rng, (2, 8, D), (2, 8, D))
+    if change.pop("q", None):
+        q = q.astype(numpy.float16)
+    if change.pop("v", None):
+        v = v.view(numpy.uint8)
+    with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):
+        flash_attention_forward_fp8(q, k, v, **change)
+
+
+def test_the_hopper_plan_writes_v_transposed_then_runs_the_float8_kernel(monkeypatch):
+    """GQA (k, v broadcast over 4 query heads), 300 keys: flash_fp8_values over every call entry and run of 128
+    keys, then the persistent main kernel; V^T one (128, 384) block per K/V head, its batch strides 0 along
+    the broadcast dim; the scale carries the descales of q and k, v_scale v's."""
+    gpu = faked_gpu_module().FakeGPU(patch=monkeypatch.setattr, keep_structs=True)
+    B, Hkv, G, N, D = 2, 2, 4, 300, 96
+    q = gpu.array((B, Hkv, G, N, D), numpy.uint8)
+    k, v = gpu.array((B, Hkv, 1, N, D), numpy.uint8), gpu.array((B, Hkv, 1, N, D), numpy.uint8)
+    batch = (B, Hkv, G)
+    named = {"q": q, "k": k, "v": v}
+    layout = _launch.collapse_batch(batch, [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch)
+                                            for x in named.values()], tuple(named))
+    plan = _launch.fp8_forward_plan(q, k, v, out_dtype=numpy.float16, geometry=MaskGeometry(N, N, True, None, None),
+                                    scale=0.125 * 0.5, v_scale=2.0, batch_shape=batch, layout=layout)
+    o, m, l = plan(q, k, v)
+    assert (o.shape, o.dtype, m.shape, l.dtype) == ((B, Hkv, G, N, D), numpy.float16, batch + (N,), numpy.float32)
+    assert [name for name, _ in gpu.structs] == ["flash_fp8_values", "flash_fwd_sm90"]
+    assert plan.before[0].grid[0] == B * Hkv * G * 3 and plan.launches[0].grid[0] == B * Hkv * G * 3
+    struct = numpy.frombuffer(gpu.structs[1][1][:_params.FWD.itemsize], _params.FWD)[0]
+    assert gpu.structs[0][1][:_params.FWD.itemsize] == gpu.structs[1][1][:_params.FWD.itemsize]
+    assert tuple(struct["vt"])[1:] == (0, 128 * 384, 0, 384)   # (ptr, s0, s1, s2, sn): per K/V head, not per group
+    assert struct["vt"]["ptr"] != 0 and struct["v_scale"] == 2.0 and struct["scale"] == numpy.float32(0.0625)
+    assert (struct["D"], struct["vec"], struct["kv_splits"], struct["tile_rows"]) == (D, 1, 1, 128)
+    vt_bytes = B * Hkv * 128 * 384
+    assert plan.fresh.nbytes >= vt_bytes and plan.given.nbytes >= vt_bytes
+
+
+# ---------------------------------------------------------------------------
+# GPU
+
+def _gpu_call(q, k, v, **kw):
+    import cupy
+
+    return [x.get() for x in flash_attention_forward_fp8(*(cupy.asarray(x.view(numpy.uint8)) for x in (q, k, v)),
+                                                         **kw)]
+
+
+def _check(got, q, k, v, descales, causal=False, window=None, emulate=True):
+    """The float8 kernel against its emulation (the same roundings: differences where exp2's approximation
+    moves a P~ across a float8 rounding boundary, rare) and against the float64 reference (P~'s rounding at
+    most 2^-4 of max |v|); m and l as the 16-bit kernels'."""
+    o, m, l = got
+    o = o.astype(numpy.float64)
+    ro, rm, rl = descaled_reference(q, k, v, descales, causal=causal, window=window)
+    vmax = max(numpy.nanmax(numpy.abs(as_float32(v))) * descales[2], 1e-30)
+    assert numpy.array_equal(numpy.isnan(o), numpy.isnan(ro))
+    both = ~numpy.isnan(ro)
+    assert numpy.abs(o - ro)[both].max() <= (UNIT + 2.0 ** -7) * vmax
+    if emulate:
+        eo, _, _ = emulated(q, k, v, descales, causal=causal, window=window)
+        assert numpy.abs(o - eo)[both].mean() <= 2e-3 * vmax
+    finite = numpy.isfinite(rm)
+    assert numpy.array_equal(finite, numpy.isfinite(m))
+    numpy.testing.assert_allclose(m[finite], rm[finite], rtol=2e-6, atol=2e-6)
+    numpy.testing.assert_allclose(l[finite], rl[finite], rtol=2e-5)
+    assert numpy.all(l[~finite] == 0)
+
+
+@gpu_test
+@pytest.mark.parametrize("shape, causal, window, D", [
+    (((1, 2, 128), (1, 2, 128)), False, None, 128),          # one tile
+    (((2, 4, 200), (2, 4, 300)), True, None, 128),           # ragged, bottom-right causal
+    (((1, 2, 77), (1, 2, 1000)), False, None, 64),           # D padded to 128, few rows
+    (((1, 2, 256), (1, 2, 256)), True, (32, 0), 96),         # a window: the left side's masked pairs
+    (((3, 513), (3, 700)), False, (100, 50), 128),           # both sides of a window
+])
+def test_the_float8_kernel_against_its_emulation_and_the_reference(shape, causal, window, D):
+    rng = numpy.random.default_rng(4)
+    (q_shape, k_shape) = shape
+    q, k, v = float8_inputs(rng, (*q_shape, D), (*k_shape, D), spread=2.0)
+    descales = (0.5, 0.25, 3.0)
+    got = _gpu_call(q, k, v, q_descale=0.5, k_descale=0.25, v_descale=3.0, causal=causal, window=window)
+    _check(got, q, k, v, descales, causal=causal, window=window)
+
+
+@gpu_test
+def test_gqa_broadcast_and_strided_inputs():
+    """k, v (B, Hkv, 1, N, D) broadcast over 4 query heads (V^T written once per K/V head), q a strided view."""
+    import cupy
+
+    rng = numpy.random.default_rng(5)
+    q = (rng.standard_normal((2, 2, 4, 300, 256)) * 2).astype(E4M3)[..., :128]   # D 128, rows 256 bytes apart
+    k, v = (rng.standard_normal((2, 2, 1, 300, 128)).astype(E4M3) for _ in range(2))
+    got = [x.get() for x in flash_attention_forward_fp8(cupy.asarray(q.view(numpy.uint8)), *(cupy.asarray(x.view(numpy.uint8))
+                                                        for x in (k, v)), causal=True, out_dtype="float16")]
+    assert got[0].dtype == numpy.float16
+    _check(got, numpy.ascontiguousarray(q), k, v, (1.0, 1.0, 1.0), causal=True)
+
+
+@gpu_test
+def test_a_nan_in_a_masked_value_does_not_reach_the_rows_that_do_not_see_it():
+    """The last key's value is NaN: under the causal mask only the last row sees it (the kernel flags the
+    tiles where a masked pair meets it and recomputes their rows exactly)."""
+    rng = numpy.random.default_rng(6)
+    q, k, v = float8_inputs(rng, (1, 2, 300, 128), (1, 2, 300, 128))
+    bits = v.view(numpy.uint8).copy()
+    bits[..., -1, 0] = 0x7f
+    v = bits.view(E4M3)
+    got = _gpu_call(q, k, v, causal=True)
+    assert numpy.isnan(got[0][..., -1, 0]).all() and not numpy.isnan(got[0][..., :-1, :]).any()
+    _check(got, q, k, v, (1.0, 1.0, 1.0), causal=True, emulate=False)
+
+
+@gpu_test
+@pytest.mark.parametrize("D", [200, 256])
+def test_head_dims_past_the_kernel_run_the_float16_path(D):
+    rng = numpy.random.default_rng(7)
+    q, k, v = float8_inputs(rng, (2, 90, D), (2, 120, D))
+    got = _gpu_call(q, k, v, v_descale=0.5, causal=True)
+    o, m, l = got
+    ro, rm, rl = descaled_reference(q, k, v, (1.0, 1.0, 0.5), causal=True)
+    vmax = numpy.abs(as_float32(v)).max() * 0.5
+    assert numpy.abs(o.astype(numpy.float64) - ro).max() <= 2.0 ** -7 * vmax   # no float8 P~: float16 o, bfloat16 out
+    numpy.testing.assert_allclose(m, rm, rtol=2e-6, atol=2e-6)
+
+
+@gpu_test
+def test_inputs_are_left_as_they_were_and_like_calls_agree():
+    import cupy
+
+    rng = numpy.random.default_rng(8)
+    q, k, v = (cupy.asarray(x.view(numpy.uint8)) for x in float8_inputs(rng, (2, 3, 257, 128), (2, 3, 257, 128)))
+    copies = [x.copy() for x in (q, k, v)]
+    first = [x.get() for x in flash_attention_forward_fp8(q, k, v, causal=True)]
+    second = [x.get() for x in flash_attention_forward_fp8(q, k, v, causal=True)]   # the kept plan
+    for a, b in zip(first, second):
+        assert numpy.array_equal(a, b, equal_nan=True)
+    for x, c in zip((q, k, v), copies):
+        assert bool((x == c).all())
