@@ -14,6 +14,8 @@ Systems, timed in one process on the same inputs:
   cupyflash-v2  the same with schedule="v2" (ratio columns compare this one); on sm_90 its
                 16-bit forward and backward are the warpgroup-MMA kernels
   cupyflash-v2-mma  schedule="v2" on the portable mma.sync kernels (an A/B on sm_90)
+  cupyflash-fp8  flash_attention_forward_fp8 on float8 e4m3 copies of q, k, v (forward only;
+                the float8 Hopper kernel on sm_90 at D <= 128)
   cupyflash-v2-det  schedule="v2", backward with deterministic=True (the cost of ordered sums)
   naive         cuBLAS S = q kᵀ in the input dtype, softmax in float32,
                 P cast back, P v (cupy.matmul; bf16 through
@@ -224,6 +226,22 @@ def cupyflash_runs(schedule: str, x: Inputs, *, wgmma: bool = True, deterministi
     return {"fwd": forward, "bwd": lambda: backward_from(*saved), "fwd+bwd": lambda: backward_from(*forward())}
 
 
+def fp8_runs(x: Inputs) -> dict:
+    """cupyflash.flash_attention_forward_fp8 on float8 e4m3 copies of q, k, v (made here, untimed, through
+    ml_dtypes on the host), o in the inputs' 16-bit dtype."""
+    import ml_dtypes
+
+    if x.q.dtype.itemsize != 2:
+        raise Unavailable("the float8 forward is timed beside the 16-bit inputs it stands in for")
+    q, k, v = (cupy.asarray(a.get().astype(ml_dtypes.float8_e4m3fn).view(numpy.uint8)) for a in (x.q, x.k, x.v))
+    out_dtype = x.q.dtype
+
+    def forward():
+        return cupyflash.flash_attention_forward_fp8(q, k, v, causal=x.causal, out_dtype=out_dtype)
+
+    return {"fwd": forward}
+
+
 def _portable(call):
     def run(*args):
         with hopper_kernels(False):
@@ -353,6 +371,7 @@ SYSTEMS = (
                                   precision="tf32" if name.endswith("-tf32") else "highest"),
              cupy_clock, needs_torch=False)
       for name, schedule in SCHEDULES.items()),
+    System("cupyflash-fp8", ("fwd",), fp8_runs, cupy_clock, needs_torch=False),
     System("naive", ("fwd",), naive_runs, cupy_clock, needs_torch=False),
     System("torch-flash", MODES, partial(torch_runs, "FLASH_ATTENTION"), torch_clock, needs_torch=True),
     System("torch-cudnn", MODES, partial(torch_runs, "CUDNN_ATTENTION"), torch_clock, needs_torch=True),

@@ -69,6 +69,12 @@ def flash_attention_forward_fp8(q, k, v, *, q_descale: float = 1.0, k_descale: f
     typically a few times 10⁻³ of it, plus ``o``'s own rounding. A NaN in ``v`` at a key that a row's mask
     hides does not reach that row (the kernel recomputes such rows exactly). There is no backward.
     """
+    # a CuPy call like an earlier one (shapes, strides, dtypes, keywords) runs that call's plan
+    key = _launch.call_key((q, k, v), ("fp8", causal, softmax_scale, window, q_descale, k_descale, v_descale,
+                                       out_dtype)) if out is None else None
+    plan = _launch.PLANS.get(key)
+    if plan is not None:
+        return plan(q, k, v)
     prob = check_forward(q, k, v, causal, softmax_scale, window, supported=FLOAT8_DTYPES)
     qd, kd, vd = (_check_descale(name, x) for name, x in (("q_descale", q_descale), ("k_descale", k_descale),
                                                           ("v_descale", v_descale)))
@@ -94,10 +100,10 @@ def flash_attention_forward_fp8(q, k, v, *, q_descale: float = 1.0, k_descale: f
             for x, value in zip(results, (0, -numpy.inf, 0)):
                 x.fill(value)
             return results
-        q, k, v = (x if readable_in_place(x) else kernel_ready(x) for x in (q, k, v))
-        q, k, v = (x.view(numpy.uint8) for x in (q, k, v))
+        if not all(readable_in_place(x) for x in (q, k, v)):
+            q, k, v, key = (*(kernel_ready(x) for x in (q, k, v)), None)   # a like call copies again: no plan kept
         layout = None
-        if prob.D <= FP8_HEAD_DIM and scale > 0 and _launch._hopper(numpy.float16):
+        if prob.D <= FP8_HEAD_DIM and numpy.float32(scale) > 0 and _launch._hopper(numpy.float16):
             named = {"q": q, "k": k, "v": v}
             layout = _launch.collapse_batch(prob.batch_shape, [
                 _launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], prob.batch_shape)
@@ -105,6 +111,7 @@ def flash_attention_forward_fp8(q, k, v, *, q_descale: float = 1.0, k_descale: f
         if layout is not None:
             plan = _launch.fp8_forward_plan(q, k, v, out_dtype=o_dtype, geometry=prob.geometry, scale=scale,
                                             v_scale=vd, batch_shape=prob.batch_shape, layout=layout)
+            _launch.keep_plan(key, plan)
             return plan(q, k, v, out)
         # no float8 kernel here: the exact float16 values through the 16-bit kernels
         o, m, l = flash_attention_forward(*(_float16(x) for x in (q, k, v)), causal=prob.causal,

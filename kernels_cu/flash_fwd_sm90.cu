@@ -547,7 +547,7 @@ extern "C" __global__ void __launch_bounds__(VALUES_THREADS) flash_fp8_values(co
             if (p.vec) {
                 x = *reinterpret_cast<const uint4*>(v + (i64)r * p.v.sn + d0);
             } else {
-                in_t b[IN_VEC];
+                alignas(16) in_t b[IN_VEC];
 #pragma unroll
                 for (int i = 0; i < IN_VEC; ++i) b[i] = d0 + i < D ? v[(i64)r * p.v.sn + d0 + i] : (in_t)0;
                 x = *reinterpret_cast<const uint4*>(b);
