@@ -4,6 +4,7 @@
     o = flash_attention(q, k, v, causal=True)                    # q, k, v (B, H, N, D), as torch SDPA
     o = flash_attention(q, k, v, causal=True, layout="bnhd")     # (B, N, H, D), as flash_attn_func
     o = flash_attention_with_kvcache(q, k_cache, v_cache, lens, k, v)   # decoding; k, v appended in place
+    o = flash_attention_fp8(q8, k8, v8, v_descale=0.5, causal=True)   # torch.float8_e4m3fn in, bfloat16 out
 
 The bridge, per call, and why it costs little host time:
 
@@ -39,9 +40,9 @@ import numpy
 import torch
 import torch.autograd.function
 
-from . import _views, api, kvcache
+from . import _views, api, float8, kvcache
 
-__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache"]
+__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache", "flash_attention_fp8"]
 
 LAYOUTS = ("bhnd", "bnhd")
 # the axes of a torch tensor in the order the kernels read it: (batch..., heads, rows, D)
@@ -872,4 +873,69 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                                              v=arrays.get("v"), block_table=table, causal=causal,
                                              softmax_scale=softmax_scale, window=window, softcap=softcap,
                                              alibi_slopes=slopes, num_splits=num_splits, out=api.FreshOut(out))
+    return (o, torch.log(l).add_(m)) if return_lse else o
+
+
+# float8 e4m3 tensors as cupyflash reads them: their bits (CuPy has no float8 dtype)
+FLOAT8_DTYPES = {torch.float8_e4m3fn: numpy.dtype(numpy.uint8), torch.uint8: numpy.dtype(numpy.uint8)}
+
+
+def flash_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_descale: float = 1.0,
+                        k_descale: float = 1.0, v_descale: float = 1.0, out_dtype: torch.dtype = torch.bfloat16,
+                        causal: bool = False, softmax_scale: Optional[float] = None, window=None,
+                        layout: str = "bhnd", return_lse: bool = False):
+    """Attention of float8 e4m3 torch tensors with per-tensor descales (FlashAttention-3's FP8 forward). No
+    gradient.
+
+    Parameters
+    ----------
+    q : torch.Tensor, shape (B, Hq, Nq, D), or (B, Nq, Hq, D) with ``layout="bnhd"``
+    k, v : torch.Tensor, shape (B, Hkv, Nk, D) (``bnhd``: (B, Nk, Hkv, D))
+        ``torch.float8_e4m3fn`` (or its bits as ``torch.uint8``), on one CUDA device or the CPU, any
+        strides with a contiguous last axis; ``Hq`` a multiple of ``Hkv`` (GQA).
+    q_descale, k_descale, v_descale, causal, softmax_scale, window
+        As in :func:`cupyflash.flash_attention_forward_fp8`.
+    out_dtype : torch.float16 or torch.bfloat16, optional
+    layout : {'bhnd', 'bnhd'}, optional
+    return_lse : bool, optional
+        Also return ``lse = m + log l``, shape ``(B, Hq, Nq)``, float32.
+
+    Returns
+    -------
+    o : torch.Tensor, q's shape, ``out_dtype``
+        ``bnhd``: a view of memory laid out as ``(B, Hq, Nq, D)``.
+    lse : torch.Tensor, shape (B, Hq, Nq)
+        With ``return_lse`` only.
+
+    See Also
+    --------
+    cupyflash.flash_attention_forward_fp8 : the call made, on views of the tensors' memory.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if out_dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"out_dtype must be torch.float16 or torch.bfloat16, got {out_dtype}")
+    device = q.get_device() if q.is_cuda else None
+    order = KERNEL_ORDER[layout]
+    q_, k_, v_ = (_tensor_array(name, x, FLOAT8_DTYPES, order, device) for name, x in (("q", q), ("k", k), ("v", v)))
+    B, Hq, Nq, D = q_.shape
+    Hkv = k_.shape[1]
+    if Hkv == 0 or Hq % Hkv or v_.shape[1] != Hkv:
+        raise ValueError(f"q's heads must be a multiple of k's and v's, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)} ({layout})")
+    G = Hq // Hkv
+    o = torch.empty_strided(tuple(q.shape), _output_strides(q.shape, order), dtype=out_dtype, device=q.device)
+    m, l = (torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device) for _ in range(2))
+    out = (_tensor_array("o", o, {out_dtype: DTYPES[out_dtype]}, order, device),
+           *(_tensor_array(name, x, {torch.float32: DTYPES[torch.float32]}, (0, 1, 2), device)
+             for name, x in (("m", m), ("l", l))))
+    # GQA: q's heads as (Hkv, G), k's and v's with a broadcast axis of 1
+    out = tuple(x.reshape(B, Hkv, G, *x.shape[2:]) for x in out)
+    with _torch_stream(device):
+        float8.flash_attention_forward_fp8(q_.reshape(B, Hkv, G, Nq, D), k_[:, :, None], v_[:, :, None],
+                                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                           out_dtype=DTYPES[out_dtype], causal=causal, softmax_scale=softmax_scale,
+                                           window=window, out=out)
     return (o, torch.log(l).add_(m)) if return_lse else o

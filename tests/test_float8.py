@@ -17,7 +17,7 @@ import pytest
 from cupyflash import _launch, _params, reference
 from cupyflash._mask import MaskGeometry
 from cupyflash.float8 import as_float32, flash_attention_forward_fp8
-from helpers import faked_gpu_module, gpu_test
+from helpers import faked_gpu_module, gpu_test, requires_gpu
 
 E4M3 = ml_dtypes.float8_e4m3fn
 UNIT = 2.0 ** -4   # float8 e4m3's unit roundoff (3 mantissa bits)
@@ -247,3 +247,37 @@ def test_inputs_are_left_as_they_were_and_like_calls_agree():
         assert numpy.array_equal(a, b, equal_nan=True)
     for x, c in zip((q, k, v), copies):
         assert bool((x == c).all())
+
+
+# ---------------------------------------------------------------------------
+# cupyflash.torch
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_gpu)])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_torch_float8_tensors_give_what_cupyflash_gives(device, layout):
+    """torch.float8_e4m3fn q (8 heads), k, v (2 heads: GQA), either layout: o and lse as
+    flash_attention_forward_fp8 on the same values (on CUDA, against the NumPy path within P~'s rounding)."""
+    torch = pytest.importorskip("torch")
+    from cupyflash.torch import flash_attention_fp8
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g).to(torch.float8_e4m3fn)
+               for shape in ((2, 8, 70, 64), (2, 2, 90, 64), (2, 2, 90, 64)))
+    want_o, want_m, want_l = flash_attention_forward_fp8(
+        *(x.view(torch.uint8).numpy().view(E4M3).reshape(shape) for x, shape in
+          ((q, (2, 2, 4, 70, 64)), (k, (2, 2, 1, 90, 64)), (v, (2, 2, 1, 90, 64)))),
+        causal=True, v_descale=0.5, out_dtype="float16")
+    args = [x.to(device) for x in (q, k, v)]
+    if layout == "bnhd":
+        args = [x.transpose(1, 2) for x in args]
+    o, lse = flash_attention_fp8(*args, causal=True, v_descale=0.5, out_dtype=torch.float16, layout=layout,
+                                 return_lse=True)
+    if layout == "bnhd":
+        o = o.transpose(1, 2)
+    assert o.dtype == torch.float16 and o.shape == (2, 8, 70, 64) and lse.shape == (2, 8, 70)
+    got = o.float().cpu().numpy().reshape(want_o.shape)
+    vmax = numpy.abs(as_float32(v.view(torch.uint8).numpy())).max() * 0.5
+    tolerance = 0 if device == "cpu" else (UNIT + 2.0 ** -7) * vmax
+    assert numpy.abs(got - want_o.astype(numpy.float32)).max() <= tolerance
+    numpy.testing.assert_allclose(lse.cpu().numpy().reshape(want_m.shape), want_m + numpy.log(want_l), rtol=1e-5,
+                                  atol=1e-5)
