@@ -21,7 +21,9 @@ modifier at run time (cupyflash/_flags.py: FLAGS).
 head dim of 16-byte rows and one without, empty rows), against the NumPy merge. ``--kvcache`` runs
 flash_attention_with_kvcache instead (the append kernel, then the forward that reads the cache: the
 Hopper kernel for 16-bit inputs, contiguous and paged, pages of 16, 48 and 1 rows shuffled; GQA; a
-length at the capacity and one at 0; split-KV and not), against its NumPy path.
+length at the capacity and one at 0; split-KV and not), against its NumPy path. ``--fp8`` runs
+flash_attention_forward_fp8 instead (the float8 Hopper kernel and its V^T pass on sm_90: ragged, causal with a
+NaN in v under the mask, a window, GQA, D 40 and 128, both output dtypes), against its NumPy path.
 ``--quick`` keeps two head dims, ``--head-dims`` picks some, ``--dtypes`` some dtypes, ``--schedules`` some
 schedules, ``--masks`` some masks (racecheck over all six head dims takes
 longer than one 10-minute device call: run it in parts). The script also checks each result
@@ -180,6 +182,36 @@ def kvcache_cases(rng, dtypes, head_dims) -> int:
     return failures
 
 
+def fp8_cases(rng) -> int:
+    """flash_attention_forward_fp8 on float8 e4m3 inputs; the failures. Against the NumPy path (exact float32):
+    within P~'s rounding to float8, 2^-4 of max |v| (and o's own)."""
+    import cupy
+
+    failures = cases = 0
+    E4M3 = ml_dtypes.float8_e4m3fn
+    for D, (causal, window, poison), out_dtype in itertools.product((40, 128), MASKS.values(),
+                                                                     ("float16", "bfloat16")):
+        q, k, v = (rng.standard_normal(shape + (D,)).astype(E4M3) for shape in (Q_SHAPE, KV_SHAPE, KV_SHAPE))
+        if poison:   # a NaN in v under the causal mask of the rows that do not see it
+            v = v.view(numpy.uint8).copy()
+            v[POISON["v"][:-1] + (min(POISON["v"][-1], D - 1),)] = 0x7F
+            v = v.view(E4M3)
+        kw = dict(causal=causal, window=window, v_descale=0.5, out_dtype=out_dtype)
+        want = cupyflash.flash_attention_forward_fp8(q, k, v, **kw)
+        got = cupyflash.flash_attention_forward_fp8(*(cupy.asarray(x.view(numpy.uint8)) for x in (q, k, v)), **kw)
+        o, w = got[0].get().astype(numpy.float64), want[0].astype(numpy.float64)
+        vmax = float(numpy.nanmax(numpy.abs(v.astype(numpy.float64)))) * 0.5
+        same_nan = numpy.array_equal(numpy.isnan(o), numpy.isnan(w))
+        err = float(numpy.nanmax(numpy.abs(o - w))) / vmax
+        cases += 1
+        if not (same_nan and err <= 2.0 ** -4 + 2.0 ** -7):
+            failures += 1
+            print(f"FAIL fp8 D={D} causal={causal} window={window} poison={poison} {out_dtype}: error {err:.2e} "
+                  f"of max |v|, NaNs {'where' if same_nan else 'not where'} the NumPy path has them", flush=True)
+    print(f"{cases - failures} of {cases} cases within tolerance", flush=True)
+    return failures
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"head dims {QUICK_HEAD_DIMS} only")
@@ -196,10 +228,13 @@ def main(argv=None) -> int:
                         help=f"the modifier sets (default none; all: {' '.join(MODS['all'])})")
     parser.add_argument("--merge", action="store_true", help="merge_attention's kernel only")
     parser.add_argument("--kvcache", action="store_true", help="flash_attention_with_kvcache only")
+    parser.add_argument("--fp8", action="store_true", help="flash_attention_forward_fp8 only")
     parser.add_argument("--splits", type=int, default=1, help="the forwards' num_splits (V2 schedules; default 1)")
     args = parser.parse_args(argv)
     if args.merge:
         return 1 if merge_cases(numpy.random.default_rng(0)) else 0
+    if args.fp8:
+        return 1 if fp8_cases(numpy.random.default_rng(0)) else 0
     head_dims = args.head_dims or (QUICK_HEAD_DIMS if args.quick else HEAD_DIMS)
     if any(not 1 <= d <= _tiles.MAX_HEAD_DIM for d in head_dims):
         parser.error(f"--head-dims must lie in 1..{_tiles.MAX_HEAD_DIM}, got {head_dims}")
