@@ -43,7 +43,8 @@ NO_TRAITS = 0                                  # not XLA_FFI_HANDLER_TRAITS_COMM
 DTYPES = {1: numpy.dtype(numpy.bool_), 4: numpy.dtype(numpy.int32), 5: numpy.dtype(numpy.int64),
           8: numpy.dtype(numpy.uint32), 9: numpy.dtype(numpy.uint64),
           10: numpy.dtype(numpy.float16), 11: numpy.dtype(numpy.float32), 12: numpy.dtype(numpy.float64),
-          16: numpy.dtype(ml_dtypes.bfloat16)}
+          16: numpy.dtype(ml_dtypes.bfloat16),
+          20: numpy.dtype(numpy.uint8)}   # F8E4M3FN, read as its bits (cupyflash.float8 takes them; CuPy has no float8)
 SCALAR_CTYPES = {1: ctypes.c_bool, 4: c_int32, 5: c_int64, 11: ctypes.c_float, 12: ctypes.c_double}
 
 

@@ -4,7 +4,8 @@
 custom call (``jax.ffi.ffi_call``) to the target ``cupyflash_forward``, whose results are
 ``o, m, l``; its backward rule one call to ``cupyflash_backward`` with results ``dq, dk, dv``.
 ``flash_attention_with_kvcache`` (decoding, no gradient) is one call to ``cupyflash_kvcache``, whose
-results alias the caches it is given.
+results alias the caches it is given; ``flash_attention_fp8`` (float8 e4m3 inputs, no gradient) one call to
+``cupyflash_fp8``.
 Both targets are Python functions registered as XLA FFI handlers through ctypes
 (``cupyflash._xla_ffi``), so nothing is compiled but cupyflash's own kernels:
 
@@ -39,9 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy
 
-from . import _xla_ffi, kvcache
-from ._checks import (check_bool, check_choice, check_dropout, check_forward, check_offset_shapes, check_pairwise,
-                      check_per_entry, check_seed, check_splits, with_softcap)
+from . import _xla_ffi, float8, kvcache
+from ._checks import (FLOAT8_DTYPES, check_bool, check_choice, check_dropout, check_forward, check_offset_shapes,
+                      check_pairwise, check_per_entry, check_seed, check_splits, with_softcap)
 from ._expr import user_mods
 from ._tiles import PRECISIONS, accumulator_dtype
 from ._views import device_view
@@ -49,12 +50,13 @@ from .api import (FreshOut, flash_attention_backward, flash_attention_forward, f
                   flash_attention_varlen_forward)
 from .blockmask import BlockMask
 
-__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache", "flash_attention_forward_ffi",
-           "flash_attention_backward_ffi"]
+__all__ = ["flash_attention", "flash_attention_varlen", "flash_attention_with_kvcache", "flash_attention_fp8",
+           "flash_attention_forward_ffi", "flash_attention_backward_ffi"]
 
 FORWARD_TARGET = "cupyflash_forward"
 BACKWARD_TARGET = "cupyflash_backward"
 KVCACHE_TARGET = "cupyflash_kvcache"
+FP8_TARGET = "cupyflash_fp8"
 OPTIONS = "options"     # the one attribute of both calls: their keywords as JSON (Options.attributes)
 NUMBERS = (bool, int, float, numpy.bool_, numpy.number)   # mod_args values that travel in the attribute
 # the arrays of cupyflash's keywords JAX takes, operands after the inputs in this order, and cupyflash's check
@@ -383,9 +385,34 @@ def _parsed_kvcache(text: str) -> tuple:
     return kw, tuple(parsed["operands"])
 
 
+def _run_fp8(call: _xla_ffi.Call, on_gpu: bool):
+    """One call of the float8 target: operands q, k, v (float8 e4m3, as their bits), results o, m, l (o's dtype
+    the call's out_dtype)."""
+    kw = _parsed_fp8(call.attrs[OPTIONS])
+    if not on_gpu:
+        args, rets = [_host_array(b) for b in call.args], [_host_array(b) for b in call.rets]
+        float8.flash_attention_forward_fp8(*args, out_dtype=rets[0].dtype, out=FreshOut(rets), **kw)
+        return
+    import cupy
+
+    device = call.device()
+    with cupy.cuda.Device(device), _cupy_stream(call.stream(), device):
+        args, rets = [_device_array(b, device) for b in call.args], [_device_array(b, device) for b in call.rets]
+        float8.flash_attention_forward_fp8(*args, out_dtype=rets[0].dtype, out=FreshOut(rets), **kw)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed_fp8(text: str) -> dict:
+    """The float8 call's keywords from its ``OPTIONS`` text, parsed once per text."""
+    kw = json.loads(text)
+    kw["window"] = tuple(kw["window"])
+    return kw
+
+
 # (target, platform as JAX names it, whether the handler runs CuPy)
-TARGETS = ((FORWARD_TARGET, "cpu", False), (BACKWARD_TARGET, "cpu", False), (KVCACHE_TARGET, "cpu", False),
-           (FORWARD_TARGET, "CUDA", True), (BACKWARD_TARGET, "CUDA", True), (KVCACHE_TARGET, "CUDA", True))
+TARGETS = tuple((target, platform, platform == "CUDA") for platform in ("cpu", "CUDA")
+                for target in (FORWARD_TARGET, BACKWARD_TARGET, KVCACHE_TARGET, FP8_TARGET))
+RUNS = {KVCACHE_TARGET: _run_kvcache, FP8_TARGET: _run_fp8}   # the targets but the forward's and backward's
 _handlers: dict = {}          # (target, platform) -> _xla_ffi.Handler, alive as long as XLA may call it
 _registering = threading.Lock()
 
@@ -423,7 +450,7 @@ def register() -> None:
         for target, platform, on_gpu in TARGETS:
             if platform not in platforms or (target, platform) in _handlers:
                 continue
-            execute = (functools.partial(_run_kvcache, on_gpu=on_gpu) if target == KVCACHE_TARGET else
+            execute = (functools.partial(RUNS[target], on_gpu=on_gpu) if target in RUNS else
                        functools.partial(_run, on_gpu=on_gpu, backward=target == BACKWARD_TARGET))
             handler = _xla_ffi.Handler(target, execute, _version())
             try:
@@ -831,3 +858,42 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=N
     call = jax.ffi.ffi_call(KVCACHE_TARGET, results, input_output_aliases={1: 3, 2: 4}, vmap_method="sequential")
     o, m, l, k_cache, v_cache = call(*operands, **{OPTIONS: json.dumps({"keywords": kw, "operands": names})})
     return (o, k_cache, v_cache, _lse(m, l)) if return_lse else (o, k_cache, v_cache)
+
+
+def flash_attention_fp8(q, k, v, *, q_descale: float = 1.0, k_descale: float = 1.0, v_descale: float = 1.0,
+                        out_dtype=jnp.bfloat16, causal: bool = False, softmax_scale: Optional[float] = None,
+                        window=None, return_lse: bool = False):
+    """Attention of float8 e4m3 JAX arrays with per-tensor descales, inside or outside ``jax.jit`` (FlashAttention-3's
+    FP8 forward; no gradient).
+
+    Parameters
+    ----------
+    q, k, v : jax.Array of ``jnp.float8_e4m3fn``, shapes (..., Nq, D), (..., Nk, D)
+        Batch dims broadcast as in :func:`cupyflash.flash_attention_forward_fp8` (GQA: ``k, v (B, Hkv, 1, N,
+        D)`` against ``q (B, Hkv, G, N, D)``). Traced.
+    q_descale, k_descale, v_descale, causal, softmax_scale, window
+        As in :func:`cupyflash.flash_attention_forward_fp8`. Static.
+    out_dtype : jnp.bfloat16 or jnp.float16, optional
+    return_lse : bool, optional
+        Also return ``lse = m + log l``, float32.
+
+    Returns
+    -------
+    o : jax.Array, shape (*batch, Nq, D), ``out_dtype``
+    lse : jax.Array, shape (*batch, Nq)
+        With ``return_lse`` only.
+    """
+    register()
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype != jnp.float8_e4m3fn:
+            raise TypeError(f"{name} must have dtype float8_e4m3fn, got {x.dtype}")
+    prob = check_forward(*(_stand_in(x) for x in (q, k, v)), causal, softmax_scale, window, supported=FLOAT8_DTYPES)
+    kw = dict(causal=prob.causal, softmax_scale=prob.scale, window=prob.window,
+              **{name: float8._check_descale(name, value) for name, value in
+                 (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))})
+    o_dtype = float8._check_out_dtype(numpy.dtype(out_dtype))
+    stats = jax.ShapeDtypeStruct((*prob.batch_shape, prob.Nq), jnp.float32)
+    results = (jax.ShapeDtypeStruct((*prob.batch_shape, prob.Nq, prob.D), o_dtype), stats, stats)
+    o, m, l = jax.ffi.ffi_call(FP8_TARGET, results, vmap_method="broadcast_all")(q, k, v, **{OPTIONS: json.dumps(kw)})
+    return (o, _lse(m, l)) if return_lse else o

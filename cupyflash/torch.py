@@ -792,6 +792,17 @@ def _tensor_array(name: str, x, dtypes: dict, order, device):
     return (_host_array if device is None else _device_array)(x, view, device)
 
 
+def _query_device(q, layout: str):
+    """q's CUDA device index, None on the CPU, after checking q and ``layout`` (the no-gradient calls')."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q must lie on a CUDA device or the CPU, got {q.device}")
+    return q.get_device() if q.is_cuda else None
+
+
 def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  cache_seqlens: torch.Tensor, k: Optional[torch.Tensor] = None,
                                  v: Optional[torch.Tensor] = None, *, block_table: Optional[torch.Tensor] = None,
@@ -843,13 +854,7 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     --------
     cupyflash.flash_attention_with_kvcache : the call made, on views of the tensors' memory.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    if q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"q must lie on a CUDA device or the CPU, got {q.device}")
-    device = q.get_device() if q.is_cuda else None
+    device = _query_device(q, layout)
     order, int32 = KERNEL_ORDER[layout], {torch.int32: numpy.dtype(numpy.int32)}
     same = {q.dtype: DTYPES[q.dtype]} if q.dtype in DTYPES else DTYPES
     arrays = {name: _tensor_array(name, x, same, order, device)
@@ -911,13 +916,9 @@ def flash_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
     --------
     cupyflash.flash_attention_forward_fp8 : the call made, on views of the tensors' memory.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    device = _query_device(q, layout)
     if out_dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"out_dtype must be torch.float16 or torch.bfloat16, got {out_dtype}")
-    device = q.get_device() if q.is_cuda else None
     order = KERNEL_ORDER[layout]
     q_, k_, v_ = (_tensor_array(name, x, FLOAT8_DTYPES, order, device) for name, x in (("q", q), ("k", k), ("v", v)))
     B, Hq, Nq, D = q_.shape

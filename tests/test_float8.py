@@ -281,3 +281,32 @@ def test_torch_float8_tensors_give_what_cupyflash_gives(device, layout):
     assert numpy.abs(got - want_o.astype(numpy.float32)).max() <= tolerance
     numpy.testing.assert_allclose(lse.cpu().numpy().reshape(want_m.shape), want_m + numpy.log(want_l), rtol=1e-5,
                                   atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# cupyflash.jax
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_gpu)])
+def test_jax_float8_arrays_inside_jit_give_what_cupyflash_gives(device):
+    """jnp.float8_e4m3fn q (B, Hkv, G, N, D) against k, v (B, Hkv, 1, N, D) inside jax.jit: o and lse as
+    flash_attention_forward_fp8 on the same values (on CUDA within P~'s rounding of the NumPy path's o)."""
+    jax = pytest.importorskip("jax")
+    from cupyflash.jax import flash_attention_fp8
+
+    try:
+        on = jax.devices(device)[0]
+    except RuntimeError:
+        pytest.skip(f"no {device} backend in JAX")
+    rng = numpy.random.default_rng(10)
+    q, k, v = float8_inputs(rng, (2, 2, 4, 60, 64), (2, 2, 1, 75, 64))
+    want_o, want_m, want_l = flash_attention_forward_fp8(q, k, v, causal=True, q_descale=2.0, v_descale=0.5)
+    step = jax.jit(lambda q, k, v: flash_attention_fp8(q, k, v, causal=True, q_descale=2.0, v_descale=0.5,
+                                                       return_lse=True))
+    o, lse = step(*(jax.device_put(x, on) for x in (q, k, v)))
+    assert o.dtype == ml_dtypes.bfloat16 and o.shape == want_o.shape
+    vmax = numpy.abs(as_float32(v)).max() * 0.5
+    tolerance = 0 if device == "cpu" else (UNIT + 2.0 ** -7) * vmax
+    assert numpy.abs(numpy.asarray(o).astype(numpy.float32) - want_o.astype(numpy.float32)).max() <= tolerance
+    numpy.testing.assert_allclose(numpy.asarray(lse), want_m + numpy.log(want_l), rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="q must have dtype float8_e4m3fn"):
+        flash_attention_fp8(numpy.zeros((2, 8, 16), numpy.float16), k[0, 0], v[0, 0])
