@@ -820,7 +820,7 @@ def fp8_forward_plan(q, k, v, *, out_dtype, geometry: MaskGeometry, scale: float
                      layout: BatchLayout):
     """The float8 Hopper forward (``fwd_fp8``) of validated float8 e4m3 ``q, k, v`` (CuPy uint8 arrays of
     their bits, D <= FP8_HEAD_DIM) as a ``ForwardPlan``: ``flash_fp8_values`` writes V^T into the call's
-    workspace (one (DP, Nk rounded up to B_c) block per batch entry of v, broadcast entries once), then the
+    workspace (one (d_chunk, Nk rounded up to B_c) block per batch entry of v, broadcast entries once), then the
     persistent main kernel; o of ``out_dtype``, m and l float32. ``scale`` multiplies q k^T (softmax_scale
     times q's and k's descales), ``v_scale`` o."""
     rows_q, D = q.shape[-2:]
@@ -831,7 +831,7 @@ def fp8_forward_plan(q, k, v, *, out_dtype, geometry: MaskGeometry, scale: float
     T_r, T_c = -(-rows_q // cfg.block_r), -(-rows_k // cfg.block_c)
     keys = T_c * cfg.block_c   # V^T's row stride: every run of B_c keys written, zero past Nk
     # V^T's collapsed batch strides: contiguous over the dims along which v does not broadcast
-    vt_strides, size = [0, 0, 0], cfg.d_pad * keys
+    vt_strides, size = [0, 0, 0], cfg.d_chunk * keys   # rows: the head-dim columns the products cover
     for axis in (2, 1, 0):
         if layout.of("v")[axis]:
             vt_strides[axis] = size

@@ -27,7 +27,8 @@ How tiles are chosen (``choose_tiles``):
   (``q_stages``).
 * ``fwd_fp8`` (the Hopper forward on float8 e4m3 q, k, v, 16-bit o; sm_90a, D <= 128): ``fwd_sm90``'s
   kernel compiled with float8 operands, two consumers, B_r = B_c = 128, the head dim padded to one
-  128-byte swizzle column block (DP = 128 for every D); its V^T is written first (``flash_fp8_values``).
+  128-byte swizzle column block (DP = 128 for every D), whose first 64 columns alone the products cover at
+  D <= 64 (``d_chunk``); its V^T is written first (``flash_fp8_values``).
 * ``bwd``: each warp owns 16 key rows of a K/V tile (B_c = 16 x warps); the Q tiles walked by the
   inner loop have B_r rows. dK_j and dV_j live in registers, so the head dim is split into chunks
   of ``d_chunk`` columns, one CTA per chunk (S and dP are recomputed per chunk; D <= 128 is one
@@ -406,8 +407,9 @@ def _fwd_sm90_tiles(kernel, head_dim, name, smem_limit):
 
 def _fwd_fp8_tiles(kernel, head_dim, name, smem_limit):
     # one 128-byte column block of float8 (DP = 128 for every D <= 128), two consumers of 64 rows, B_c = 128:
-    # V^T's rows are one block of B_c keys
-    return _first_fit((TileConfig(kernel, name, FP8_HEAD_DIM, 128, 128, 12, FP8_HEAD_DIM),), smem_limit)
+    # V^T's rows are one block of B_c keys; at D <= 64 the products cover half the line (d_chunk 64)
+    d_chunk = 64 if head_dim <= 64 else FP8_HEAD_DIM
+    return _first_fit((TileConfig(kernel, name, FP8_HEAD_DIM, 128, 128, 12, d_chunk),), smem_limit)
 
 
 def _bwd_tiles(kernel, head_dim, name, smem_limit):

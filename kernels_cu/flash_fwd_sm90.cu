@@ -81,6 +81,9 @@ constexpr int STAGES = 2;
 constexpr int Q_STAGES = FLASH_Q_STAGES;               // two where they fit (the host's choice)
 constexpr int TILE_Q = B_R * DP, TILE_KV = B_C * DP;   // operand elements (in_t); FP8's V^T tiles (DP, B_C)
 constexpr int K_STEP = 32 / sizeof(in_t);              // the contraction of one wgmma: 16 16-bit, 32 float8
+// head-dim columns the products cover: DP, but FP8 at D <= 64 (FLASH_DC = 64), whose tiles keep 128-byte lines
+// (half of each line zero) and whose products skip the empty half
+constexpr int DK = FP8 ? FLASH_DC : DP;
 constexpr int P_FRAGS = B_C / K_STEP;                  // A fragments of P~_ij per thread
 constexpr int N_BARRIERS = 2 * Q_STAGES + 4 * STAGES;
 constexpr int SMEM_BYTES = (Q_STAGES * TILE_Q + 2 * STAGES * TILE_KV) * (int)sizeof(in_t) + N_BARRIERS * 8
@@ -101,7 +104,8 @@ static_assert(Q_STAGES == 1 || Q_STAGES == 2, "one or two Q buffers");
 static_assert(DP % SW_COLS == 0 && (B_C == 64 || B_C == 96 || B_C == 128), "tile shapes");
 static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (1 + CONSUMERS) * (65536 / NTHREADS / 8 * 8), "register file");
 static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the shared-memory layout");
-static_assert(!FP8 || (DP == 128 && B_C == 128), "FP8: V^T tiles of one 128-byte column block, one PV instruction");
+static_assert(!FP8 || (DP == 128 && B_C == 128 && (DK == 64 || DK == 128)),
+              "FP8: V^T tiles of one 128-byte column block, one PV instruction");
 
 // The value of this CTA's repair flags, blockIdx.x + 1, read where it is written (volatile: the
 // compiler would hold it in one of the producer's few registers through the tile loop)
@@ -135,7 +139,7 @@ __device__ __forceinline__ void produce_keys(in_t* s, const KeyRows<const in_t>&
 // S (64, B_C) = Q_i K_j^T for this warpgroup's 64 rows of Q_i, issued (not waited for)
 __device__ __forceinline__ void issue_scores(acc_t (&S)[B_C / 8][4], const in_t* s_Qg, const in_t* s_Kj) {
 #pragma unroll
-    for (int kk = 0; kk < DP / K_STEP; ++kk) {
+    for (int kk = 0; kk < DK / K_STEP; ++kk) {
         const unsigned long long a = sw128_desc(s_Qg + sw128_offset<B_R>(0, kk * K_STEP), 16, SW_ATOM_BYTES);
         const unsigned long long b = sw128_desc(s_Kj + sw128_offset<B_C>(0, kk * K_STEP), 16, SW_ATOM_BYTES);
 #if FLASH_FP8
@@ -147,11 +151,11 @@ __device__ __forceinline__ void issue_scores(acc_t (&S)[B_C / 8][4], const in_t*
     wgmma_commit();
 }
 
-// O (64, DP) += P~ V_j for this warpgroup, issued (not waited for); FP8: s_Vj holds V_j^T
-__device__ __forceinline__ void issue_values(acc_t (&O)[DP / 8][4], const unsigned (&P)[P_FRAGS][4],
+// O (64, DK) += P~ V_j for this warpgroup, issued (not waited for); FP8: s_Vj holds V_j^T
+__device__ __forceinline__ void issue_values(acc_t (&O)[DK / 8][4], const unsigned (&P)[P_FRAGS][4],
                                              const in_t* s_Vj) {
 #if FLASH_FP8
-    wgmma_rs_tile_e4m3<DP, P_FRAGS>(O, P, s_Vj);
+    wgmma_rs_tile_e4m3<DK, P_FRAGS>(O, P, s_Vj);
 #else
     wgmma_rs_tile<DP, P_FRAGS>(O, P, s_Vj);
 #endif
@@ -258,7 +262,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
             if (pos < 0 || flag == NONE) return;
             mbar_wait(&v_full[s], (pos / STAGES) & 1);
 #if FLASH_FP8
-            if (rows_nan_e4m3(s_V + s * TILE_KV, TILE_KV / SW_COLS, SW_COLS, SW_COLS, tid % WG_THREADS, WG_THREADS)) {
+            if (rows_nan_e4m3(s_V + s * TILE_KV, DK, SW_COLS, SW_COLS, tid % WG_THREADS, WG_THREADS)) {   // DK rows of V^T
 #else
             if (rows_nonfinite(s_V + s * TILE_KV, TILE_KV / SW_COLS, SW_COLS, SW_COLS, tid % WG_THREADS, WG_THREADS)) {
 #endif
@@ -319,8 +323,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
                     scan_values(pos - STAGES);
                     mbar_wait(&v_empty[s], (use - 1) & 1);
                 }
-                if constexpr (FP8)   // V_j^T: DP rows of B_C keys, every one written (zero past D and Nk)
-                    produce_tile<DP>(s_V + s * TILE_KV, vt_h + (i64)j * B_C, p.vt.sn, DP, B_C, true, &v_full[s], ptid);
+                if constexpr (FP8)   // V_j^T: DK rows of B_C keys, every one written (zero past D and Nk)
+                    produce_tile<DK>(s_V + s * TILE_KV, vt_h + (i64)j * B_C, p.vt.sn, DK, B_C, true, &v_full[s], ptid);
                 else
                     produce_keys(s_V + s * TILE_KV, v_h, j, rows, D, vec, &v_full[s], ptid);
                 const unsigned flag = may_hide(mask, w.i * B_R, B_R, j * B_C, B_C, Visits::all_of(visit))
@@ -367,7 +371,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
             const int r0 = i * B_R + 16 * warp;             // first query row of this warp
             const in_t* s_Qg = s_Q + qs * TILE_Q + c * 64 * SW_COLS;
 
-            acc_t O[DP / 8][4];                             // (16, DP) per warp: unnormalised O_i
+            acc_t O[DK / 8][4];                             // (16, DK) per warp: unnormalised O_i
             zero_frag(O);
             // m_i in units of raw scores Q K^T (the softmax scales differences: scale > 0, checked on the
             // host), or of the modifiers' S (RawMods: unit > 0)
@@ -409,7 +413,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
                     l_i[h] = alpha[h] * l_i[h] + rowsum[h];
                     if (moved)
 #pragma unroll
-                        for (int nn = 0; nn < DP / 8; ++nn) {
+                        for (int nn = 0; nn < DK / 8; ++nn) {
                             O[nn][2 * h] *= alpha[h];
                             O[nn][2 * h + 1] *= alpha[h];
                         }
@@ -524,22 +528,22 @@ extern "C" __global__ void __launch_bounds__(TILE_MAP_THREADS) flash_tile_lists(
 
 #if FLASH_FP8
 // V^T for the FP8 forward: for each batch entry of v (those of the call that share one, through a stride
-// 0, write it once: broadcast_rank 0) and each run of B_C keys, the (DP, B_C) block of p.vt, key column
+// 0, write it once: broadcast_rank 0) and each run of B_C keys, the (DK, B_C) block of p.vt, key column
 // k of each 32 holding key e4m3_key_of(k) (sm90.cuh), zero past D and Nk. A CTA per (entry, run): the
 // keys' rows into shared memory as they lie in v (16-byte loads where p.vec), then each thread gathers
 // 16 columns of one row of V^T from them. NaNs are copied: the main kernel's scan finds them.
 constexpr int VALUES_THREADS = 256;
-constexpr int VALUES_PITCH = DP + 16;   // bytes of a shared key row: rows 16 bytes apart in the banks
+constexpr int VALUES_PITCH = DK + 16;   // bytes of a shared key row: rows 16 bytes apart in the banks
 
 extern "C" __global__ void __launch_bounds__(VALUES_THREADS) flash_fp8_values(const __grid_constant__ FwdParams p) {
-    __shared__ __align__(16) in_t s_v[B_C * VALUES_PITCH];   // (B_C, DP) keys of this run, padded rows
+    __shared__ __align__(16) in_t s_v[B_C * VALUES_PITCH];   // (B_C, DK) keys of this run, padded rows
     const int runs = (p.mask.Nk + B_C - 1) / B_C;
     const i64 e = blockIdx.x / runs;
     const int run = (int)(blockIdx.x - e * runs), k0 = run * B_C, D = p.D, Nk = p.mask.Nk;
     const BatchIndex bi = p.batch.split(e);
     if (broadcast_rank(bi, p.batch.n1, p.batch.n2, p.v.s0, p.v.s1, p.v.s2) != 0) return;   // another CTA's entry
     const in_t* v = p.v.at(bi) + (i64)k0 * p.v.sn;
-    constexpr int CHUNKS = DP / IN_VEC;   // 16-byte chunks of a row
+    constexpr int CHUNKS = DK / IN_VEC;   // 16-byte chunks of a row
     for (int c = threadIdx.x; c < B_C * CHUNKS; c += VALUES_THREADS) {
         const int r = c / CHUNKS, d0 = c % CHUNKS * IN_VEC;
         uint4 x = make_uint4(0u, 0u, 0u, 0u);
@@ -558,7 +562,7 @@ extern "C" __global__ void __launch_bounds__(VALUES_THREADS) flash_fp8_values(co
     __syncthreads();
     in_t* vt = const_cast<in_t*>(p.vt.at(bi)) + k0;
     constexpr int COL_CHUNKS = B_C / IN_VEC;   // 16-byte chunks of a V^T row
-    for (int c = threadIdx.x; c < DP * COL_CHUNKS; c += VALUES_THREADS) {
+    for (int c = threadIdx.x; c < DK * COL_CHUNKS; c += VALUES_THREADS) {
         const int d = c / COL_CHUNKS, k_first = c % COL_CHUNKS * IN_VEC;
         alignas(16) in_t b[IN_VEC];
 #pragma unroll

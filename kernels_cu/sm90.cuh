@@ -309,6 +309,16 @@ __device__ __forceinline__ void frag_to_a_e4m3(unsigned (&a)[NT / 4][4], const a
 // memory (ss) and O_i += P~_ij V_j with P~ in registers (frag_to_a_e4m3) and V_j^T in shared memory (rs)
 template <int N> struct WgmmaE4m3;
 
+template <> struct WgmmaE4m3<64> {   // the PV product at D <= 64
+    static __device__ __forceinline__ void rs(acc_t (&d)[8][4], const unsigned (&a)[4], unsigned long long b_desc) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+                     : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+    }
+};
+
 template <> struct WgmmaE4m3<128> {
     static __device__ __forceinline__ void ss(acc_t (&d)[16][4], unsigned long long a_desc, unsigned long long b_desc,
                                               int accumulate) {
@@ -331,8 +341,8 @@ template <> struct WgmmaE4m3<128> {
 // registers, B K-major: B^T a swizzled (COLS, 32 KT) tile (rows of COLS, the K contiguous)
 template <int COLS, int KT>
 __device__ __forceinline__ void wgmma_rs_tile_e4m3(acc_t (&d)[COLS / 8][4], const unsigned (&a)[KT][4], const in_t* s_bt) {
-    static_assert(COLS == 128 && 32 * KT <= SW_COLS, "one 128-column instruction over one swizzle column block");
+    static_assert((COLS == 64 || COLS == 128) && 32 * KT <= SW_COLS, "one instruction over one swizzle column block");
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk)
-        WgmmaE4m3<128>::rs(d, a[kk], sw128_desc(s_bt + sw128_offset<COLS>(0, kk * 32), 16, SW_ATOM_BYTES));
+        WgmmaE4m3<COLS>::rs(d, a[kk], sw128_desc(s_bt + sw128_offset<COLS>(0, kk * 32), 16, SW_ATOM_BYTES));
 }

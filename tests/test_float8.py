@@ -118,12 +118,14 @@ def test_bad_calls_name_the_argument(change, error, words):
         flash_attention_forward_fp8(q, k, v, **change)
 
 
-def test_the_hopper_plan_writes_v_transposed_then_runs_the_float8_kernel(monkeypatch):
+@pytest.mark.parametrize("D, rows", [(96, 128), (48, 64)])
+def test_the_hopper_plan_writes_v_transposed_then_runs_the_float8_kernel(monkeypatch, D, rows):
     """GQA (k, v broadcast over 4 query heads), 300 keys: flash_fp8_values over every call entry and run of 128
-    keys, then the persistent main kernel; V^T one (128, 384) block per K/V head, its batch strides 0 along
-    the broadcast dim; the scale carries the descales of q and k, v_scale v's."""
+    keys, then the persistent main kernel; V^T one (rows, 384) block per K/V head (64 rows at D <= 64, whose
+    products cover half the 128-byte line), its batch strides 0 along the broadcast dim; the scale carries the
+    descales of q and k, v_scale v's."""
     gpu = faked_gpu_module().FakeGPU(patch=monkeypatch.setattr, keep_structs=True)
-    B, Hkv, G, N, D = 2, 2, 4, 300, 96
+    B, Hkv, G, N = 2, 2, 4, 300
     q = gpu.array((B, Hkv, G, N, D), numpy.uint8)
     k, v = gpu.array((B, Hkv, 1, N, D), numpy.uint8), gpu.array((B, Hkv, 1, N, D), numpy.uint8)
     batch = (B, Hkv, G)
@@ -138,10 +140,11 @@ def test_the_hopper_plan_writes_v_transposed_then_runs_the_float8_kernel(monkeyp
     assert plan.before[0].grid[0] == B * Hkv * G * 3 and plan.launches[0].grid[0] == B * Hkv * G * 3
     struct = numpy.frombuffer(gpu.structs[1][1][:_params.FWD.itemsize], _params.FWD)[0]
     assert gpu.structs[0][1][:_params.FWD.itemsize] == gpu.structs[1][1][:_params.FWD.itemsize]
-    assert tuple(struct["vt"])[1:] == (0, 128 * 384, 0, 384)   # (ptr, s0, s1, s2, sn): per K/V head, not per group
+    assert tuple(struct["vt"])[1:] == (0, rows * 384, 0, 384)   # (ptr, s0, s1, s2, sn): per K/V head, not per group
     assert struct["vt"]["ptr"] != 0 and struct["v_scale"] == 2.0 and struct["scale"] == numpy.float32(0.0625)
     assert (struct["D"], struct["vec"], struct["kv_splits"], struct["tile_rows"]) == (D, 1, 1, 128)
-    vt_bytes = B * Hkv * 128 * 384
+    assert plan.launches[0].kernel.name == "flash_fwd_sm90" and plan.before[0].kernel.name == "flash_fp8_values"
+    vt_bytes = B * Hkv * rows * 384
     assert plan.fresh.nbytes >= vt_bytes and plan.given.nbytes >= vt_bytes
 
 
