@@ -21,10 +21,22 @@ from helpers import faked_gpu_module, gpu_test, requires_gpu
 
 E4M3 = ml_dtypes.float8_e4m3fn
 UNIT = 2.0 ** -4   # float8 e4m3's unit roundoff (3 mantissa bits)
+# The float8 tensor cores do not accumulate in full float32: S_ij is off by up to about 2^-12 of
+# scale · sum_d |q_id k_jd| (measured on the H200: 2^-11.6 at worst), where 16-bit products are exact
+# to float32's rounding. Held to 2^-10 of it.
+ACCUMULATION = 2.0 ** -10
 
 
 def float8_inputs(rng, q_shape, kv_shape, spread=1.0):
     return tuple((rng.standard_normal(shape) * spread).astype(E4M3) for shape in (q_shape, kv_shape, kv_shape))
+
+
+def score_slack(q, k, descales, softmax_scale=None):
+    """Per query row, how far the float8 kernel's S_ij (hence m_i, and log l_i) may lie from the exact ones:
+    ACCUMULATION of the largest scale · sum_d |q_id k_jd| over the keys (q, k float8, batch dims broadcast)."""
+    qf, kf = (numpy.abs(as_float32(x).astype(numpy.float64)) for x in (q, k))
+    scale = (1 / math.sqrt(qf.shape[-1]) if softmax_scale is None else softmax_scale) * descales[0] * descales[1]
+    return ACCUMULATION * scale * (qf @ numpy.swapaxes(kf, -1, -2)).max(axis=-1)
 
 
 def descaled_reference(q, k, v, descales, **kw):
@@ -160,8 +172,9 @@ def _gpu_call(q, k, v, **kw):
 
 def _check(got, q, k, v, descales, causal=False, window=None, emulate=True):
     """The float8 kernel against its emulation (the same roundings: differences where exp2's approximation
-    moves a P~ across a float8 rounding boundary, rare) and against the float64 reference (P~'s rounding at
-    most 2^-4 of max |v|); m and l as the 16-bit kernels'."""
+    or the accumulation moves a P~ across a float8 rounding boundary, rare) and against the float64 reference
+    (P~'s rounding at most 2^-4 of max |v|); m within the accumulation's slack (``score_slack``), l within
+    twice it relative."""
     o, m, l = got
     o = o.astype(numpy.float64)
     ro, rm, rl = descaled_reference(q, k, v, descales, causal=causal, window=window)
@@ -174,8 +187,9 @@ def _check(got, q, k, v, descales, causal=False, window=None, emulate=True):
         assert numpy.abs(o - eo)[both].mean() <= 2e-3 * vmax
     finite = numpy.isfinite(rm)
     assert numpy.array_equal(finite, numpy.isfinite(m))
-    numpy.testing.assert_allclose(m[finite], rm[finite], rtol=2e-6, atol=2e-6)
-    numpy.testing.assert_allclose(l[finite], rl[finite], rtol=2e-5)
+    slack = numpy.broadcast_to(score_slack(q, k, descales), m.shape)
+    assert numpy.all(numpy.abs(m - rm)[finite] <= slack[finite] + 2e-6 * numpy.abs(rm[finite]))
+    assert numpy.all(numpy.abs(l / numpy.where(finite, rl, 1) - 1)[finite] <= 2 * slack[finite] + 2e-5)
     assert numpy.all(l[~finite] == 0)
 
 
@@ -282,8 +296,10 @@ def test_torch_float8_tensors_give_what_cupyflash_gives(device, layout):
     vmax = numpy.abs(as_float32(v.view(torch.uint8).numpy())).max() * 0.5
     tolerance = 0 if device == "cpu" else (UNIT + 2.0 ** -7) * vmax
     assert numpy.abs(got - want_o.astype(numpy.float32)).max() <= tolerance
-    numpy.testing.assert_allclose(lse.cpu().numpy().reshape(want_m.shape), want_m + numpy.log(want_l), rtol=1e-5,
-                                  atol=1e-5)
+    inputs = [x.view(torch.uint8).numpy() for x in (q, k)]
+    slack = 0 if device == "cpu" else 3 * score_slack(inputs[0].reshape(2, 2, 4, 70, 64), inputs[1][:, :, None], (1, 1, 1))
+    assert numpy.all(numpy.abs(lse.cpu().numpy().reshape(want_m.shape) - (want_m + numpy.log(want_l)))
+                     <= slack + 1e-5 * (1 + numpy.abs(want_m)))
 
 
 # ---------------------------------------------------------------------------
@@ -310,6 +326,7 @@ def test_jax_float8_arrays_inside_jit_give_what_cupyflash_gives(device):
     vmax = numpy.abs(as_float32(v)).max() * 0.5
     tolerance = 0 if device == "cpu" else (UNIT + 2.0 ** -7) * vmax
     assert numpy.abs(numpy.asarray(o).astype(numpy.float32) - want_o.astype(numpy.float32)).max() <= tolerance
-    numpy.testing.assert_allclose(numpy.asarray(lse), want_m + numpy.log(want_l), rtol=1e-5, atol=1e-5)
+    slack = 0 if device == "cpu" else 3 * score_slack(q, k, (2.0, 1.0, 1.0))
+    assert numpy.all(numpy.abs(numpy.asarray(lse) - (want_m + numpy.log(want_l))) <= slack + 1e-5 * (1 + numpy.abs(want_m)))
     with pytest.raises(TypeError, match="q must have dtype float8_e4m3fn"):
         flash_attention_fp8(numpy.zeros((2, 8, 16), numpy.float16), k[0, 0], v[0, 0])
