@@ -124,8 +124,10 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
                         {n: x for n, x in arrays.items() if n in ("q", "k", "v")})
     if xp is numpy:
         return _into(out, _cpu(q5, k_cache, v_cache, k, v, lens, table, prob, slopes, stats))
-    return _gpu(q5, k5, v5, k, v, lens, table, prob, slopes, stats, out, num_splits, capacity,
-                k_cache.shape[0] if paged else 0, n_new, key)
+    # the elements between pages, of the caches themselves (k5, v5 hold page 0 only: a dim of 1, whose stride
+    # is anything)
+    pages = (k_cache.shape[0], *(x.strides[0] // x.itemsize for x in (k_cache, v_cache))) if paged else (0, 0, 0)
+    return _gpu(q5, k5, v5, k, v, lens, table, prob, slopes, stats, out, num_splits, capacity, pages, n_new, key)
 
 
 _KEPT: dict = {}        # CachePlan of earlier calls, by their key
@@ -318,16 +320,16 @@ def _cpu(q5, k_cache, v_cache, k, v, lens, table, prob, slopes, stats):
     return o, m, l
 
 
-def _gpu(q5, k5, v5, k, v, lens, table, prob, slopes, stats, out, num_splits, capacity: int, pages: int,
+def _gpu(q5, k5, v5, k, v, lens, table, prob, slopes, stats, out, num_splits, capacity: int, pages: tuple,
          n_new: int, key=None):
     """The GPU path: the append kernel, then the forward over each entry's keys (folded where it can); the
-    two kept under ``key`` (None: not kept) for like calls."""
+    two kept under ``key`` (None: not kept) for like calls. ``pages``: a paged cache's page count and the
+    elements between pages of k and of v (zeros for a contiguous cache)."""
     import cupy
 
     paged = table is not None
     B, Hkv, G = q5.shape[:3]
-    page_strides = tuple(x.strides[0] // x.itemsize for x in (k5, v5)) if paged else (0, 0)
-    cache = _launch.Cache(n_new, k5.shape[-2] if paged else 0, pages, page_strides)
+    cache = _launch.Cache(n_new, k5.shape[-2] if paged else 0, pages[0], pages[1:])
     lens5 = lens.reshape(B, 1, 1, 1, 1)
     table5 = table.reshape(B, 1, 1, 1, -1) if paged else None
     append = None

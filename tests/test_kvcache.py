@@ -195,6 +195,29 @@ def test_a_paged_cache_runs_the_forward_a_contiguous_one_would(monkeypatch, dtyp
     assert fwd["seqs"]["len_k"] == lens.data.ptr
 
 
+def test_the_pages_of_a_cache_laid_out_by_row_are_found_from_its_own_strides(monkeypatch):
+    """A paged cache whose pages are (page_size, Hkv, D) in memory (FlashAttention's layout, cupyflash.torch's
+    bnhd) viewed as (pages, Hkv, page_size, D): the append's and the forward's structs carry the elements
+    between pages of the cache itself (page 0's view, a dim of 1, has any stride; it once gave Hkv D, and
+    the GPU wrote and read the wrong pages)."""
+    pytest.importorskip("cupy")
+    from cupyflash import _params
+
+    gpu = faked_gpu_module().FakeGPU(patch=monkeypatch.setattr, keep_structs=True)
+    B, Hkv, G, D, pages, page_size = 2, 2, 3, 64, 32, 16
+    q = gpu.array((B, Hkv * G, 2, D))
+    kc, vc = (gpu.array((pages, page_size, Hkv, D)).transpose(0, 2, 1, 3) for _ in range(2))
+    k, v = gpu.array((B, Hkv, 2, D)), gpu.array((B, Hkv, 2, D))
+    lens, table = gpu.array((B,), np.int32), gpu.array((B, pages // B), np.int32)
+    flash_attention_with_kvcache(q, kc, vc, lens, k=k, v=v, block_table=table)
+    structs = dict(gpu.structs)
+    append = np.frombuffer(structs["flash_append"][:_params.APPEND.itemsize], _params.APPEND)[0]
+    forward = np.frombuffer(structs["flash_fwd_sm90"][:_params.FWD.itemsize], _params.FWD)[0]
+    for struct in (append, forward):
+        assert struct["pages"]["page_k"] == struct["pages"]["page_v"] == page_size * Hkv * D
+    assert forward["k"]["sn"] == Hkv * D and forward["k"]["s1"] == D   # rows Hkv D apart, heads D
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 
