@@ -63,10 +63,12 @@ def flash_attention_forward_fp8(q, k, v, *, q_descale: float = 1.0, k_descale: f
 
     Notes
     -----
-    Error against the float64 reference of the descaled inputs: ``m`` and ``l`` as the 16-bit kernels'
-    (float32 scores of exact float8 products); ``o`` adds the rounding of each ``P~_ij`` to float8
-    (relative 2⁻⁴ at most, ``P~ < 2⁻¹⁰`` flushed to zero), at most ``2⁻⁴ · max |v_descale · v|`` and
-    typically a few times 10⁻³ of it, plus ``o``'s own rounding. A NaN in ``v`` at a key that a row's mask
+    Error against the float64 reference of the descaled inputs: the float8 tensor cores do not accumulate
+    in full float32, so a score ``S_ij`` (hence ``m``, and ``l`` relatively) is off by up to about 2⁻¹² of
+    ``softmax_scale · q_descale · k_descale · Σ_d |q_id k_jd|`` (measured on the H200; the 16-bit kernels'
+    scores are exact to float32's rounding); ``o`` adds the rounding of each ``P~_ij`` to float8 (relative
+    2⁻⁴ at most, ``P~ < 2⁻¹⁰`` flushed to zero): at most ``2⁻⁴ · max |v_descale · v|`` and measured at
+    about 3·10⁻³ of it (mean 4·10⁻⁴), plus ``o``'s own rounding. A NaN in ``v`` at a key that a row's mask
     hides does not reach that row (the kernel recomputes such rows exactly). There is no backward.
     """
     # a CuPy call like an earlier one (shapes, strides, dtypes, keywords) runs that call's plan
