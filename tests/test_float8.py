@@ -130,8 +130,8 @@ def test_bad_calls_name_the_argument(change, error, words):
         flash_attention_forward_fp8(q, k, v, **change)
 
 
-@pytest.mark.parametrize("D, rows", [(96, 128), (48, 64)])
-def test_the_hopper_plan_writes_v_transposed_then_runs_the_float8_kernel(monkeypatch, D, rows):
+@pytest.mark.parametrize("D, rows, block_r", [(96, 128, 128), (48, 64, 192)])
+def test_the_hopper_plan_writes_v_transposed_then_runs_the_float8_kernel(monkeypatch, D, rows, block_r):
     """GQA (k, v broadcast over 4 query heads), 300 keys: flash_fp8_values over every call entry and run of 128
     keys, then the persistent main kernel; V^T one (rows, 384) block per K/V head (64 rows at D <= 64, whose
     products cover half the 128-byte line), its batch strides 0 along the broadcast dim; the scale carries the
@@ -149,12 +149,13 @@ def test_the_hopper_plan_writes_v_transposed_then_runs_the_float8_kernel(monkeyp
     o, m, l = plan(q, k, v)
     assert (o.shape, o.dtype, m.shape, l.dtype) == ((B, Hkv, G, N, D), numpy.float16, batch + (N,), numpy.float32)
     assert [name for name, _ in gpu.structs] == ["flash_fp8_values", "flash_fwd_sm90"]
-    assert plan.before[0].grid[0] == B * Hkv * G * 3 and plan.launches[0].grid[0] == B * Hkv * G * 3
+    assert plan.before[0].grid[0] == B * Hkv * G * 3   # runs of 128 keys
+    assert plan.launches[0].grid[0] == B * Hkv * G * -(-N // block_r)   # Q tiles (fewer than the SMs here)
     struct = numpy.frombuffer(gpu.structs[1][1][:_params.FWD.itemsize], _params.FWD)[0]
     assert gpu.structs[0][1][:_params.FWD.itemsize] == gpu.structs[1][1][:_params.FWD.itemsize]
     assert tuple(struct["vt"])[1:] == (0, rows * 384, 0, 384)   # (ptr, s0, s1, s2, sn): per K/V head, not per group
     assert struct["vt"]["ptr"] != 0 and struct["v_scale"] == 2.0 and struct["scale"] == numpy.float32(0.0625)
-    assert (struct["D"], struct["vec"], struct["kv_splits"], struct["tile_rows"]) == (D, 1, 1, 128)
+    assert (struct["D"], struct["vec"], struct["kv_splits"], struct["tile_rows"]) == (D, 1, 1, block_r)
     assert plan.launches[0].kernel.name == "flash_fwd_sm90" and plan.before[0].kernel.name == "flash_fp8_values"
     vt_bytes = B * Hkv * rows * 384
     assert plan.fresh.nbytes >= vt_bytes and plan.given.nbytes >= vt_bytes
