@@ -18,7 +18,7 @@ import numpy
 
 from . import _launch, blocked
 from ._checks import FLOAT8_DTYPES, check_forward, check_out, kernel_ready, readable_in_place
-from .api import _into, flash_attention_forward
+from .api import _into, _kept_plan, flash_attention_forward
 from ._tiles import FP8_HEAD_DIM, SIXTEEN_BIT, dtype_name
 
 OUTPUTS = ("o", "m", "l")
@@ -71,12 +71,11 @@ def flash_attention_forward_fp8(q, k, v, *, q_descale: float = 1.0, k_descale: f
     about 3·10⁻³ of it (mean 4·10⁻⁴), plus ``o``'s own rounding. A NaN in ``v`` at a key that a row's mask
     hides does not reach that row (the kernel recomputes such rows exactly). There is no backward.
     """
-    # a CuPy call like an earlier one (shapes, strides, dtypes, keywords) runs that call's plan
-    key = _launch.call_key((q, k, v), ("fp8", causal, softmax_scale, window, q_descale, k_descale, v_descale,
-                                       out_dtype)) if out is None else None
-    plan = _launch.PLANS.get(key)
+    # a CuPy call like an earlier one (shapes, strides, dtypes, keywords; out's too) runs that call's plan
+    plan, key = _kept_plan({"q": q, "k": k, "v": v}, out, OUTPUTS, ("fp8", causal, softmax_scale, window, q_descale,
+                                                                   k_descale, v_descale, out_dtype))
     if plan is not None:
-        return plan(q, k, v)
+        return plan(q, k, v, out)
     prob = check_forward(q, k, v, causal, softmax_scale, window, supported=FLOAT8_DTYPES)
     qd, kd, vd = (_check_descale(name, x) for name, x in (("q_descale", q_descale), ("k_descale", k_descale),
                                                           ("v_descale", v_descale)))

@@ -331,3 +331,38 @@ def test_jax_float8_arrays_inside_jit_give_what_cupyflash_gives(device):
     assert numpy.all(numpy.abs(numpy.asarray(lse) - (want_m + numpy.log(want_l))) <= slack + 1e-5 * (1 + numpy.abs(want_m)))
     with pytest.raises(TypeError, match="q must have dtype float8_e4m3fn"):
         flash_attention_fp8(numpy.zeros((2, 8, 16), numpy.float16), k[0, 0], v[0, 0])
+
+
+def test_a_like_call_runs_the_kept_plan_with_or_without_out(monkeypatch):
+    """CuPy calls like an earlier one (the bridges pass ``out=`` fresh arrays each call) find its plan and only
+    launch: flash_fp8_values then the main kernel, into ``out`` where given. GPU faked: the first call's key
+    is recorded where it enters the device, and the plan is made for it as the GPU path would."""
+    pytest.importorskip("cupy")
+    from cupyflash import api, float8
+
+    gpu = faked_gpu_module().FakeGPU(patch=monkeypatch.setattr, keep_structs=True)
+    q, k, v = (gpu.array((2, 4, 200, 128), numpy.uint8) for _ in range(3))
+    stats = (2, 4, 200)
+    for out in (None, api.FreshOut((gpu.array((*stats, 128), numpy.float16), gpu.array(stats, numpy.float32),
+                                    gpu.array(stats, numpy.float32)))):
+        keys = []
+        kept = float8._kept_plan
+        monkeypatch.setattr(float8, "_kept_plan", lambda *a: keys.append(kept(*a)[1]) or kept(*a))
+        with pytest.raises(Exception):   # no driver behind `with q.device`
+            flash_attention_forward_fp8(q, k, v, causal=True, out_dtype="float16", out=out)
+        monkeypatch.setattr(float8, "_kept_plan", kept)
+        batch = (2, 4)
+        named = {"q": q, "k": k, "v": v}
+        layout = _launch.collapse_batch(batch, [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch)
+                                                for x in named.values()], tuple(named))
+        _launch.keep_plan(keys[0], _launch.fp8_forward_plan(
+            q, k, v, out_dtype=numpy.float16, geometry=MaskGeometry(200, 200, True, None, None),
+            scale=1 / math.sqrt(128), v_scale=1.0, batch_shape=batch, layout=layout))
+        gpu.structs.clear()
+        o, m, l = flash_attention_forward_fp8(q, k, v, causal=True, out_dtype="float16", out=out)
+        assert [name for name, _ in gpu.structs] == ["flash_fp8_values", "flash_fwd_sm90"]
+        assert o.shape == (*stats, 128) and o.dtype == numpy.float16 and m.shape == l.shape == stats
+        if out is not None:
+            assert all(got is given for got, given in zip((o, m, l), out))
+            struct = numpy.frombuffer(gpu.structs[1][1][:_params.FWD.itemsize], _params.FWD)[0]
+            assert (struct["o"], struct["m"], struct["l"]) == tuple(x.data.ptr for x in out)
