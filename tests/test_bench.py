@@ -85,8 +85,9 @@ def test_ab_covers_the_protocol_and_every_variant_causal_and_not(ab):
 def test_the_host_path_of_kept_calls_runs_on_a_faked_gpu():
     """benchmarks/host_path.py times a kept call's Python with the GPU faked, on any machine; its counts
     are the plans': a causal Hopper forward launches its kernel alone (it repairs its own tiles), a
-    backward its preparation, main kernel, repair and conversion, each from one allocation; a decoding
-    step over 16384 keys its split forward and their merge (and the append first), a merge one kernel."""
+    backward its preparation, main kernel, repair and conversion, each from one allocation; a float8
+    forward its V^T pass and main kernel from one allocation; a decoding step over 16384 keys its split
+    forward and their merge (and the append first), a merge one kernel."""
     import os
     import subprocess
 
@@ -96,7 +97,8 @@ def test_the_host_path_of_kept_calls_runs_on_a_faked_gpu():
     assert done.returncode == 0, done.stderr
     rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:5]]
             for line in done.stdout.splitlines() if line.startswith("| ") and not line.startswith("| call")}
-    counts = {"forward": ["1", "1"], "backward": ["4", "2"], "decode, contiguous cache": ["2", "1"],
+    counts = {"forward": ["1", "1"], "backward": ["4", "2"], "forward, float8": ["2", "1"],
+              "decode, contiguous cache": ["2", "1"],
               "decode, paged cache": ["2", "1"], "decode, contiguous cache, a key appended": ["3", "1"],
               "decode, paged cache, a key appended": ["3", "1"], "merge of 2 parts": ["1", "1"],
               "merge of 8 parts": ["1", "1"]}
