@@ -339,11 +339,13 @@ def test_a_device_seed_drops_what_its_int_drops(monkeypatch):
     device_seed("auto", monkeypatch)
 
 
-def test_the_float8_forward():
-    """The float8 Hopper forward (the fwd_fp8 family; elsewhere its float16 path): GQA, ragged, causal."""
+@pytest.mark.parametrize("D", [40, 128])
+def test_the_float8_forward(D):
+    """The float8 Hopper forward (the fwd_fp8 family, both of its tiles: three consumers over half the line at
+    D <= 64, two above; elsewhere its float16 path): GQA, ragged, causal."""
     from test_float8 import _check, _gpu_call, float8_inputs
 
     rng = numpy.random.default_rng(9)
-    q, k, v = float8_inputs(rng, (2, 2, 2, 200, 128), (2, 2, 1, 333, 128), spread=2.0)
+    q, k, v = float8_inputs(rng, (2, 2, 2, 200, D), (2, 2, 1, 333, D), spread=2.0)
     _check(_gpu_call(q, k, v, q_descale=0.5, k_descale=0.25, v_descale=3.0, causal=True), q, k, v, (0.5, 0.25, 3.0),
            causal=True)
