@@ -9,7 +9,7 @@
 // FP8 (the fwd_fp8 family, FLASH_FP8): q, k, v are float8 e4m3 (in_t), o is 16-bit, both products run
 // on float8 operands (FA3 section 3.3, without its incoherent processing) at twice the 16-bit rate. A
 // float8 operand from shared memory must be K-major, so the PV product reads V^T, which
-// flash_fp8_values (below) writes before the main kernel: (DP, keys) per batch entry of v, zero past
+// flash_fp8_values (below) writes before the main kernel: (DK, keys) per batch entry of v, zero past
 // D and Nk, the keys of each 32 permuted so that P~_ij's accumulator registers are the A fragments
 // as they stand (frag_to_a_e4m3: no shuffles). P~_ij is rounded to float8 before P~_ij V_j; l_i sums it
 // unrounded. S_ij and O_i take the descales of q and k (in the scale) and of v (the epilogue's).
@@ -305,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
             const int Nq = mask.Nq, Nk = mask.Nk;
             const in_t* q_h = sq.q_rows(p.q);
             const KeyRows<const in_t> k_h = k_rows_of(p, sq), v_h = v_rows_of(p, sq);   // PAGED: paged
-            const in_t* vt_h = FP8 ? p.vt.at(sq.bi) : nullptr;                         // FP8: (DP, keys) V^T
+            const in_t* vt_h = FP8 ? p.vt.at(sq.bi) : nullptr;                         // FP8: (DK, keys) V^T
             const i64 q_sn = p.q.sn;
             produce_tile<B_R>(s_Q + qs * TILE_Q, q_h + (i64)w.i * B_R * q_sn, q_sn, min(B_R, Nq - w.i * B_R), D, vec,
                               &q_full[qs], ptid);

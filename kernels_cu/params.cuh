@@ -262,7 +262,7 @@ struct FwdParams {
     unsigned uses;             // the switches the call uses (types.cuh: Uses)
     double scale;              // softmax_scale (FP8: times q's and k's descale), as the accumulator type rounds it
     double v_scale;            // FP8: v's descale, a factor of o (1 otherwise)
-    Tensor<const in_t> vt;     // FP8: V^T, (v's batch..., DP, keys) keys permuted (flash_fp8_values), sn its row stride
+    Tensor<const in_t> vt;     // FP8: V^T, (v's batch..., DK, keys) keys permuted (flash_fp8_values), sn its row stride
 
     // where split `split` of a forward writes the rows from `row0` on: o, m, l, or its parts
     __device__ __forceinline__ elem_t* o_at(int split, i64 row0) const {
