@@ -341,8 +341,8 @@ def test_a_device_seed_drops_what_its_int_drops(monkeypatch):
 
 @pytest.mark.parametrize("D", [40, 128])
 def test_the_float8_forward(D):
-    """The float8 Hopper forward (the fwd_fp8 family, both of its tiles: three consumers over half the line at
-    D <= 64, two above; elsewhere its float16 path): GQA, ragged, causal."""
+    """The float8 Hopper forward (the fwd_fp8 family, both of its specialisations: products over half the
+    line at D <= 64, over all of it above; elsewhere its float16 path): GQA, ragged, causal."""
     from test_float8 import _check, _gpu_call, float8_inputs
 
     rng = numpy.random.default_rng(9)
