@@ -165,10 +165,7 @@ def float8_call(gpu, shape):
     finally:
         float8._kept_plan = kept
     prob = api.check_forward(q, k, v, True, None, None, supported=("uint8",))
-    named = {"q": q, "k": k, "v": v}
-    layout = _launch.collapse_batch(prob.batch_shape, [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2],
-                                                                             prob.batch_shape) for x in named.values()],
-                                    tuple(named))
+    layout = _launch.collapse_batch(prob.batch_shape, api._batch_strides((q, k, v), prob.batch_shape), ("q", "k", "v"))
     _launch.keep_plan(keys[0], _launch.fp8_forward_plan(q, k, v, out_dtype=numpy.float16, geometry=prob.geometry,
                                                         scale=prob.scale, v_scale=1.0, batch_shape=prob.batch_shape,
                                                         layout=layout))

@@ -12,13 +12,14 @@ is the blocked algorithm in float32. Forward only: there is no float8 backward.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Optional
 
 import numpy
 
 from . import _launch, blocked
-from ._checks import FLOAT8_DTYPES, check_forward, check_out, kernel_ready, readable_in_place
-from .api import _into, _kept_plan, flash_attention_forward
+from ._checks import FLOAT8_DTYPES, check_forward, check_out
+from .api import _batch_strides, _empty, _into, _kept_plan, _kernel_ready, flash_attention_forward
 from ._tiles import FP8_HEAD_DIM, SIXTEEN_BIT, dtype_name
 
 OUTPUTS = ("o", "m", "l")
@@ -96,19 +97,17 @@ def flash_attention_forward_fp8(q, k, v, *, q_descale: float = 1.0, k_descale: f
     with q.device:
         if out is not None:
             out = check_out(out, OUTPUTS, shapes, dtypes, cupy, q.device.id, {"q": q, "k": k, "v": v})
-        if prob.Nq == 0 or prob.Nk == 0 or 0 in prob.batch_shape:
+        if _empty(prob):
             results = out or tuple(cupy.empty(shape, dtype) for shape, dtype in zip(shapes, dtypes))
             for x, value in zip(results, (0, -numpy.inf, 0)):
                 x.fill(value)
             return results
-        if not all(readable_in_place(x) for x in (q, k, v)):
-            q, k, v, key = (*(kernel_ready(x) for x in (q, k, v)), None)   # a like call copies again: no plan kept
+        (q, k, v), key = _kernel_ready((q, k, v), key)
         layout = None
         if prob.D <= FP8_HEAD_DIM and numpy.float32(scale) > 0 and _launch._hopper(numpy.float16):
             named = {"q": q, "k": k, "v": v}
-            layout = _launch.collapse_batch(prob.batch_shape, [
-                _launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], prob.batch_shape)
-                for x in named.values()], tuple(named))
+            layout = _launch.collapse_batch(prob.batch_shape, _batch_strides(named.values(), prob.batch_shape),
+                                            tuple(named))
         if layout is not None:
             plan = _launch.fp8_forward_plan(q, k, v, out_dtype=o_dtype, geometry=prob.geometry, scale=scale,
                                             v_scale=vd, batch_shape=prob.batch_shape, layout=layout)
@@ -158,19 +157,16 @@ def _float16(x):
     return _to_float16()(x)
 
 
-_KERNELS = {}
-
-
+@lru_cache(maxsize=None)
 def _to_float16():
-    if "to_float16" not in _KERNELS:
-        import cupy
+    """The CuPy elementwise kernel of ``_float16`` (one per process)."""
+    import cupy
 
-        _KERNELS["to_float16"] = cupy.ElementwiseKernel(
-            "uint8 x", "float16 y",
-            """
-            const int e = (x >> 3) & 15, m = x & 7;
-            float f = (x & 0x7f) == 0x7f ? __int_as_float(0x7fc00000)
-                    : e == 0 ? m * 0.001953125f : ldexpf(1.0f + m * 0.125f, e - 7);
-            y = (x & 0x80) ? -f : f;
-            """, "cupyflash_e4m3_to_float16")
-    return _KERNELS["to_float16"]
+    return cupy.ElementwiseKernel(
+        "uint8 x", "float16 y",
+        """
+        const int e = (x >> 3) & 15, m = x & 7;
+        float f = (x & 0x7f) == 0x7f ? __int_as_float(0x7fc00000)
+                : e == 0 ? m * 0.001953125f : ldexpf(1.0f + m * 0.125f, e - 7);
+        y = (x & 0x80) ? -f : f;
+        """, "cupyflash_e4m3_to_float16")

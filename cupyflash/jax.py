@@ -28,6 +28,7 @@ Importing this module imports JAX; ``import cupyflash`` does not.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
@@ -327,24 +328,27 @@ FUNCTIONS = {(False, False): (flash_attention_forward, 3), (True, False): (flash
              (False, True): (flash_attention_varlen_forward, 5), (True, True): (flash_attention_varlen_backward, 9)}
 
 
+@contextlib.contextmanager
+def _buffers(call: _xla_ffi.Call, on_gpu: bool):
+    """``(args, rets)``: a call's operand and result buffers as arrays over their memory, NumPy on the CPU, CuPy
+    on the GPU, where the block runs on the call's device and stream."""
+    if not on_gpu:
+        yield [_host_array(b) for b in call.args], [_host_array(b) for b in call.rets]
+        return
+    import cupy
+
+    device = call.device()
+    with cupy.cuda.Device(device), _cupy_stream(call.stream(), device):
+        yield [_device_array(b, device) for b in call.args], [_device_array(b, device) for b in call.rets]
+
+
 def _run(call: _xla_ffi.Call, on_gpu: bool, backward: bool):
     """One call of either target: cupyflash over XLA's buffers, writing into XLA's results. The operands
     are the inputs (do, q, k, v, o, m, l of the backward, q, k, v of the forward, then with packed
     sequences their offsets), the modifiers' arrays and those of mod_args (``keywords``)."""
     text = call.attrs[OPTIONS]
     function, inputs = FUNCTIONS[(backward, _parsed(text)[1])]
-    if not on_gpu:
-        args = [_host_array(b) for b in call.args]
-        rets = [_host_array(b) for b in call.rets]
-        _into_rets(function(*args[:inputs], out=FreshOut(rets[:3]), **keywords(text, args[inputs:])), rets)
-        return
-    import cupy
-
-    device = call.device()
-    stream = _cupy_stream(call.stream(), device)
-    with cupy.cuda.Device(device), stream:
-        args = [_device_array(b, device) for b in call.args]
-        rets = [_device_array(b, device) for b in call.rets]
+    with _buffers(call, on_gpu) as (args, rets):
         _into_rets(function(*args[:inputs], out=FreshOut(rets[:3]), **keywords(text, args[inputs:])), rets)
 
 
@@ -360,18 +364,7 @@ def _run_kvcache(call: _xla_ffi.Call, on_gpu: bool):
     attribute names (k, v, block_table, alibi_slopes); its results o, m, l and the caches, which alias the
     caches given (XLA's ``input_output_aliases``): the new keys are written into those, then attended."""
     kw, names = _parsed_kvcache(call.attrs[OPTIONS])
-    if not on_gpu:
-        args = [_host_array(b) for b in call.args]
-        rets = [_host_array(b) for b in call.rets]
-        kvcache.flash_attention_with_kvcache(args[0], rets[3], rets[4], args[3], out=FreshOut(rets[:3]), **kw,
-                                             **dict(zip(names, args[4:])))
-        return
-    import cupy
-
-    device = call.device()
-    with cupy.cuda.Device(device), _cupy_stream(call.stream(), device):
-        args = [_device_array(b, device) for b in call.args]
-        rets = [_device_array(b, device) for b in call.rets]
+    with _buffers(call, on_gpu) as (args, rets):
         kvcache.flash_attention_with_kvcache(args[0], rets[3], rets[4], args[3], out=FreshOut(rets[:3]), **kw,
                                              **dict(zip(names, args[4:])))
 
@@ -389,15 +382,7 @@ def _run_fp8(call: _xla_ffi.Call, on_gpu: bool):
     """One call of the float8 target: operands q, k, v (float8 e4m3, as their bits), results o, m, l (o's dtype
     the call's out_dtype)."""
     kw = _parsed_fp8(call.attrs[OPTIONS])
-    if not on_gpu:
-        args, rets = [_host_array(b) for b in call.args], [_host_array(b) for b in call.rets]
-        float8.flash_attention_forward_fp8(*args, out_dtype=rets[0].dtype, out=FreshOut(rets), **kw)
-        return
-    import cupy
-
-    device = call.device()
-    with cupy.cuda.Device(device), _cupy_stream(call.stream(), device):
-        args, rets = [_device_array(b, device) for b in call.args], [_device_array(b, device) for b in call.rets]
+    with _buffers(call, on_gpu) as (args, rets):
         float8.flash_attention_forward_fp8(*args, out_dtype=rets[0].dtype, out=FreshOut(rets), **kw)
 
 

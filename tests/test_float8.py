@@ -130,6 +130,13 @@ def test_bad_calls_name_the_argument(change, error, words):
         flash_attention_forward_fp8(q, k, v, **change)
 
 
+def _layout(q, k, v, batch):
+    """The plan's batch layout of q, k, v (as flash_attention_forward_fp8 makes it)."""
+    from cupyflash import api
+
+    return _launch.collapse_batch(batch, api._batch_strides((q, k, v), batch), ("q", "k", "v"))
+
+
 @pytest.mark.parametrize("D, rows, block_r", [(96, 128, 128), (48, 64, 128)])
 def test_the_hopper_plan_writes_v_transposed_then_runs_the_float8_kernel(monkeypatch, D, rows, block_r):
     """GQA (k, v broadcast over 4 query heads), 300 keys: flash_fp8_values over every call entry and run of 128
@@ -141,9 +148,7 @@ def test_the_hopper_plan_writes_v_transposed_then_runs_the_float8_kernel(monkeyp
     q = gpu.array((B, Hkv, G, N, D), numpy.uint8)
     k, v = gpu.array((B, Hkv, 1, N, D), numpy.uint8), gpu.array((B, Hkv, 1, N, D), numpy.uint8)
     batch = (B, Hkv, G)
-    named = {"q": q, "k": k, "v": v}
-    layout = _launch.collapse_batch(batch, [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch)
-                                            for x in named.values()], tuple(named))
+    layout = _layout(q, k, v, batch)
     plan = _launch.fp8_forward_plan(q, k, v, out_dtype=numpy.float16, geometry=MaskGeometry(N, N, True, None, None),
                                     scale=0.125 * 0.5, v_scale=2.0, batch_shape=batch, layout=layout)
     o, m, l = plan(q, k, v)
@@ -352,9 +357,7 @@ def test_a_like_call_runs_the_kept_plan_with_or_without_out(monkeypatch):
             flash_attention_forward_fp8(q, k, v, causal=True, out_dtype="float16", out=out)
         monkeypatch.setattr(float8, "_kept_plan", kept)
         batch = (2, 4)
-        named = {"q": q, "k": k, "v": v}
-        layout = _launch.collapse_batch(batch, [_launch.batch_strides(x.shape, _launch.element_strides(x)[:-2], batch)
-                                                for x in named.values()], tuple(named))
+        layout = _layout(q, k, v, batch)
         _launch.keep_plan(keys[0], _launch.fp8_forward_plan(
             q, k, v, out_dtype=numpy.float16, geometry=MaskGeometry(200, 200, True, None, None),
             scale=1 / math.sqrt(128), v_scale=1.0, batch_shape=batch, layout=layout))
