@@ -26,7 +26,7 @@ How tiles are chosen (``choose_tiles``):
   64-column swizzle blocks. The CTAs are persistent, one per SM, with Q_i double-buffered where two fit
   (``q_stages``).
 * ``fwd_fp8`` (the Hopper forward on float8 e4m3 q, k, v, 16-bit o; sm_90a, D <= 128): ``fwd_sm90``'s
-  kernel compiled with float8 operands, two consumers, B_r = B_c = 128, the head dim padded to one
+  kernel compiled with float8 operands, B_c = 128, two consumers (three at D <= 64), the head dim padded to one
   128-byte swizzle column block (DP = 128 for every D), whose first 64 columns alone the products cover at
   D <= 64 (``d_chunk``); its V^T is written first (``flash_fp8_values``).
 * ``bwd``: each warp owns 16 key rows of a K/V tile (B_c = 16 x warps); the Q tiles walked by the
@@ -128,7 +128,7 @@ AUTO_FORWARD = {
     "float64": ((128, "v2"), (256, "v1")),
 }
 # registers setmaxnreg leaves the producer warpgroup of a warp-specialised kernel, by consumers
-_PRODUCER_REGS = {"fwd_sm90": {2: 40, 3: 32}, "fwd_fp8": {2: 40}, "bwd_sm90": {2: 24}, "bwd_sm90_wide": {2: 24}}
+_PRODUCER_REGS = {"fwd_sm90": {2: 40, 3: 32}, "fwd_fp8": {2: 40, 3: 32}, "bwd_sm90": {2: 24}, "bwd_sm90_wide": {2: 24}}
 
 
 def dtype_name(dtype) -> str:
@@ -406,12 +406,12 @@ def _fwd_sm90_tiles(kernel, head_dim, name, smem_limit):
 
 
 def _fwd_fp8_tiles(kernel, head_dim, name, smem_limit):
-    # one 128-byte column block of float8 (DP = 128 for every D <= 128), two consumers of 64 rows, B_c = 128:
-    # V^T's rows are one block of B_c keys; at D <= 64 the products cover half the line (d_chunk 64). Three
-    # consumers at D <= 64 compile spill-free and measured 1.14-1.23x two (H200, RESULTS.md, eighteenth
-    # session), but have not run in the GPU suite
-    d_chunk = 64 if head_dim <= 64 else FP8_HEAD_DIM
-    return _first_fit((TileConfig(kernel, name, FP8_HEAD_DIM, 128, 128, 12, d_chunk),), smem_limit)
+    # one 128-byte column block of float8 (DP = 128 for every D <= 128), B_c = 128: V^T's rows are one block
+    # of B_c keys. At D <= 64 the products cover half the line (d_chunk 64) and three consumers fit (measured,
+    # H200, bf16 o: 1.14-1.23x two at N 4096-16384); above, two, as the 16-bit kernel
+    if head_dim <= 64:
+        return _first_fit((TileConfig(kernel, name, FP8_HEAD_DIM, 192, 128, 16, 64),), smem_limit)
+    return _first_fit((TileConfig(kernel, name, FP8_HEAD_DIM, 128, 128, 12, FP8_HEAD_DIM),), smem_limit)
 
 
 def _bwd_tiles(kernel, head_dim, name, smem_limit):

@@ -137,7 +137,7 @@ def _layout(q, k, v, batch):
     return _launch.collapse_batch(batch, api._batch_strides((q, k, v), batch), ("q", "k", "v"))
 
 
-@pytest.mark.parametrize("D, rows, block_r", [(96, 128, 128), (48, 64, 128)])
+@pytest.mark.parametrize("D, rows, block_r", [(96, 128, 128), (48, 64, 192)])
 def test_the_hopper_plan_writes_v_transposed_then_runs_the_float8_kernel(monkeypatch, D, rows, block_r):
     """GQA (k, v broadcast over 4 query heads), 300 keys: flash_fp8_values over every call entry and run of 128
     keys, then the persistent main kernel; V^T one (rows, 384) block per K/V head (64 rows at D <= 64, whose
