@@ -140,7 +140,7 @@ FLAGS = (
     Flag("mask", SCORED, MAIN, pair_tiles=True, scores=True, fields=(("keep", "pair"),), array="mask", per="pair"),
     # P's pairs dropped by a Philox keep set, the rest scaled by 1 / (1 - p)
     Flag("dropout", SCORED, MAIN, pair_tiles=True,
-         fields=(("threshold", "u32"), ("keep_scale", "f64"), ("seed", "u64"), ("seed_at", "ptr"))),
+         fields=(("threshold", "u32"), ("keep_scale", "f64"), ("seed", "u64"))),
     # packed variable-length sequences (params.cuh: Seqs), or a K/V cache's lengths: where each CTA's sequence
     # and its Mask come from, once per CTA (seq_of), a run-time word (types.cuh: SWITCH_ON) but in the
     # Hopper kernels, whose producer warpgroup (24-40 registers) finds each tile's sequence: there the packed
@@ -158,6 +158,12 @@ FLAGS = (
     # time, deterministic or not (thirteenth session); a run-time word in the other Hopper backwards, which
     # lost nothing
     Flag("ordered", BACKWARD, ("bwd", "bwd_sm90"), beside=(("bwd_sm90", "bias"),), plain=True),
+    # dropout's seed read from device memory as the kernels run (a CuPy array seed: graph replays, jitted steps),
+    # not from the struct: compiled into the Hopper forward, where the loaded key holds two registers through
+    # the loop and the kernel ran 3-4% slower with it at run time, int seeds too (RESULTS.md, nineteenth
+    # session); a run-time word elsewhere (the backwards lost nothing). Last in the table, its member right
+    # after dropout's seed
+    Flag("device_seed", SCORED, ("fwd_sm90",), requires="dropout", fields=(("seed_at", "ptr"),)),
 )
 FLAG_NAMES = tuple(f.name for f in FLAGS)
 BY_NAME = {f.name: f for f in FLAGS}

@@ -363,7 +363,7 @@ def _forward(q, k, v, varlen, causal, softmax_scale, window, softcap, alibi_slop
     arrays = call_arrays(alibi_slopes=alibi_slopes, sink=sink, bias=bias, mask=mask)
     inputs = _with_arrays({"q": q, "k": k, "v": v}, arrays)
     mod_key = _mod_args_key(user[3])
-    flags = (causal, softmax_scale, window, softcap, schedule, precision, dropout[0], tuple(arrays), *user[:3],
+    flags = (causal, softmax_scale, window, softcap, schedule, precision, *_dropout_key(dropout), tuple(arrays), *user[:3],
              num_splits, mod_key)
     offsets, flags = _with_offsets(inputs, flags, varlen)
     plan, key = _kept_plan(inputs, out, FORWARD_OUTPUTS, flags, _plan_keepable(varlen) and mod_key is not None)
@@ -605,11 +605,19 @@ def _empty(prob) -> bool:
     return prob.Nq == 0 or prob.Nk == 0 or 0 in prob.batch_shape
 
 
-def _mods(prob, arrays: dict, dbias=None, dropout_p=0.0, batch0=0, user=None) -> "_launch.Mods":
-    """The ``_launch.Mods`` of a call's validated modifiers: its arrays by flag, the softcap and dropout
-    (``dbias``: its ``_launch.DbiasBuffer``; ``batch0`` the flat batch index of a peeled piece's first
-    entry; ``user`` as ``_gpu_user`` gives it)."""
+def _dropout_key(dropout) -> tuple:
+    """What a kept plan's key holds of dropout's ``(p, seed)``: p, and whether the seed is a device seed (the
+    Hopper forward compiles that in); the seed itself comes with each call."""
+    return dropout[0], not isinstance(dropout[1], int)
+
+
+def _mods(prob, arrays: dict, dbias=None, dropout=(0.0, 0), batch0=0, user=None) -> "_launch.Mods":
+    """The ``_launch.Mods`` of a call's validated modifiers: its arrays by flag, the softcap and dropout's
+    ``(p, seed)`` (``dbias``: its ``_launch.DbiasBuffer``; ``batch0`` the flat batch index of a peeled
+    piece's first entry; ``user`` as ``_gpu_user`` gives it)."""
+    dropout_p, device_seed = _dropout_key(dropout)
     on = set(arrays) | {name for name, used in (("softcap", prob.softcap is not None), ("dropout", dropout_p > 0),
+                                                ("device_seed", dropout_p > 0 and device_seed),
                                                 ("bias_grad", dbias is not None)) if used}
     pairs = [(name, _launch.pair_strides(x)) for name, x in arrays.items() if BY_NAME[name].per == "pair"]
     if dbias is not None:
@@ -650,7 +658,7 @@ def _forward_gpu(q, k, v, arrays, batch_shape, prob, schedule, precision, key=No
     if layout is not None:
         plan = _launch.forward_plan(q, k, v, schedule=schedule, precision=precision, geometry=prob.geometry,
                                     scale=prob.scale, batch_shape=batch_shape, layout=layout,
-                                    mods=_mods(prob, arrays, dropout_p=dropout[0], batch0=batch0, user=user),
+                                    mods=_mods(prob, arrays, dropout=dropout, batch0=batch0, user=user),
                                     packed=packed, stats_shape=stats_shape, kv_splits=kv_splits)
         _launch.keep_plan(key, plan)
         return plan(q, k, v, out, arrays, offsets, dropout[1], *cached)
@@ -830,8 +838,8 @@ def _gradients(do, q, k, v, o, m, l, varlen, causal, softmax_scale, window, soft
     arrays = call_arrays(alibi_slopes=alibi_slopes, sink=sink, bias=bias, mask=mask)
     inputs = _with_arrays({"do": do, "q": q, "k": k, "v": v, "o": o, "m": m, "l": l}, arrays)
     mod_key = _mod_args_key(user[3])
-    flags = (causal, softmax_scale, window, softcap, schedule, precision, deterministic, bias_grad, dropout[0],
-             tuple(arrays), *user[:3], mod_key)
+    flags = (causal, softmax_scale, window, softcap, schedule, precision, deterministic, bias_grad,
+             *_dropout_key(dropout), tuple(arrays), *user[:3], mod_key)
     offsets, flags = _with_offsets(inputs, flags, varlen)
     plan, key = _kept_plan(inputs, out, BACKWARD_OUTPUTS, flags, _plan_keepable(varlen) and mod_key is not None)
     if plan is not None:
@@ -945,7 +953,7 @@ def _backward_gpu(do, q, k, v, o, m, l, arrays, batch_shape, prob, schedule, pre
     if layout is not None:
         plan = _launch.backward_plan(do, q, k, v, o, schedule=schedule, precision=precision, geometry=prob.geometry,
                                      scale=prob.scale, deterministic=deterministic, layout=layout,
-                                     mods=_mods(prob, arrays, dbias, dropout[0], batch0, user),
+                                     mods=_mods(prob, arrays, dbias, dropout, batch0, user),
                                      packed=packed, dbias=dbias, grad_shapes=grad_shapes)
         _launch.keep_plan(key, plan)
         return plan(do, q, k, v, o, m, l, out, arrays, offsets, dropout[1])

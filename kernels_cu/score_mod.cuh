@@ -49,6 +49,9 @@
 #ifndef FLASH_DROPOUT
 #define FLASH_DROPOUT 0
 #endif
+#ifndef FLASH_DEVICE_SEED
+#define FLASH_DEVICE_SEED 0   // dropout's key read from ScoreMods::seed_at as the kernel runs
+#endif
 #ifndef FLASH_BIAS_GRAD
 #define FLASH_BIAS_GRAD 0   // dbias (add_dbias_quad)
 #endif
@@ -327,7 +330,7 @@ struct ScoreMods {
     unsigned threshold;                     // FLASH_DROPOUT: round(p 2^32), a word below it drops its pair
     double keep_scale;                      // FLASH_DROPOUT: 1 / (1 - p)
     unsigned long long seed;                // FLASH_DROPOUT: the Philox key (written per call) ...
-    const unsigned long long* seed_at;      // ... or where the kernels read it (a device seed), else null
+    const unsigned long long* seed_at;      // ... or, FLASH_DEVICE_SEED, where the kernels read it
     i64 batch0;                             // the flat batch index of the call's entry 0 (of a peeled piece)
     UserArgs user;                          // FLASH_USER_*: mod_args
 
@@ -360,7 +363,7 @@ struct ScoreMods {
             e.b_lo = (unsigned)b;
             e.b_hi = (unsigned)(b >> 32);
             e.pq0 = (unsigned)q0;
-            const unsigned long long key = seed_at != nullptr ? *seed_at : seed;
+            const unsigned long long key = SWITCH_ON(DEVICE_SEED, e.uses) ? *seed_at : seed;
             e.seed_lo = (unsigned)key;
             e.seed_hi = (unsigned)(key >> 32);
             e.threshold = threshold;

@@ -79,6 +79,7 @@ enum Uses : unsigned {
     USES_VARLEN = 1u << 7,
     USES_PAGED = 1u << 8,
     USES_ORDERED = 1u << 9,
+    USES_DEVICE_SEED = 1u << 10,
 };
 
 // SWITCH_ON(NAME, uses): switch NAME applies to a call whose run-time word is `uses`: FLASH_<NAME> compiles it

@@ -232,22 +232,24 @@ def test_a_kept_call_writes_each_address_where_the_kernels_read_it(monkeypatch, 
     every field holds its array's address: inputs, outputs, ALiBi's slopes, the kept scratch, the
     splits' parts as the merge reads them."""
     pytest.importorskip("cupy")
-    from cupyflash import _launch, _params, api
+    from cupyflash import _flags, _launch, _params, api
 
     host_path = faked_gpu_module()
     gpu = host_path.FakeGPU(patch=monkeypatch.setattr, keep_structs=True)
     monkeypatch.setattr(_launch, "PLANS", {})
+    compiled = []   # the flags of each kernel a plan loads
+    monkeypatch.setattr(_launch, "get_kernels", lambda cfg, load=_launch.get_kernels: compiled.append(cfg.flags) or load(cfg))
     q, k, v, do = (gpu.array((2, 3, 200, 64)) for _ in range(4))
     slopes = gpu.array((3,), numpy.float32)
     prob = api.check_forward(q, k, v, True, None, None)
     kw = dict(causal=True, alibi_slopes=slopes, num_splits=num_splits, dropout_p=0.25, seed=1234)
 
-    def forward_plan_into(out):
+    def forward_plan_into(out, seed=1234):
         def make(key):
             arrays, _ = api._checked_mods(prob, q, key, api.call_arrays(alibi_slopes=slopes))
             schedule = _launch.forward_schedule("v2" if num_splits > 1 else "auto", prob.D, prob.dtype)
             return api._forward_gpu(q, k, v, arrays, prob.batch_shape, prob, schedule, "highest", key, out,
-                                    dropout=(0.25, 1234), kv_splits=num_splits)
+                                    dropout=(0.25, seed), kv_splits=num_splits)
         return make
 
     forward_plan = forward_plan_into(None)
@@ -273,12 +275,20 @@ def test_a_kept_call_writes_each_address_where_the_kernels_read_it(monkeypatch, 
         assert [merge[f"{x}_out"] for x in "oml"] == [x.data.ptr for x in (o, m, l)]
         assert gpu.structs[2][1][:_params.FWD.itemsize] == gpu.structs[0][1][:_params.FWD.itemsize]
 
-    device_seed = gpu.array((2,), numpy.uint32)   # read by the kernels: the struct holds its address instead
+    assert "device_seed" not in compiled[0] and not fwd["uses"] & _flags.BY_NAME["device_seed"].bit
+
+    # a device seed, read by the kernels: the struct holds its address instead, and a plan of its own, whose
+    # Hopper forward compiles the read in
+    device_seed = gpu.array((2,), numpy.uint32)
+    seeded_kw = dict(kw, seed=device_seed)
+    compiled.clear()
+    host_path.first_call(lambda: api.flash_attention_forward(q, k, v, **seeded_kw), forward_plan_into(None, device_seed))
     gpu.structs.clear()
-    api.flash_attention_forward(q, k, v, **dict(kw, seed=device_seed))
+    api.flash_attention_forward(q, k, v, **seeded_kw)
     seeded = numpy.frombuffer(gpu.structs[0][1][:_params.FWD.itemsize], _params.FWD)[0]
     assert (seeded["mods"]["seed"], seeded["mods"]["seed_at"]) == (0, device_seed.data.ptr)
-    assert len(_launch.PLANS) == 1   # the same plan
+    assert seeded["uses"] & _flags.BY_NAME["device_seed"].bit and len(_launch.PLANS) == 2
+    assert "device_seed" in compiled[0]
 
     # into given outputs (cupyflash.torch's and cupyflash.jax's calls): their addresses, the same parts after them
     given = api.FreshOut((gpu.array(o.shape), gpu.array(m.shape, numpy.float32), gpu.array(l.shape, numpy.float32)))
