@@ -76,14 +76,15 @@ def forward_sections(q, k, v, calls: int) -> None:
 
     # the key api._forward makes of this call
     inputs = {"q": q, "k": k, "v": v}
-    flags = (True, None, None, None, "auto", "highest", api.check_dropout(0.0, None)[0], (), None, None, None, None,
+    flags = (True, None, None, None, "auto", "highest", *api._dropout_key(api.check_dropout(0.0, None)), (), None, None,
+             None, None,
              api._mod_args_key(None))
     _, flags = api._with_offsets(inputs, flags, None)
     plan, key = api._kept_plan(inputs, None, api.FORWARD_OUTPUTS, flags)
     assert plan is not None, "no kept plan under the flags this script assumes: update it beside api._forward"
     empty = cupy.RawKernel("extern \"C\" __global__ void empty() {}", "empty")
     stream = cupy.cuda.get_current_stream()
-    pointers = {"q.ptr": q.data.ptr, "k.ptr": k.data.ptr, "v.ptr": v.data.ptr}
+    pointers = [q.data.ptr, k.data.ptr, v.data.ptr] + [0] * (len(plan.params.words) - 3)   # FWD_POINTERS' order
     rows = [
         ("the API call (flash_attention_forward)", lambda: cupyflash.flash_attention_forward(q, k, v, causal=True)),
         ("api._forward (no ForwardResult)", lambda: api._forward(q, k, v, None, True, None, None, None, None, None,
