@@ -125,18 +125,11 @@ __device__ __forceinline__ void produce_tile(in_t* s, const in_t* g, i64 sn, int
     arrive_when_landed(full, vec);
 }
 
-// A paged K/V tile's copy by the producer's threads, with vec, where rows split evenly over them (PageBlock)
-using KeyBlock = PageBlock<B_C, DP, WG_THREADS>;
-
 // Producer thread `ptid`: K/V tile j, key rows j B_C .. j B_C + rows - 1 of `g` (a paged cache's through
-// its table: `number` the page of the thread's first row, KeyBlock::number_of, where `blocks`), into a
-// swizzled (B_C, DP) buffer, then its arrival on `full` once that has landed
+// its table), into a swizzled (B_C, DP) buffer, then its arrival on `full` once that has landed
 __device__ __forceinline__ void produce_keys(in_t* s, const KeyRows<const in_t>& g, int j, int rows, int D,
-                                             bool vec, unsigned long long* full, unsigned ptid, bool blocks,
-                                             int number) {
-    if (blocks)
-        KeyBlock::load(s, g.from(j * B_C), number, rows, D, ptid % WG_THREADS);
-    else if (g.paged())
+                                             bool vec, unsigned long long* full, unsigned ptid) {
+    if (g.paged())
         load_pages_sw128<B_C, DP, WG_THREADS>(s, g.from(j * B_C), rows, D, vec, ptid % WG_THREADS);
     else
         load_tile_sw128<B_C, DP, WG_THREADS>(s, g.base + (i64)j * B_C * g.sn, g.sn, rows, D, vec, ptid % WG_THREADS);
@@ -320,21 +313,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
                 mbar_arrive(&q_full[qs]);
                 *s_claim = gridDim.x + atomicAdd(p.tile_counter, 1u);   // under the wait for K_0's buffer
             }
-            // PAGED: the page of the thread's rows of each K/V tile (K's and V's the same), read a tile ahead
-            const bool blocks = KeyBlock::FITS && k_h.paged() && vec;
-            const auto page_of_tile = [&](int t) {
-                const int j = Visits::tile_of(w.visits.entry(t));
-                return KeyBlock::number_of(k_h.from(j * B_C), min(B_C, Nk - j * B_C), ptid % WG_THREADS);
-            };
-            int next_page = blocks && w.visits.count() > 0 ? page_of_tile(w.visits.begin) : 0;
             for (int t = w.visits.begin; t < w.visits.end; ++t) {
                 const int visit = w.visits.entry(t), j = Visits::tile_of(visit);
                 const int pos = kv + t - w.visits.begin, s = pos % STAGES, use = pos / STAGES;
                 const int rows = min(B_C, Nk - j * B_C);
-                const int page = next_page;
-                if (blocks && t + 1 < w.visits.end) next_page = page_of_tile(t + 1);   // waited for a tile later
                 if (use > 0) mbar_wait(&k_empty[s], (use - 1) & 1);
-                produce_keys(s_K + s * TILE_KV, k_h, j, rows, D, vec, &k_full[s], ptid, blocks, page);
+                produce_keys(s_K + s * TILE_KV, k_h, j, rows, D, vec, &k_full[s], ptid);
                 if (use > 0) {
                     scan_values(pos - STAGES);
                     mbar_wait(&v_empty[s], (use - 1) & 1);
@@ -342,7 +326,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
                 if constexpr (FP8)   // V_j^T: DK rows of B_C keys, every one written (zero past D and Nk)
                     produce_tile<DK>(s_V + s * TILE_KV, vt_h + (i64)j * B_C, p.vt.sn, DK, B_C, true, &v_full[s], ptid);
                 else
-                    produce_keys(s_V + s * TILE_KV, v_h, j, rows, D, vec, &v_full[s], ptid, blocks, page);
+                    produce_keys(s_V + s * TILE_KV, v_h, j, rows, D, vec, &v_full[s], ptid);
                 const unsigned flag = may_hide(mask, w.i * B_R, B_R, j * B_C, B_C, Visits::all_of(visit))
                                           ? (unsigned)(w.w * T_r + w.i) : NONE;
                 if (s == 0) pending0 = flag;

@@ -120,13 +120,10 @@ struct KeyRows {
             at.row %= size;
         }
     }
-    // the page number of the table's entry n, clamped to the cache; the first row of page `number`; the
-    // first row of the table's entry n
-    __host__ __device__ __forceinline__ int page_number(int n) const {
-        return (int)min((unsigned)table[n], (unsigned)(count - 1));
+    // the first row of the table's entry n (its page number clamped to the cache)
+    __host__ __device__ __forceinline__ T* page_rows(int n) const {
+        return base + (i64)min((unsigned)table[n], (unsigned)(count - 1)) * page;
     }
-    __host__ __device__ __forceinline__ T* page_base(int number) const { return base + (i64)number * page; }
-    __host__ __device__ __forceinline__ T* page_rows(int n) const { return page_base(page_number(n)); }
 
     // the rows from key `k0` on (a tile's): row r of the result is row k0 + r of these
     __device__ __forceinline__ KeyRows from(int k0) const {

@@ -114,45 +114,6 @@ __device__ __forceinline__ void load_pages_sw128(in_t* __restrict__ s_tile, cons
     }
 }
 
-// A paged K or V tile (ROWS, COLS) copied with vec by THREADS threads whose rows split evenly over them
-// (FITS): thread tid copies column chunk tid % CHUNKS of the tile's rows r0 .. r0 + RB - 1 (r0 = tid / CHUNKS
-// RB), rows of one page but where a page ends inside the block. The page of row r0 (number_of) is a table
-// read the caller makes ahead of the copy (the Hopper forward's producer: a tile ahead, for K and V both);
-// load looks up only a page the block crosses into. A warp's copies are whole rows, as load_tile_sw128's.
-template <int ROWS, int COLS, int THREADS>
-struct PageBlock {
-    static constexpr int CHUNKS = COLS / IN_VEC;
-    static constexpr bool FITS = THREADS % CHUNKS == 0 && ROWS % (THREADS / CHUNKS) == 0;
-    static constexpr int RB = FITS ? ROWS / (THREADS / CHUNKS) : 1;
-
-    // the page number of row r0 of the tile's rows `g` (0 where that row is past rows_valid: not read)
-    template <class Rows>
-    __device__ __forceinline__ static int number_of(const Rows& g, int rows_valid, int tid) {
-        const int r0 = tid / CHUNKS * RB;
-        return r0 < rows_valid ? g.page_number(g.walk(r0).page) : 0;
-    }
-
-    template <class Rows>
-    __device__ __forceinline__ static void load(in_t* __restrict__ s_tile, const Rows& g, int number, int rows_valid,
-                                                int d, int tid) {
-        static_assert(FITS && COLS % SW_COLS == 0 && ROWS % 8 == 0, "whole rows per thread block, swizzled tiles");
-        const int r0 = tid / CHUNKS * RB, col = tid % CHUNKS * IN_VEC;
-        auto at = g.walk(r0);
-        const in_t* src = g.page_base(number) + (i64)at.row * g.sn + col;
-#pragma unroll 4
-        for (int r = r0; r < r0 + RB; ++r) {
-            const bool valid = r < rows_valid && col < d;   // falls once along the block: no entry past it is read
-            if (valid && r > r0 && at.row == 0) src = g.page_rows(at.page) + col;   // into the next page
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                         :: "r"(smem_addr(s_tile + sw128_offset<ROWS>(r, col))), "l"(valid ? src : g.base),
-                            "r"(valid ? 16 : 0)
-                         : "memory");   // an invalid chunk reads nothing and is zero-filled
-            src += g.sn;
-            g.step(at, 1);
-        }
-    }
-};
-
 // shared-memory matrix descriptor, 128-byte swizzle; offsets in bytes
 __device__ __forceinline__ unsigned long long sw128_desc(const in_t* p, unsigned lead_bytes, unsigned stride_bytes) {
     return (unsigned long long)((smem_addr(p) & 0x3FFFF) >> 4)
