@@ -644,7 +644,8 @@ def decode_runs(dtype: str, B: int, Hkv: int, Nk: int, use_torch: bool) -> dict:
         x[...] = rng.standard_normal((Nk, D), dtype=cupy.float32).astype(DTYPES[dtype])
     runs = {"cupyflash": (lambda: cupyflash.flash_attention_forward(q, k, v, causal=True), cupy_clock())}
     # the same step through flash_attention_with_kvcache: the contiguous cache (every entry Nk long), and a
-    # paged copy of it in pages of DECODE_PAGE rows, shuffled
+    # paged copy of it in pages of DECODE_PAGE rows, shuffled and in order (what scattering the pages costs
+    # beside what reading them through the table costs)
     from cupyflash.kvcache import flash_attention_with_kvcache
 
     q4, k4, v4 = q.reshape(B, DECODE_HQ, 1, D), k.reshape(B, Hkv, Nk, D), v.reshape(B, Hkv, Nk, D)
@@ -656,6 +657,9 @@ def decode_runs(dtype: str, B: int, Hkv: int, Nk: int, use_torch: bool) -> dict:
     for paged, whole in ((kp, k4), (vp, v4)):
         paged[...] = whole[0, 0, :DECODE_PAGE]
     runs["cupyflash-paged"] = (lambda: flash_attention_with_kvcache(q4, kp, vp, lens, block_table=table), cupy_clock())
+    in_order = cupy.arange(B * per, dtype=numpy.int32).reshape(B, per)
+    runs["cupyflash-paged-in-order"] = (lambda: flash_attention_with_kvcache(q4, kp, vp, lens, block_table=in_order),
+                                        cupy_clock())
     if use_torch:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -706,10 +710,11 @@ def decode_check(dtypes, use_torch: bool, warmup: int, repeats: int) -> dict:
 def decode_text(decode: dict) -> list:
     lines = [f"Copy ceiling {decode['ceiling_gbs']:.0f} GB/s. Effective K/V read GB/s (queued / single call); "
              f"Hq = {DECODE_HQ}, D = {DECODE_D}, one query row, causal.", "",
-             f"cache: flash_attention_with_kvcache, contiguous; paged: pages of {DECODE_PAGE} rows, shuffled.", "",
-             "| dtype | B | Hkv | Nk | K+V MB | cupyflash | cache | paged | torch-flash | torch-cudnn "
-             "| cupyflash / cuDNN (queued, single) | paged / cache |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"cache: flash_attention_with_kvcache, contiguous; paged: pages of {DECODE_PAGE} rows, shuffled "
+             "(in order: the table 0, 1, 2, ...).", "",
+             "| dtype | B | Hkv | Nk | K+V MB | cupyflash | cache | paged | in order | torch-flash | torch-cudnn "
+             "| cupyflash / cuDNN (queued, single) | paged / cache | in order / cache |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     points = {}
     for r in decode["records"]:
         points.setdefault((r["dtype"], r["B"], r["Hkv"], r["Nk"], r["kv_bytes"]), {})[r["system"]] = r
@@ -724,12 +729,15 @@ def decode_text(decode: dict) -> list:
         ratio = "—"
         if ours and cudnn and "note" not in ours and "note" not in cudnn:
             ratio = f"{ours['queued_gbs'] / cudnn['queued_gbs']:.2f}, {ours['single_gbs'] / cudnn['single_gbs']:.2f}"
-        cache, paged = by.get("cupyflash-cache"), by.get("cupyflash-paged")
-        pc = "—"
-        if cache and paged and "note" not in cache and "note" not in paged:
-            pc = f"{paged['queued_gbs'] / cache['queued_gbs']:.2f}"
+        cache, paged, in_order = (by.get(f"cupyflash-{name}") for name in ("cache", "paged", "paged-in-order"))
+
+        def over_cache(r):
+            ok = cache and r and "note" not in cache and "note" not in r
+            return f"{r['queued_gbs'] / cache['queued_gbs']:.2f}" if ok else "—"
+
         lines.append(f"| {dtype} | {B} | {Hkv} | {Nk} | {nbytes / 1e6:.0f} | {cell(ours)} | {cell(cache)} | "
-                     f"{cell(paged)} | {cell(by.get('torch-flash'))} | {cell(cudnn)} | {ratio} | {pc} |")
+                     f"{cell(paged)} | {cell(in_order)} | {cell(by.get('torch-flash'))} | {cell(cudnn)} | {ratio} | "
+                     f"{over_cache(paged)} | {over_cache(in_order)} |")
     return lines
 
 
