@@ -395,7 +395,8 @@ class _Call:
 
 
 def _forward(q, k, v, sink, bias, call: _Call):
-    """``(o, ml, plan)``: o and the statistics' shared allocation (``_Plan.stats_pair``) as torch tensors."""
+    """``(o, ml, plan, arrays)``: o and the statistics' shared allocation (``_Plan.stats_pair``) as torch
+    tensors, and the CuPy arrays of q, k, v, o, m, l the call read and wrote (the backward's too)."""
     plan = _plan(call.layout, q, k, v)
     o = torch.empty_strided(plan.o_shape, plan.o_strides, dtype=plan.dtype, device=plan.torch_device)
     ml = torch.empty(plan.l_start + plan.stats_size, dtype=plan.stats_dtype, device=plan.torch_device)
@@ -406,7 +407,7 @@ def _forward(q, k, v, sink, bias, call: _Call):
     kw = call.keywords(plan, sink, bias)
     with _torch_stream(device):
         run(*inputs, out=api.FreshOut(out), **kw)
-    return o, ml, plan
+    return o, ml, plan, (*inputs, *out)
 
 
 def _varlen_forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, **kw):
@@ -423,15 +424,18 @@ def _lse(ml, plan: _Plan):
     return torch.log(l).add_(m)
 
 
-def _gradients(plan: _Plan, call: _Call, do, q, k, v, o, ml, sink, bias, bias_grad: bool):
-    """``(dq, dk, dv, dbias, dsink)`` (None where not asked or not given) of cupyflash's backward."""
+def _gradients(plan: _Plan, call: _Call, do, q, k, v, o, ml, sink, bias, bias_grad: bool, saved=None):
+    """``(dq, dk, dv, dbias, dsink)`` (None where not asked or not given) of cupyflash's backward; ``saved``
+    the forward's CuPy arrays of q, k, v, o, m, l where these are its tensors (``_forward``)."""
     dq = torch.empty_strided(plan.o_shape, plan.o_strides, dtype=plan.dtype, device=plan.torch_device)
     dk = torch.empty_strided(plan.dk_shape, plan.dk_strides, dtype=plan.dtype, device=plan.torch_device)
     dv = torch.empty_strided(plan.dk_shape, plan.dk_strides, dtype=plan.dtype, device=plan.torch_device)
     array, device = plan.array, plan.device
-    o_view = plan.o if o.stride() == plan.o_strides else plan.do_view(o)   # the forward's o, or another
-    args = (array(do, plan.do_view(do), device), array(q, plan.q, device), array(k, plan.k, device),
-            array(v, plan.v, device), array(o, o_view, device), array(ml, plan.m, device), array(ml, plan.l, device))
+    if saved is None:
+        o_view = plan.o if o.stride() == plan.o_strides else plan.do_view(o)   # the forward's o, or another
+        saved = (array(q, plan.q, device), array(k, plan.k, device), array(v, plan.v, device),
+                 array(o, o_view, device), array(ml, plan.m, device), array(ml, plan.l, device))
+    args = (array(do, plan.do_view(do), device), *saved)
     out = (array(dq, plan.o, device), array(dk, plan.dk, device), array(dv, plan.dk, device))
     kw = {**call.keywords(plan, sink, bias), **call.backward_kw}
     if bias_grad:
@@ -453,7 +457,7 @@ def _backward(ctx, do, dlse=None):
     if do is None:   # o unused: only lse reached the loss
         do = torch.zeros_like(o)
     if dlse is None:
-        dq, dk, dv, dbias, dsink = _gradients(plan, call, do, q, k, v, o, ml, sink, bias, bias_grad)
+        dq, dk, dv, dbias, dsink = _gradients(plan, call, do, q, k, v, o, ml, sink, bias, bias_grad, ctx.arrays)
     else:
         dq, dk, dv, dbias, dsink = _gradients_through_lse(plan, call, do, dlse, q, k, v, o, ml, sink, bias, bias_grad)
     return dq, dk, dv, dsink, dbias, None
@@ -516,9 +520,9 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sink, bias, call):
-        o, ml, plan = _forward(q, k, v, sink, bias, call)
-        ctx.save_for_backward(q, k, v, o, ml, sink, bias)
-        ctx.call, ctx.plan = call, plan
+        o, ml, plan, arrays = _forward(q, k, v, sink, bias, call)
+        ctx.save_for_backward(q, k, v, o, ml, sink, bias)   # (torch checks them unchanged as the backward unpacks them)
+        ctx.call, ctx.plan, ctx.arrays = call, plan, arrays
         if call.return_lse:
             ctx.set_materialize_grads(False)   # an lse the loss does not use: None, the plain backward
             return o, _lse(ml, plan)
@@ -589,7 +593,7 @@ def _apply(q, k, v, call: _Call, sink, bias):
                                     or (sink is not None and sink.requires_grad)
                                     or (bias is not None and bias.requires_grad)):
         return _FlashAttention.apply(q, k, v, sink, bias, call)
-    o, ml, plan = _forward(q, k, v, sink, bias, call)
+    o, ml, plan, _ = _forward(q, k, v, sink, bias, call)
     return (o, _lse(ml, plan)) if call.return_lse else o
 
 
