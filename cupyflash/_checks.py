@@ -150,14 +150,14 @@ def _check_real(name: str, x):
         raise TypeError(f"{name} must hold real numbers, got dtype {x.dtype}")
 
 
-def check_per_entry(name: str, values, prob: "Problem", device=None):
-    """``values`` (``alibi_slopes``, ``sink``: one number per batch entry) as the kernels (or the NumPy
-    path) read them: None, or an array of the inputs' kind (on their device) in the accumulator dtype
-    whose shape broadcasts to the batch shape. A NumPy array or sequence is moved to the GPU for CuPy
-    inputs, another dtype converted."""
+def check_per_entry(name: str, values, prob: "Problem", device=None, dtype=None):
+    """``values`` (``alibi_slopes``, ``sink``, the float8 forward's descales: one number per batch entry) as
+    the kernels (or the NumPy path) read them: None, or an array of the inputs' kind (on their device) in
+    ``dtype`` (default the accumulator dtype) whose shape broadcasts to the batch shape. A NumPy array or
+    sequence is moved to the GPU for CuPy inputs, another dtype converted."""
     if values is None:
         return None
-    acc = accumulator_dtype(prob.dtype)
+    acc = accumulator_dtype(prob.dtype) if dtype is None else numpy.dtype(dtype)
     cupy = _cupy()
     on_gpu = prob.xp is not numpy
     x = _given_array(name, values, on_gpu, device)

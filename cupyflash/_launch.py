@@ -637,6 +637,11 @@ def _current_device() -> int:
     return cupy.cuda.runtime.getDevice()
 
 
+# a call without modifier arrays: their addresses (array_addresses); a forward without per-entry descales
+NO_ARRAYS = (0,) * len(_flags.ARRAY_FLAGS)
+NO_DESCALES = (None, None, None)
+
+
 @dataclass(frozen=True)
 class ForwardPlan:
     """A forward with everything but its arrays settled; ``plan(q, k, v)`` returns ``(o, m, l)``.
@@ -658,12 +663,14 @@ class ForwardPlan:
     merge: tuple | None = None   # split-KV: (Launch of flash_merge, its MergeParams), after the main kernel
     before: tuple = ()        # Launches before the main kernel's (the float8 forward's flash_fp8_values)
 
-    def __call__(self, q, k, v, out=None, arrays=None, offsets=(None, None), seed=0, lens=None, table=None):
+    def __call__(self, q, k, v, out=None, arrays=None, offsets=(None, None), seed=0, lens=None, table=None,
+                 descales=NO_DESCALES):
         """``(o, m, l)``, in ``out`` (validated: ``_checks.check_out``) when given; ``arrays`` the
         modifiers' arrays by flag (``_flags.call_arrays``: ALiBi slopes, sink logits, bias, mask; those of
         ``Mods.on``) as laid out for the plan; ``offsets`` the int32 offsets of packed sequences (with
         ``Packed``); ``seed`` dropout's (with ``Mods.dropout``: ``seed_words``); ``lens``, ``table`` a cache's int32
-        lengths and page table (with ``Packed.cache``)."""
+        lengths and page table (with ``Packed.cache``); ``descales`` the float8 forward's per-entry descale
+        arrays of q, k, v (None where a number: ``fp8_forward_plan``)."""
         with _on_device(self.device):
             stream, alloc = call_stream()
             if out is None:   # the outputs and the workspace in one allocation from CuPy's pool
@@ -683,7 +690,7 @@ class ForwardPlan:
             struct, address = self.params.pack((
                 q.data.ptr, k.data.ptr, v.data.ptr, *parts, *self.scratch.block.pointers(scratch_base),
                 o_run.ptr if o_run else 0, _address(offsets[0]), _address(offsets[1]), *seed_words(seed), tiles, _address(lens),
-                _address(table), *(array_addresses(arrays) if arrays else NO_ARRAYS)))
+                _address(table), *(array_addresses(arrays) if arrays else NO_ARRAYS), *map(_address, descales)))
             for step in (self.tile_map.launches if fresh_map else ()) + self.before + self.launches[:1]:
                 step(stream, address)
             if self.merge is not None:   # the splits' parts into o, m, l, before the repair reads them
@@ -694,9 +701,6 @@ class ForwardPlan:
                 step(stream, address)
         return o, m, l
 
-
-# a call without modifier arrays: their addresses (array_addresses)
-NO_ARRAYS = (0,) * len(_flags.ARRAY_FLAGS)
 
 
 def seed_words(seed) -> tuple:
@@ -715,9 +719,10 @@ def array_addresses(arrays: dict) -> list:
 FWD_PARTS = ("o_parts", "m_parts", "l_parts", "vt.ptr", "tile_counter", "repair_flags")
 # the pointers a forward call writes, in this order (ForwardPlan.__call__): inputs, outputs, workspace parts,
 # V1's running O, packed sequences' offsets, dropout's seed, the tile map, a cache's lengths and page table,
-# the modifiers' arrays (_flags.Flag.pointer)
+# the modifiers' arrays (_flags.Flag.pointer), the float8 forward's per-entry descales
 FWD_POINTERS = ("q.ptr", "k.ptr", "v.ptr", "o", "m", "l", *FWD_PARTS, "o_run", "seqs.cu_q", "seqs.cu_k", "mods.seed",
-                "mods.seed_at", "tiles.base", "seqs.len_k", "pages.table", *(f.pointer for f in _flags.ARRAY_FLAGS))
+                "mods.seed_at", "tiles.base", "seqs.len_k", "pages.table", *(f.pointer for f in _flags.ARRAY_FLAGS),
+                "descales.q.ptr", "descales.k.ptr", "descales.v.ptr")
 
 
 def _repair(head_dim: int, dtype, flags: int, mods: Mods, used: frozenset):
@@ -817,12 +822,14 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
 
 
 def fp8_forward_plan(q, k, v, *, out_dtype, geometry: MaskGeometry, scale: float, v_scale: float, batch_shape,
-                     layout: BatchLayout):
+                     layout: BatchLayout, per_entry: tuple = ()):
     """The float8 Hopper forward (``fwd_fp8``) of validated float8 e4m3 ``q, k, v`` (CuPy uint8 arrays of
     their bits, D <= FP8_HEAD_DIM) as a ``ForwardPlan``: ``flash_fp8_values`` writes V^T into the call's
     workspace (one (d_chunk, Nk rounded up to B_c) block per batch entry of v, broadcast entries once), then the
     persistent main kernel; o of ``out_dtype``, m and l float32. ``scale`` multiplies q k^T (softmax_scale
-    times q's and k's descales), ``v_scale`` o."""
+    times q's and k's descales where numbers), ``v_scale`` o; ``per_entry`` names the descales that are
+    arrays instead (``"q"``, ``"k"``, ``"v"``), laid out in ``layout`` as ``"<name>_descale"``: their
+    addresses come with each call (``ForwardPlan.__call__``'s ``descales``)."""
     rows_q, D = q.shape[-2:]
     rows_k = k.shape[-2]
     BH = layout.count
@@ -843,7 +850,8 @@ def fp8_forward_plan(q, k, v, *, out_dtype, geometry: MaskGeometry, scale: float
                     vt=(*vt_strides, keys), batch=(layout.sizes[1], layout.sizes[2], BH),
                     **_sequence_fields(geometry, None, BH, rows_q, rows_k), D=D, vec=int(_vector_ok((q, k, v), D)),
                     head_group=head_group(BH, 2 * rows_k * D), n_splits=1, kv_splits=1, tile_rows=cfg.block_r,
-                    scale=float(numpy.float32(scale)), v_scale=float(numpy.float32(v_scale)))
+                    scale=float(numpy.float32(scale)), v_scale=float(numpy.float32(v_scale)),
+                    descales={name: dict(zip(("s0", "s1", "s2"), layout.of(f"{name}_descale"))) for name in per_entry})
     stats = (*batch_shape, rows_q)
     outputs = (((*stats, D), numpy.dtype(out_dtype)), (stats, numpy.float32), (stats, numpy.float32))
     vt_part = [(size, False)]

@@ -65,13 +65,16 @@ SCORE_MODS = _struct([(name, FIELD_TYPES[code]) for flag in FLAGS for name, code
 ZERO_RANGE = _struct([("ptr", _ptr), ("words", _i64)])
 ZERO_RANGES = 5
 
+# Descales (params.cuh): the float8 forward's per-entry descales of q, k, v (null pointers: none)
+DESCALES = _struct([("q", ENTRY_ARRAY), ("k", ENTRY_ARRAY), ("v", ENTRY_ARRAY)])
+
 FWD = _struct([
     ("q", TENSOR), ("k", TENSOR), ("v", TENSOR),
     ("o", _ptr), ("m", _ptr), ("l", _ptr), ("o_run", _ptr), ("tile_counter", _ptr), ("repair_flags", _ptr),
     ("o_parts", _ptr), ("m_parts", _ptr), ("l_parts", _ptr),
     ("batch", BATCH), ("mask", MASK), ("seqs", SEQS), ("tiles", TILE_MAP), ("mods", SCORE_MODS), ("pages", PAGES),
     ("D", _i32), ("vec", _i32), ("head_group", _i32), ("n_splits", _i32), ("kv_splits", _i32), ("tile_rows", _i32),
-    ("uses", numpy.uint32), ("scale", _f64), ("v_scale", _f64), ("vt", TENSOR),
+    ("uses", numpy.uint32), ("scale", _f64), ("v_scale", _f64), ("vt", TENSOR), ("descales", DESCALES),
 ])
 
 BWD = _struct([

@@ -1,8 +1,8 @@
 """Attention on float8 e4m3 inputs: FlashAttention-3's FP8 forward on Hopper.
 
 ``flash_attention_forward_fp8`` takes q, k, v in float8 e4m3 (``ml_dtypes.float8_e4m3fn``, the OCP
-"fn" variant: no infinities, max 448) with one descale factor per tensor, as FlashAttention-3 does,
-and returns o in float16 or bfloat16 with m and l in float32. On sm_90 GPUs at D <= 128 both
+"fn" variant: no infinities, max 448) with descale factors per tensor or per batch entry (per head),
+as FlashAttention-3 does, and returns o in float16 or bfloat16 with m and l in float32. On sm_90 GPUs at D <= 128 both
 products run on float8 tensor cores (``kernels_cu/flash_fwd_sm90.cu`` compiled with FLASH_FP8); the
 probabilities P~ are rounded to float8 before P~ V. Elsewhere (other GPUs, D > 128, a scale that is
 not positive) the inputs are converted exactly to float16 and run the 16-bit kernels; the NumPy path
@@ -18,14 +18,15 @@ from typing import Optional
 import numpy
 
 from . import _launch, blocked
-from ._checks import FLOAT8_DTYPES, check_forward, check_out
+from ._checks import FLOAT8_DTYPES, check_forward, check_out, check_per_entry
 from .api import _batch_strides, _empty, _into, _kept_plan, _kernel_ready, flash_attention_forward
 from ._tiles import FP8_HEAD_DIM, SIXTEEN_BIT, dtype_name
 
 OUTPUTS = ("o", "m", "l")
+DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
-def flash_attention_forward_fp8(q, k, v, *, q_descale: float = 1.0, k_descale: float = 1.0, v_descale: float = 1.0,
+def flash_attention_forward_fp8(q, k, v, *, q_descale=1.0, k_descale=1.0, v_descale=1.0,
                                 out_dtype="bfloat16", causal: bool = False, softmax_scale: Optional[float] = None,
                                 window=None, out=None) -> tuple:
     """Attention of float8 e4m3 inputs with its softmax statistics (FlashAttention-3's FP8 forward).
@@ -44,9 +45,13 @@ def flash_attention_forward_fp8(q, k, v, *, q_descale: float = 1.0, k_descale: f
         no float8 dtype: ``cupy.asarray(x.view(numpy.uint8))``, or a torch float8 tensor's
         ``.view(torch.uint8)`` through DLPack). One dtype for all three; ``1 <= D <= 256``; batch dims
         broadcast as in `cupyflash.flash_attention_forward` (GQA: ``k, v (B, Hkv, 1, N, D)``); any strides.
-    q_descale, k_descale, v_descale : float, optional
-        Positive finite factors that turn each tensor's float8 values into the values it stands for
-        (FlashAttention-3's per-tensor descales). Default 1.
+    q_descale, k_descale, v_descale : float or array, optional
+        Positive finite factors that turn each tensor's float8 values into the values it stands for:
+        one number per tensor, or an array of one per batch entry (per head: FlashAttention-3's ``(B,
+        Hkv)`` descales are ``(B, Hkv, 1)`` here for ``q (B, Hkv, G, N, D)``) whose shape broadcasts to the
+        batch shape; float32 (other dtypes are converted), a CuPy array for CuPy inputs (a NumPy one is
+        copied to the GPU). The values of a CuPy array are not checked (that would wait for the GPU): they
+        must be positive and finite. Default 1.
     out_dtype : {"bfloat16", "float16"} or dtype, optional
         The dtype of ``o``. Default bfloat16.
     causal, softmax_scale, window : optional
@@ -72,14 +77,19 @@ def flash_attention_forward_fp8(q, k, v, *, q_descale: float = 1.0, k_descale: f
     about 3·10⁻³ of it (mean 4·10⁻⁴), plus ``o``'s own rounding. A NaN in ``v`` at a key that a row's mask
     hides does not reach that row (the kernel recomputes such rows exactly). There is no backward.
     """
-    # a CuPy call like an earlier one (shapes, strides, dtypes, keywords; out's too) runs that call's plan
-    plan, key = _kept_plan({"q": q, "k": k, "v": v}, out, OUTPUTS, ("fp8", causal, softmax_scale, window, q_descale,
-                                                                   k_descale, v_descale, out_dtype))
+    # a CuPy call like an earlier one (shapes, strides, dtypes, keywords; out's too; descale arrays' shapes and
+    # strides) runs that call's plan
+    given = (q_descale, k_descale, v_descale)
+    per_entry = {name: x for name, x in zip(DESCALES, given) if _is_array(x)}
+    numbers = tuple(None if _is_array(x) else x for x in given)
+    plan, key = _kept_plan({"q": q, "k": k, "v": v, **per_entry}, out, OUTPUTS,
+                           ("fp8", causal, softmax_scale, window, *numbers, out_dtype))
     if plan is not None:
-        return plan(q, k, v, out)
+        return plan(q, k, v, out, descales=tuple(per_entry.get(name) for name in DESCALES))
     prob = check_forward(q, k, v, causal, softmax_scale, window, supported=FLOAT8_DTYPES)
-    qd, kd, vd = (_check_descale(name, x) for name, x in (("q_descale", q_descale), ("k_descale", k_descale),
-                                                          ("v_descale", v_descale)))
+    device = None if prob.xp is numpy else q.device.id
+    qd, kd, vd = (1.0 if x is None else _check_descale(name, x) for name, x in zip(DESCALES, numbers))
+    arrays = {name: _check_descale_array(name, x, prob, device) for name, x in per_entry.items()}
     o_dtype = _check_out_dtype(out_dtype)
     scale = prob.scale * qd * kd
     if not math.isfinite(scale) or abs(scale) > float(numpy.finfo(numpy.float32).max) / 2:
@@ -89,9 +99,10 @@ def flash_attention_forward_fp8(q, k, v, *, q_descale: float = 1.0, k_descale: f
     if prob.xp is numpy:
         if out is not None:
             out = check_out(out, OUTPUTS, shapes, dtypes, numpy, None, {"q": q, "k": k, "v": v})
-        o, m, l = blocked.forward(*(as_float32(x) for x in (q, k, v)), causal=prob.causal, softmax_scale=scale,
-                                  window=prob.window)
-        return _into(out, ((o * numpy.float32(vd)).astype(o_dtype), m, l))
+        q32, k32, v32 = (as_float32(x) for x in (q, k, v))
+        o, m, l = blocked.forward(_times_entries(q32, _scores_descale(arrays)), k32, v32, causal=prob.causal,
+                                  softmax_scale=scale, window=prob.window)
+        return _into(out, (_times_entries(o * numpy.float32(vd), arrays.get("v_descale")).astype(o_dtype), m, l))
     import cupy
 
     with q.device:
@@ -103,20 +114,31 @@ def flash_attention_forward_fp8(q, k, v, *, q_descale: float = 1.0, k_descale: f
                 x.fill(value)
             return results
         (q, k, v), key = _kernel_ready((q, k, v), key)
+        if any(x is not per_entry.get(name) for name, x in arrays.items()):
+            key = None   # a descale array copied or converted: a like call does so again
         layout = None
         if prob.D <= FP8_HEAD_DIM and numpy.float32(scale) > 0 and _launch._hopper(numpy.float16):
-            named = {"q": q, "k": k, "v": v}
+            # a descale array lies over the batch dims as a batch of 1 x 1 matrices (as ALiBi's slopes)
+            named = {"q": q, "k": k, "v": v, **{name: x.reshape(*x.shape, 1, 1) for name, x in arrays.items()}}
             layout = _launch.collapse_batch(prob.batch_shape, _batch_strides(named.values(), prob.batch_shape),
                                             tuple(named))
+        descales = tuple(arrays.get(name) for name in DESCALES)
         if layout is not None:
             plan = _launch.fp8_forward_plan(q, k, v, out_dtype=o_dtype, geometry=prob.geometry, scale=scale,
-                                            v_scale=vd, batch_shape=prob.batch_shape, layout=layout)
+                                            v_scale=vd, batch_shape=prob.batch_shape, layout=layout,
+                                            per_entry=tuple(name[0] for name in arrays))
             _launch.keep_plan(key, plan)
-            return plan(q, k, v, out)
-        # no float8 kernel here: the exact float16 values through the 16-bit kernels
-        o, m, l = flash_attention_forward(*(_float16(x) for x in (q, k, v)), causal=prob.causal,
+            return plan(q, k, v, out, descales=descales)
+        if not arrays:   # no float8 kernel here: the exact float16 values through the 16-bit kernels
+            o, m, l = flash_attention_forward(*(_float16(x) for x in (q, k, v)), causal=prob.causal,
+                                              softmax_scale=scale, window=prob.window)
+            return _into(out, ((o.astype(numpy.float32) * numpy.float32(vd)).astype(o_dtype), m, l))
+        # ... and with per-entry descales, float32 values (q times its entry's q and k descales) through the
+        # float32 kernels
+        q32, k32, v32 = (_float16(x).astype(numpy.float32) for x in (q, k, v))
+        o, m, l = flash_attention_forward(_times_entries(q32, _scores_descale(arrays)), k32, v32, causal=prob.causal,
                                           softmax_scale=scale, window=prob.window)
-        return _into(out, ((o.astype(numpy.float32) * numpy.float32(vd)).astype(o_dtype), m, l))
+        return _into(out, (_times_entries(o * numpy.float32(vd), arrays.get("v_descale")).astype(o_dtype), m, l))
 
 
 def as_float32(x) -> numpy.ndarray:
@@ -128,10 +150,36 @@ def as_float32(x) -> numpy.ndarray:
     return x.astype(numpy.float32)
 
 
+def _is_array(x) -> bool:
+    """``x`` is a NumPy or CuPy array (a per-entry descale), not a number."""
+    return isinstance(x, numpy.ndarray) or type(x).__module__.split(".")[0] == "cupy"
+
+
+def _check_descale_array(name: str, x, prob, device):
+    """A per-entry descale array as the kernel reads it (``check_per_entry``, float32); a NumPy one's values
+    checked positive and finite (a CuPy one's are not read)."""
+    x = check_per_entry(name, x, prob, device, dtype=numpy.float32)
+    if isinstance(x, numpy.ndarray) and not (numpy.isfinite(x).all() and (x > 0).all()):
+        raise ValueError(f"{name} must hold positive finite values, got min {x.min()}, max {x.max()}")
+    return x
+
+
+def _scores_descale(arrays: dict):
+    """The per-entry factor of the scores, q's descales times k's (None: neither is an array)."""
+    q, k = arrays.get("q_descale"), arrays.get("k_descale")
+    return q if k is None else k if q is None else q * k
+
+
+def _times_entries(x, factors):
+    """``x`` (batch..., rows, D) times one factor per batch entry (``factors`` broadcasting to the batch
+    dims; None: ``x`` as it is)."""
+    return x if factors is None else x * factors[..., None, None]
+
+
 def _check_descale(name: str, value) -> float:
     real = (int, float, numpy.integer, numpy.floating)
     if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a real number or an array of one per batch entry, got {type(value).__name__}")
     value = float(value)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be positive and finite, got {value}")

@@ -12,7 +12,8 @@
 // flash_fp8_values (below) writes before the main kernel: (DK, keys) per batch entry of v, zero past
 // D and Nk, the keys of each 32 permuted so that P~_ij's accumulator registers are the A fragments
 // as they stand (frag_to_a_e4m3: no shuffles). P~_ij is rounded to float8 before P~_ij V_j; l_i sums it
-// unrounded. S_ij and O_i take the descales of q and k (in the scale) and of v (the epilogue's).
+// unrounded. S_ij and O_i take the descales of q and k (in the scale, times the batch entry's where the call
+// gave them per entry: Descales) and of v (the epilogue's, likewise).
 //
 // Same loop order as flash_fwd_v2.cu: per (Q tile i, batch*head), O_i, m_i, l_i in registers,
 // normalisation deferred to the end. What changes is who does what, and that the CTAs are
@@ -377,6 +378,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
             // host), or of the modifiers' S (RawMods: unit > 0)
             const Seq seq = seq_of(p, w.w);
             EntryMods entry = mods_of(p, seq);
+            const acc_t entry_scale = FP8 ? scale * (acc_t)p.descales.qk(seq.bi) : scale;   // FP8: per entry
             // The sink's logit (where the call has sinks) is read here, with the modifiers, when a bias or a
             // mask reads the batch index too, else after the loop. Read here by the other kernels, it held a
             // register through the loop (the plain forward 3% slower at N 512, softcap's 2%); read after the
@@ -384,8 +386,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
             constexpr bool SINK_WITH_MODS = BIAS || BOOL_MASK;
             const bool sinks = SWITCH_ON(SINK, p.uses);
             const acc_t sink_here = SINK_WITH_MODS && sinks ? sink_of(p, seq, w.split) : (acc_t)0;
-            const RawMods mods(entry, scale);
-            const acc_t unit = SCORE_MODS ? mods.unit : scale, log2_unit = unit * (acc_t)LOG2E;
+            const RawMods mods(entry, entry_scale);
+            const acc_t unit = SCORE_MODS ? mods.unit : entry_scale, log2_unit = unit * (acc_t)LOG2E;
             acc_t m_i[2] = {NEG_INF, NEG_INF}, l_i[2] = {(acc_t)0, (acc_t)0};
             acc_t S[B_C / 8][4];                            // (16, B_C) per warp: S_ij, then P~_ij
             unsigned P[P_FRAGS][4];                         // P~_ij as A fragments (FP8: rounded to float8)
@@ -508,7 +510,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
             const acc_t sink = SINK_WITH_MODS ? sink_here : sinks ? sink_of(p, seq_of(p, w.w), w.split) : (acc_t)0;
             store_output_rows(p.o_at(w.split, row0), p.m_at(w.split, row0), p.l_at(w.split, row0), O, m_i,
                               l_i, unit, r0, Nq, D, sinks, sink,
-                              FP8 ? (acc_t)p.v_scale : DROPOUT ? entry.keep_scale : (acc_t)1);
+                              FP8 ? (acc_t)p.v_scale * (acc_t)p.descales.of_v(seq_of(p, w.w).bi)
+                                  : DROPOUT ? entry.keep_scale : (acc_t)1);
             kv += j_stop;
         }
         if (c == 0) my_turn();   // the hand-off of the last issue

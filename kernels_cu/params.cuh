@@ -231,6 +231,19 @@ struct ZeroRange {
     i64 words;
 };
 
+// FP8: descales per batch entry (FlashAttention-3's per-head ones), each a float32 array over the batch dims
+// (EntryArray: collapsed batch strides, 0 along a broadcast dim), or null where the call gave one number,
+// which the host folds into FwdParams::scale (q's, k's) or v_scale (v's)
+struct Descales {
+    EntryArray<const float> q, k, v;
+
+    // batch entry bi's factor of the scores (q's descale times k's), and of o (v's)
+    __device__ __forceinline__ float qk(BatchIndex bi) const {
+        return (q.ptr != nullptr ? q.at(bi) : 1.0f) * (k.ptr != nullptr ? k.at(bi) : 1.0f);
+    }
+    __device__ __forceinline__ float of_v(BatchIndex bi) const { return v.ptr != nullptr ? v.at(bi) : 1.0f; }
+};
+
 struct FwdParams {
     Tensor<const in_t> q;      // (batch..., rows_q, D)
     Tensor<const in_t> k;      // (batch..., rows_k, D)
@@ -263,6 +276,7 @@ struct FwdParams {
     double scale;              // softmax_scale (FP8: times q's and k's descale), as the accumulator type rounds it
     double v_scale;            // FP8: v's descale, a factor of o (1 otherwise)
     Tensor<const in_t> vt;     // FP8: V^T, (v's batch..., DK, keys) keys permuted (flash_fp8_values), sn its row stride
+    Descales descales;         // FP8: per batch entry, beside scale and v_scale
 
     // where split `split` of a forward writes the rows from `row0` on: o, m, l, or its parts
     __device__ __forceinline__ elem_t* o_at(int split, i64 row0) const {

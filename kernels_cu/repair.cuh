@@ -72,8 +72,9 @@ __device__ __forceinline__ void dot2(const acc_t (&a)[RPL], const acc_t (&b)[RPL
 // p.tile_rows rows) recomputed into o
 __device__ __forceinline__ void repair_forward_tile(const FwdParams& p, i64 tile, int T_r, int warp, int warps) {
     const int D = p.D, tile_rows = p.tile_rows;
-    const acc_t scale = (acc_t)p.scale;
+    const acc_t call_scale = (acc_t)p.scale;
     const Seq sq = seq_of(p, tile / T_r);
+    const acc_t scale = FP8 ? call_scale * (acc_t)p.descales.qk(sq.bi) : call_scale;   // FP8: per entry
     const Mask& mask = mask_of(p, sq);
     const int Nq = mask.Nq;
     const int r0 = (int)(tile % T_r) * tile_rows;
@@ -99,6 +100,8 @@ __device__ __forceinline__ void repair_forward_tile(const FwdParams& p, i64 tile
             }
         }
         store_row(p.o + (sq.row0 + r) * D, o_i,
-                  l_i == (acc_t)0 ? (acc_t)0 : (FP8 ? (acc_t)p.v_scale : mods.drops() ? mods.keep_scale : (acc_t)1) / l_i, D);
+                  l_i == (acc_t)0 ? (acc_t)0
+                                  : (FP8 ? (acc_t)p.v_scale * (acc_t)p.descales.of_v(sq.bi)
+                                         : mods.drops() ? mods.keep_scale : (acc_t)1) / l_i, D);
     }
 }

@@ -1,4 +1,4 @@
-"""``cupyflash.float8.flash_attention_forward_fp8``: float8 e4m3 q, k, v with per-tensor descales.
+"""``cupyflash.float8.flash_attention_forward_fp8``: float8 e4m3 q, k, v with per-tensor or per-entry descales.
 
 On the CPU: the NumPy path (exact float32 arithmetic on the float8 values) against the float64
 reference of the descaled inputs, ml_dtypes' arrays against their uint8 bits, the refusals, and the float8
@@ -114,6 +114,8 @@ def test_out_receives_the_results():
     (dict(q_descale=0.0), ValueError, "q_descale must be positive"),
     (dict(v_descale=float("nan")), ValueError, "v_descale must be positive"),
     (dict(k_descale="2"), TypeError, "k_descale must be a real number"),
+    (dict(q_descale=numpy.ones(3, numpy.float32)), ValueError, "q_descale of shape .3,. does not broadcast"),
+    (dict(v_descale=numpy.array([1.0, -1.0])), ValueError, "v_descale must hold positive finite values"),
     (dict(out_dtype="float32"), TypeError, "out_dtype must be float16 or bfloat16"),
     (dict(D=300), ValueError, "head dim D must be in [1, 256]"),
     (dict(softmax_scale=1e38, q_descale=1e10), ValueError, "not finite in float32"),
@@ -128,6 +130,41 @@ def test_bad_calls_name_the_argument(change, error, words):
         v = v.view(numpy.uint8)
     with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):
         flash_attention_forward_fp8(q, k, v, **change)
+
+
+def _per_entry_inputs(rng):
+    """GQA float8 inputs (q (2, 2, 3, 40, 32), k, v (2, 2, 1, 50, 32)) and positive descales per K/V head."""
+    q, k, v = float8_inputs(rng, (2, 2, 3, 40, 32), (2, 2, 1, 50, 32), spread=2.0)
+    qd, kd, vd = (rng.uniform(0.25, 4.0, (2, 2, 1)).astype(numpy.float32) for _ in range(3))
+    return q, k, v, qd, kd, vd
+
+
+def _entry_by_entry(q, k, v, qd, kd, vd, call, **kw):
+    """``call`` with per-tensor descales, one K/V head (batch entry of the descales) at a time, stacked."""
+    outs = [[[call(q[b, h], k[b, h], v[b, h], q_descale=float(qd[b, h, 0]), k_descale=float(kd[b, h, 0]),
+                   v_descale=float(vd[b, h, 0]), **kw) for h in range(q.shape[1])] for b in range(q.shape[0])]]
+    return [numpy.stack([numpy.stack([numpy.asarray(entry[i]) for entry in row]) for row in outs[0]])
+            for i in range(3)]
+
+
+@pytest.mark.parametrize("given", ["qkv", "q", "kv"])
+def test_per_entry_descales_are_one_call_per_entry(given):
+    """Descale arrays (one value per K/V head, broadcast over its query heads) give what per-tensor descales
+    give entry by entry (to float32's rounding: the kernels and the NumPy path scale q, not the scores); a
+    descale left a number applies to every entry."""
+    rng = numpy.random.default_rng(8)
+    q, k, v, qd, kd, vd = _per_entry_inputs(rng)
+    arrays = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+    kw = {name: arrays[name] if name[0] in given else 0.5 for name in arrays}
+    o, m, l = flash_attention_forward_fp8(q, k, v, causal=True, out_dtype="float16", **kw)
+    each = [numpy.broadcast_to(x, (2, 2, 1)) if isinstance(x, numpy.ndarray) else numpy.full((2, 2, 1), x, numpy.float32)
+            for x in kw.values()]
+    eo, em, el = _entry_by_entry(q, k, v, *each, flash_attention_forward_fp8, causal=True, out_dtype="float16")
+    assert o.shape == eo.shape == (2, 2, 3, 40, 32) and m.shape == em.shape
+    vmax = numpy.abs(eo.astype(numpy.float32)).max()
+    assert numpy.abs(o.astype(numpy.float32) - eo.astype(numpy.float32)).max() <= 2.0 ** -9 * vmax
+    numpy.testing.assert_allclose(m, em, rtol=1e-5, atol=1e-6)
+    numpy.testing.assert_allclose(l, el, rtol=1e-5)
 
 
 def _layout(q, k, v, batch):
@@ -166,8 +203,63 @@ def test_the_hopper_plan_writes_v_transposed_then_runs_the_float8_kernel(monkeyp
     assert plan.fresh.nbytes >= vt_bytes and plan.given.nbytes >= vt_bytes
 
 
+def test_the_hopper_plan_reads_per_entry_descales_where_each_call_puts_them(monkeypatch):
+    """Descale arrays lie over the batch dims as (1, 1) matrices: the struct holds their collapsed batch
+    strides (0 along the query heads of a K/V head), each call their addresses; a descale given as a number
+    has none (its factor is in scale or v_scale)."""
+    from cupyflash import api
+
+    gpu = faked_gpu_module().FakeGPU(patch=monkeypatch.setattr, keep_structs=True)
+    B, Hkv, G, N, D = 2, 2, 4, 100, 64
+    q = gpu.array((B, Hkv, G, N, D), numpy.uint8)
+    k, v = gpu.array((B, Hkv, 1, N, D), numpy.uint8), gpu.array((B, Hkv, 1, N, D), numpy.uint8)
+    qd, vd = gpu.array((B, Hkv, 1), numpy.float32), gpu.array((Hkv, 1), numpy.float32)
+    batch = (B, Hkv, G)
+    named = {"q": q, "k": k, "v": v, "q_descale": qd.reshape(B, Hkv, 1, 1, 1), "v_descale": vd.reshape(Hkv, 1, 1, 1)}
+    layout = _launch.collapse_batch(batch, api._batch_strides(named.values(), batch), tuple(named))
+    plan = _launch.fp8_forward_plan(q, k, v, out_dtype=numpy.float16, geometry=MaskGeometry(N, N, False, None, None),
+                                    scale=0.125 * 0.5, v_scale=1.0, batch_shape=batch, layout=layout,
+                                    per_entry=("q", "v"))
+    for qd_now, vd_now in ((qd, vd), (gpu.array((B, Hkv, 1), numpy.float32), gpu.array((Hkv, 1), numpy.float32))):
+        gpu.structs.clear()
+        plan(q, k, v, descales=(qd_now, None, vd_now))
+        struct = numpy.frombuffer(gpu.structs[1][1][:_params.FWD.itemsize], _params.FWD)[0]
+        d = struct["descales"]
+        assert (d["q"]["ptr"], d["k"]["ptr"], d["v"]["ptr"]) == (qd_now.data.ptr, 0, vd_now.data.ptr)
+        assert tuple(d["q"])[1:] == layout.of("q_descale") and tuple(d["v"])[1:] == layout.of("v_descale")
+        assert layout.of("v_descale") != (0, 0, 0) and struct["scale"] == numpy.float32(0.0625)
+    gpu.structs.clear()
+    plan(q, k, v)   # no arrays: null pointers (per-tensor descales alone)
+    struct = numpy.frombuffer(gpu.structs[1][1][:_params.FWD.itemsize], _params.FWD)[0]
+    assert all(struct["descales"][x]["ptr"] == 0 for x in "qkv")
+
+
 # ---------------------------------------------------------------------------
 # GPU
+
+@gpu_test
+@pytest.mark.parametrize("given", ["qkv", "kv"])
+def test_per_entry_descales_on_the_gpu_are_one_call_per_entry(given):
+    """The float8 kernel with descale arrays (CuPy, float32, one per K/V head) against per-tensor calls
+    entry by entry on the GPU (the same kernel, so the same arithmetic to float32's rounding of the scale),
+    and a like call with other arrays (the kept plan) against the same; D 64 and 128 tiles."""
+    import cupy
+
+    rng = numpy.random.default_rng(9)
+    for D in (64, 128):
+        q, k, v = float8_inputs(rng, (2, 2, 3, 200, D), (2, 2, 1, 300, D), spread=2.0)
+        for _ in range(2):   # the second call finds the first's plan
+            qd, kd, vd = (rng.uniform(0.25, 4.0, (2, 2, 1)).astype(numpy.float32) for _ in range(3))
+            arrays = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+            kw = {name: cupy.asarray(x) if name[0] in given else 0.5 for name, x in arrays.items()}
+            got = _gpu_call(q, k, v, causal=True, **kw)
+            each = [x if name[0] in given else numpy.full((2, 2, 1), 0.5, numpy.float32) for name, x in arrays.items()]
+            want = _entry_by_entry(q, k, v, *each, _gpu_call, causal=True)
+            vmax = numpy.abs(want[0].astype(numpy.float32)).max()
+            assert numpy.abs(got[0].astype(numpy.float32) - want[0].astype(numpy.float32)).max() <= 2.0 ** -6 * vmax
+            numpy.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+            numpy.testing.assert_allclose(got[2], want[2], rtol=1e-4)
+
 
 def _gpu_call(q, k, v, **kw):
     import cupy
@@ -369,3 +461,32 @@ def test_a_like_call_runs_the_kept_plan_with_or_without_out(monkeypatch):
             assert all(got is given for got, given in zip((o, m, l), out))
             struct = numpy.frombuffer(gpu.structs[1][1][:_params.FWD.itemsize], _params.FWD)[0]
             assert (struct["o"], struct["m"], struct["l"]) == tuple(x.data.ptr for x in out)
+
+
+def test_a_like_call_with_descale_arrays_runs_the_kept_plan_with_their_addresses(monkeypatch):
+    """Descale arrays are part of a call's key by shape, strides and dtype, not by value: a like call with
+    other arrays finds the plan and writes their addresses (GPU faked, as above)."""
+    pytest.importorskip("cupy")
+    from cupyflash import api, float8
+
+    gpu = faked_gpu_module().FakeGPU(patch=monkeypatch.setattr, keep_structs=True)
+    q, k, v = (gpu.array((2, 4, 200, 128), numpy.uint8) for _ in range(3))
+    keys, kept = [], float8._kept_plan
+    monkeypatch.setattr(float8, "_kept_plan", lambda *a: keys.append(kept(*a)[1]) or kept(*a))
+    with pytest.raises(Exception):   # no driver behind `with q.device`
+        flash_attention_forward_fp8(q, k, v, k_descale=gpu.array((2, 4), numpy.float32), v_descale=2.0)
+    monkeypatch.setattr(float8, "_kept_plan", kept)
+    batch = (2, 4)
+    kd = gpu.array((2, 4), numpy.float32)
+    named = {"q": q, "k": k, "v": v, "k_descale": kd.reshape(2, 4, 1, 1)}
+    layout = _launch.collapse_batch(batch, api._batch_strides(named.values(), batch), tuple(named))
+    _launch.keep_plan(keys[0], _launch.fp8_forward_plan(
+        q, k, v, out_dtype=numpy.dtype(ml_dtypes.bfloat16), geometry=MaskGeometry(200, 200, False, None, None),
+        scale=1 / math.sqrt(128), v_scale=2.0, batch_shape=batch, layout=layout, per_entry=("k",)))
+    for _ in range(2):
+        kd = gpu.array((2, 4), numpy.float32)
+        gpu.structs.clear()
+        flash_attention_forward_fp8(q, k, v, k_descale=kd, v_descale=2.0)
+        struct = numpy.frombuffer(gpu.structs[1][1][:_params.FWD.itemsize], _params.FWD)[0]
+        assert [struct["descales"][x]["ptr"] for x in "qkv"] == [0, kd.data.ptr, 0]
+    assert keys[0] is not None and keys[0] in _launch.PLANS
