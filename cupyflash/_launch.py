@@ -640,6 +640,7 @@ def _current_device() -> int:
 # a call without modifier arrays: their addresses (array_addresses); a forward without per-entry descales
 NO_ARRAYS = (0,) * len(_flags.ARRAY_FLAGS)
 NO_DESCALES = (None, None, None)
+NO_DESCALE_ADDRESSES = (0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -690,7 +691,8 @@ class ForwardPlan:
             struct, address = self.params.pack((
                 q.data.ptr, k.data.ptr, v.data.ptr, *parts, *self.scratch.block.pointers(scratch_base),
                 o_run.ptr if o_run else 0, _address(offsets[0]), _address(offsets[1]), *seed_words(seed), tiles, _address(lens),
-                _address(table), *(array_addresses(arrays) if arrays else NO_ARRAYS), *map(_address, descales)))
+                _address(table), *(array_addresses(arrays) if arrays else NO_ARRAYS),
+                *(NO_DESCALE_ADDRESSES if descales is NO_DESCALES else map(_address, descales))))
             for step in (self.tile_map.launches if fresh_map else ()) + self.before + self.launches[:1]:
                 step(stream, address)
             if self.merge is not None:   # the splits' parts into o, m, l, before the repair reads them

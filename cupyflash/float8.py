@@ -79,13 +79,16 @@ def flash_attention_forward_fp8(q, k, v, *, q_descale=1.0, k_descale=1.0, v_desc
     """
     # a CuPy call like an earlier one (shapes, strides, dtypes, keywords; out's too; descale arrays' shapes and
     # strides) runs that call's plan
-    given = (q_descale, k_descale, v_descale)
-    per_entry = {name: x for name, x in zip(DESCALES, given) if _is_array(x)}
-    numbers = tuple(None if _is_array(x) else x for x in given)
+    numbers = (q_descale, k_descale, v_descale)
+    per_entry = {}
+    if not all(type(x) is float for x in numbers):   # (the usual call: three Python floats)
+        per_entry = {name: x for name, x in zip(DESCALES, numbers) if _is_array(x)}
+        numbers = tuple(None if name in per_entry else x for name, x in zip(DESCALES, numbers))
     plan, key = _kept_plan({"q": q, "k": k, "v": v, **per_entry}, out, OUTPUTS,
                            ("fp8", causal, softmax_scale, window, *numbers, out_dtype))
     if plan is not None:
-        return plan(q, k, v, out, descales=tuple(per_entry.get(name) for name in DESCALES))
+        return plan(q, k, v, out, descales=_launch.NO_DESCALES if not per_entry else
+                    tuple(per_entry.get(name) for name in DESCALES))
     prob = check_forward(q, k, v, causal, softmax_scale, window, supported=FLOAT8_DTYPES)
     device = None if prob.xp is numpy else q.device.id
     qd, kd, vd = (1.0 if x is None else _check_descale(name, x) for name, x in zip(DESCALES, numbers))
@@ -99,10 +102,8 @@ def flash_attention_forward_fp8(q, k, v, *, q_descale=1.0, k_descale=1.0, v_desc
     if prob.xp is numpy:
         if out is not None:
             out = check_out(out, OUTPUTS, shapes, dtypes, numpy, None, {"q": q, "k": k, "v": v})
-        q32, k32, v32 = (as_float32(x) for x in (q, k, v))
-        o, m, l = blocked.forward(_times_entries(q32, _scores_descale(arrays)), k32, v32, causal=prob.causal,
-                                  softmax_scale=scale, window=prob.window)
-        return _into(out, (_times_entries(o * numpy.float32(vd), arrays.get("v_descale")).astype(o_dtype), m, l))
+        return _into(out, _descaled(blocked.forward, *(as_float32(x) for x in (q, k, v)), arrays, vd, o_dtype,
+                                    causal=prob.causal, softmax_scale=scale, window=prob.window))
     import cupy
 
     with q.device:
@@ -122,23 +123,19 @@ def flash_attention_forward_fp8(q, k, v, *, q_descale=1.0, k_descale=1.0, v_desc
             named = {"q": q, "k": k, "v": v, **{name: x.reshape(*x.shape, 1, 1) for name, x in arrays.items()}}
             layout = _launch.collapse_batch(prob.batch_shape, _batch_strides(named.values(), prob.batch_shape),
                                             tuple(named))
-        descales = tuple(arrays.get(name) for name in DESCALES)
         if layout is not None:
             plan = _launch.fp8_forward_plan(q, k, v, out_dtype=o_dtype, geometry=prob.geometry, scale=scale,
                                             v_scale=vd, batch_shape=prob.batch_shape, layout=layout,
                                             per_entry=tuple(name[0] for name in arrays))
             _launch.keep_plan(key, plan)
-            return plan(q, k, v, out, descales=descales)
+            return plan(q, k, v, out, descales=tuple(arrays.get(name) for name in DESCALES))
         if not arrays:   # no float8 kernel here: the exact float16 values through the 16-bit kernels
             o, m, l = flash_attention_forward(*(_float16(x) for x in (q, k, v)), causal=prob.causal,
                                               softmax_scale=scale, window=prob.window)
             return _into(out, ((o.astype(numpy.float32) * numpy.float32(vd)).astype(o_dtype), m, l))
-        # ... and with per-entry descales, float32 values (q times its entry's q and k descales) through the
-        # float32 kernels
-        q32, k32, v32 = (_float16(x).astype(numpy.float32) for x in (q, k, v))
-        o, m, l = flash_attention_forward(_times_entries(q32, _scores_descale(arrays)), k32, v32, causal=prob.causal,
-                                          softmax_scale=scale, window=prob.window)
-        return _into(out, (_times_entries(o * numpy.float32(vd), arrays.get("v_descale")).astype(o_dtype), m, l))
+        # ... and with per-entry descales, their float32 values through the float32 kernels
+        return _into(out, _descaled(flash_attention_forward, *(_float16(x).astype(numpy.float32) for x in (q, k, v)),
+                                    arrays, vd, o_dtype, causal=prob.causal, softmax_scale=scale, window=prob.window))
 
 
 def as_float32(x) -> numpy.ndarray:
@@ -162,6 +159,14 @@ def _check_descale_array(name: str, x, prob, device):
     if isinstance(x, numpy.ndarray) and not (numpy.isfinite(x).all() and (x > 0).all()):
         raise ValueError(f"{name} must hold positive finite values, got min {x.min()}, max {x.max()}")
     return x
+
+
+def _descaled(forward, q, k, v, arrays: dict, vd: float, o_dtype, **kw) -> tuple:
+    """``(o, m, l)`` of ``forward`` (the NumPy path's or the GPU's) on float32 values with per-entry descale
+    ``arrays``: q times its entry's q and k descales before, o times its entry's v descale and the number
+    ``vd`` after, in ``o_dtype``."""
+    o, m, l = forward(_times_entries(q, _scores_descale(arrays)), k, v, **kw)
+    return _times_entries(o * numpy.float32(vd), arrays.get("v_descale")).astype(o_dtype), m, l
 
 
 def _scores_descale(arrays: dict):

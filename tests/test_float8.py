@@ -141,10 +141,9 @@ def _per_entry_inputs(rng):
 
 def _entry_by_entry(q, k, v, qd, kd, vd, call, **kw):
     """``call`` with per-tensor descales, one K/V head (batch entry of the descales) at a time, stacked."""
-    outs = [[[call(q[b, h], k[b, h], v[b, h], q_descale=float(qd[b, h, 0]), k_descale=float(kd[b, h, 0]),
-                   v_descale=float(vd[b, h, 0]), **kw) for h in range(q.shape[1])] for b in range(q.shape[0])]]
-    return [numpy.stack([numpy.stack([numpy.asarray(entry[i]) for entry in row]) for row in outs[0]])
-            for i in range(3)]
+    outs = [[call(q[b, h], k[b, h], v[b, h], q_descale=float(qd[b, h, 0]), k_descale=float(kd[b, h, 0]),
+                  v_descale=float(vd[b, h, 0]), **kw) for h in range(q.shape[1])] for b in range(q.shape[0])]
+    return [numpy.stack([numpy.stack([numpy.asarray(entry[i]) for entry in row]) for row in outs]) for i in range(3)]
 
 
 @pytest.mark.parametrize("given", ["qkv", "q", "kv"])
