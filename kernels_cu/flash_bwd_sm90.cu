@@ -83,12 +83,13 @@ static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the s
 // then D_i. MASKED: invisible pairs -> P = 0 (a row that saw no key has lse = inf: P = 0 too)
 // With modifiers (score_mod.cuh) the exponent takes the modified score in the modifiers' units
 // (RawMods), and dS_ij^T is by scale S_ij^T (o ds'/ds of the softcap). Dropout: Pf holds Z o P^T and
-// dS^T = P^T o (Z o dP^T - D_i).
-template <bool MASKED>
+// dS^T = P^T o (Z o dP^T - D_i). A bias's and a boolean mask's pairs come from `pairs`, loaded under the
+// tile's products (score_mod.cuh: PairsOfTile).
+template <bool MASKED, typename PairsAhead>
 __device__ __forceinline__ void probabilities(unsigned (&Pf)[B_R / 16][4], unsigned (&dSf)[B_R / 16][4],
                                               const acc_t (&S)[B_R / 8][4], const acc_t (&dP)[B_R / 8][4],
-                                              const acc_t* st, const Mask& mask, const EntryMods& mods, int q0,
-                                              int key0, acc_t scale) {
+                                              const acc_t* st, const Mask& mask, const EntryMods& mods,
+                                              const PairsAhead& pairs, int q0, int key0, acc_t scale) {
     const RawMods raw(mods, scale);
     const acc_t unit_log2 = (SCORE_MODS ? raw.unit : scale) * (acc_t)LOG2E;
     acc_t base[2];
@@ -104,7 +105,7 @@ __device__ __forceinline__ void probabilities(unsigned (&Pf)[B_R / 16][4], unsig
             const float2 Dv = *reinterpret_cast<const float2*>(st + B_R + qc);
             const acc_t neg_lse[2] = {-lse.x, -lse.y}, Dq[2] = {Dv.x, Dv.y};
             acc_t x[4] = {S[nn][0], S[nn][1], S[nn][2], S[nn][3]}, grad[4];
-            if (SCORE_MODS && mods.modifies()) modify_raw_quad<true, true>(x, grad, raw, base, key0, q0, nn);
+            if (SCORE_MODS && mods.modifies()) modify_raw_quad<true, true>(x, grad, raw, base, key0, q0, nn, pairs);
             const unsigned keep = DROPOUT ? keep_bits<true>(mods, key0, q0, nn) : 0u;
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -186,6 +187,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
 
         const acc_t scale = (acc_t)p.scale;
         EntryMods mods = mods_of(p, sq);
+        PairsOfTile<B_R / 8, true> pairs;                 // a bias's and a mask's pairs of S_ij^T
         acc_t dK[DP / 8][4], dV[DP / 8][4];               // (16, DP) per warp
         zero_frag(dK);
         zero_frag(dV);
@@ -214,6 +216,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
                 Wgmma<B_R>::ss(dP, sw128_desc(s_Vc + sw128_offset<B_C>(0, kk * 16), 16, ATOM),
                                sw128_desc(s_dOs + sw128_offset<B_R>(0, kk * 16), 16, ATOM), kk > 0);
             wgmma_commit();
+            pairs.load(mods, key0, q0);                    // under the products
 
             // P_ij^T = exp(scale S_ij^T - lse_i), dS_ij^T = P_ij^T o (dP_ij^T - D_i)
             wgmma_wait<0>();
@@ -221,8 +224,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90(const B
             wgmma_pin(dP);
             unsigned Pf[B_R / 16][4], dSf[B_R / 16][4];  // P^T, dS^T as A fragments, 16 queries at a time
             // A tile whose pairs are all visible (most of them) takes the path without the mask
-            if (mask.full(q0, B_R, key0, 16)) probabilities<false>(Pf, dSf, S, dP, st, mask, mods, q0, key0, scale);
-            else                         probabilities<true>(Pf, dSf, S, dP, st, mask, mods, q0, key0, scale);
+            if (mask.full(q0, B_R, key0, 16)) probabilities<false>(Pf, dSf, S, dP, st, mask, mods, pairs, q0, key0, scale);
+            else                         probabilities<true>(Pf, dSf, S, dP, st, mask, mods, pairs, q0, key0, scale);
 
             // dV_j += P_ij^T dO_i,  dK_j += dS_ij^T Q_i (scaled at the end)            (64, DP)
             wgmma_fence();

@@ -586,20 +586,31 @@ template <> struct TwoValues<1> { using type = unsigned short; };
 template <> struct TwoValues<2> { using type = unsigned; };
 
 // The values of per-pair arrays over a warp's (16, 8 NT) tile of pairs in the accumulator layout (rows
-// r0 + g, r0 + g + 8; columns c0 + 8n + 2t + {0, 1}), loaded ahead of the tile's scores: the Hopper
-// forward issues the loads under Q_i K_j^T, so their latency is not the softmax's, and one load brings
-// two pairs where the array's rows allow (pair_words). Word [n][h] holds row r0 + g + 8h's two values,
-// the even column's in the low bits; 0 past the lengths (a hidden pair for the mask).
-template <int NT>
+// r0 + g, r0 + g + 8; columns c0 + 8n + 2t + {0, 1}: queries and keys, or keys and queries TRANSPOSED),
+// loaded ahead of the tile's scores: the Hopper kernels issue the loads under the tile's products (the
+// forward's Q_i K_j^T, the backward's K_j Q_i^T and V_j dO_i^T), so their latency is not the softmax's,
+// and one load brings two pairs where the array's rows allow (pair_words; not TRANSPOSED, where a word's
+// two pairs are two queries). Word [n][h] holds accumulator row r0 + g + 8h's two values, the even
+// column's in the low bits; 0 past the lengths (a hidden pair for the mask).
+template <int NT, bool TRANSPOSED = false>
 struct PairTile {
     unsigned bias[NT][2];   // BIAS: two 16-bit values a word
     unsigned keep[NT][2];   // BOOL_MASK: two bytes a word
 
     __device__ __forceinline__ void load(const EntryMods& m, int r0, int c0) {
         const int lane = threadIdx.x % WARP_SIZE;
-        if constexpr (BIAS) pair_words(bias, m.bias, m.Nq, m.Nk, r0, c0, lane);
+        if constexpr (BIAS) words_of(bias, m.bias, m.Nq, m.Nk, r0, c0, lane);
         if constexpr (BOOL_MASK)
-            if (SWITCH_ON(MASK, m.uses)) pair_words(keep, m.keep, m.Nq, m.Nk, r0, c0, lane);
+            if (SWITCH_ON(MASK, m.uses)) words_of(keep, m.keep, m.Nq, m.Nk, r0, c0, lane);
+    }
+
+    // the words of array `a` (indexed (query, key), Nq by Nk) that lane `lane` holds: rows r0 .. of the
+    // accumulator tile are queries, or keys TRANSPOSED (host code too: tests/test_score_mod_cuh.py)
+    template <typename T>
+    __host__ __device__ __forceinline__ static void words_of(unsigned (&w)[NT][2], const Pairs<const T>& a, int Nq,
+                                                             int Nk, int r0, int c0, int lane) {
+        if (TRANSPOSED) pair_words(w, Pairs<const T>{a.ptr, a.sj, a.si}, Nk, Nq, r0, c0, lane);
+        else            pair_words(w, a, Nq, Nk, r0, c0, lane);
     }
 
     // pair (n, e) of the accumulator tile (e: row e / 2, column e % 2 of the n-tile's quad)
@@ -608,9 +619,9 @@ struct PairTile {
     }
     __device__ __forceinline__ bool kept(int n, int e) const { return (keep[n][e / 2] >> (8 * (e % 2))) & 0xffu; }
 
-    // the words of array `a` (16-bit or bytes) that lane `lane` holds: one load per word where the warp's
-    // pairs lie inside the lengths and the array's rows keep two pairs aligned (a key stride of 1), else
-    // one per value (host code too: tests/test_score_mod_cuh.py)
+    // ... of array `a` (16-bit or bytes) indexed (accumulator row, column), Nq rows by Nk columns: one
+    // load per word where the warp's pairs lie inside the lengths and the array's rows keep two pairs
+    // aligned (a column stride of 1), else one per value
     template <typename T>
     __host__ __device__ __forceinline__ static void pair_words(unsigned (&w)[NT][2], const Pairs<const T>& a, int Nq,
                                                                int Nk, int r0, int c0, int lane) {
@@ -647,31 +658,45 @@ struct NoPairTile {
     __device__ __forceinline__ void load(const EntryMods&, int, int) {}
 };
 
-// PairTile<NT> where `AHEAD`, else NoPairTile
-template <bool AHEAD, int NT> struct PairsAhead { using type = NoPairTile; };
-template <int NT> struct PairsAhead<true, NT> { using type = PairTile<NT>; };
+// PairTile<NT, TRANSPOSED> where `AHEAD`, else NoPairTile
+template <bool AHEAD, int NT, bool TRANSPOSED> struct PairsAhead { using type = NoPairTile; };
+template <int NT, bool TRANSPOSED> struct PairsAhead<true, NT, TRANSPOSED> { using type = PairTile<NT, TRANSPOSED>; };
 // What a kernel that loads its pairs ahead holds: a bias's and a boolean mask's, unless a mask_mod reads
 // pairs too
-template <int NT> using PairsOfTile = typename PairsAhead<(BIAS || BOOL_MASK) && !USER_MASK, NT>::type;
+template <int NT, bool TRANSPOSED = false>
+using PairsOfTile = typename PairsAhead<(BIAS || BOOL_MASK) && !USER_MASK, NT, TRANSPOSED>::type;
 
-// RawMods on a warp's tile with its bias and boolean mask from `pairs` (loaded ahead), not read pair by
+// modify_raw_quad with the bias and boolean mask of n-tile n from `pairs` (loaded ahead), not read pair by
 // pair: the same scores (a pair past the lengths adds 0 and is hidden, as a hidden or masked one)
+template <bool TRANSPOSED, bool DERIV = false, int NT>
+__device__ __forceinline__ void modify_raw_quad(acc_t (&x)[4], acc_t (&grad)[4], const RawMods& mods,
+                                                const acc_t (&base)[2], int r0, int c0, int n,
+                                                const PairTile<NT, TRANSPOSED>& pairs) {
+    static_assert(!USER_MASK, "mask_mod reads its pairs itself");
+    modify_raw_quad<TRANSPOSED, DERIV, false>(x, grad, mods, base, r0, c0, n);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        if constexpr (BIAS) x[e] += pairs.bias_at(n, e) * mods.inv_unit;
+        if constexpr (BOOL_MASK)
+            if (SWITCH_ON(MASK, mods.entry.uses) && !pairs.kept(n, e)) x[e] = NEG_INF;
+    }
+}
+
+// ... and with none loaded ahead: every modifier reads its own
+template <bool TRANSPOSED, bool DERIV = false>
+__device__ __forceinline__ void modify_raw_quad(acc_t (&x)[4], acc_t (&grad)[4], const RawMods& mods,
+                                                const acc_t (&base)[2], int r0, int c0, int n, const NoPairTile&) {
+    modify_raw_quad<TRANSPOSED, DERIV>(x, grad, mods, base, r0, c0, n);
+}
+
+// RawMods on a warp's tile with its bias and boolean mask from `pairs` (loaded ahead)
 template <int NT>
 __device__ __forceinline__ void modify_raw_scores(acc_t (&S)[NT][4], const RawMods& mods, int r0, int c0,
                                                   const PairTile<NT>& pairs) {
-    static_assert(!USER_MASK, "mask_mod reads its pairs itself");
     acc_t base[2], unused[4];
     raw_base<false>(base, mods.entry.off, r0, c0);
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        modify_raw_quad<false, false, false>(S[n], unused, mods, base, r0, c0, n);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            if constexpr (BIAS) S[n][e] += pairs.bias_at(n, e) * mods.inv_unit;
-            if constexpr (BOOL_MASK)
-                if (SWITCH_ON(MASK, mods.entry.uses) && !pairs.kept(n, e)) S[n][e] = NEG_INF;
-        }
-    }
+    for (int n = 0; n < NT; ++n) modify_raw_quad<false>(S[n], unused, mods, base, r0, c0, n, pairs);
 }
 
 // ... and with none loaded ahead: every modifier reads its own
