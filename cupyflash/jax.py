@@ -381,17 +381,20 @@ def _parsed_kvcache(text: str) -> tuple:
 def _run_fp8(call: _xla_ffi.Call, on_gpu: bool):
     """One call of the float8 target: operands q, k, v (float8 e4m3, as their bits), results o, m, l (o's dtype
     the call's out_dtype)."""
-    kw = _parsed_fp8(call.attrs[OPTIONS])
+    kw, names = _parsed_fp8(call.attrs[OPTIONS])
     with _buffers(call, on_gpu) as (args, rets):
-        float8.flash_attention_forward_fp8(*args, out_dtype=rets[0].dtype, out=FreshOut(rets), **kw)
+        float8.flash_attention_forward_fp8(*args[:3], out_dtype=rets[0].dtype, out=FreshOut(rets), **kw,
+                                           **dict(zip(names, args[3:])))
 
 
 @functools.lru_cache(maxsize=256)
-def _parsed_fp8(text: str) -> dict:
-    """The float8 call's keywords from its ``OPTIONS`` text, parsed once per text."""
-    kw = json.loads(text)
+def _parsed_fp8(text: str) -> tuple:
+    """``(keywords, names of the descales after q, k, v among the operands)`` of the float8 call's
+    ``OPTIONS`` text, parsed once per text."""
+    parsed = json.loads(text)
+    kw = parsed["keywords"]
     kw["window"] = tuple(kw["window"])
-    return kw
+    return kw, tuple(parsed["operands"])
 
 
 # (target, platform as JAX names it, whether the handler runs CuPy)
@@ -845,18 +848,22 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k=None, v=N
     return (o, k_cache, v_cache, _lse(m, l)) if return_lse else (o, k_cache, v_cache)
 
 
-def flash_attention_fp8(q, k, v, *, q_descale: float = 1.0, k_descale: float = 1.0, v_descale: float = 1.0,
+def flash_attention_fp8(q, k, v, *, q_descale=1.0, k_descale=1.0, v_descale=1.0,
                         out_dtype=jnp.bfloat16, causal: bool = False, softmax_scale: Optional[float] = None,
                         window=None, return_lse: bool = False):
-    """Attention of float8 e4m3 JAX arrays with per-tensor descales, inside or outside ``jax.jit`` (FlashAttention-3's
-    FP8 forward; no gradient).
+    """Attention of float8 e4m3 JAX arrays with descales per tensor or per batch entry, inside or outside
+    ``jax.jit`` (FlashAttention-3's FP8 forward; no gradient).
 
     Parameters
     ----------
     q, k, v : jax.Array of ``jnp.float8_e4m3fn``, shapes (..., Nq, D), (..., Nk, D)
         Batch dims broadcast as in :func:`cupyflash.flash_attention_forward_fp8` (GQA: ``k, v (B, Hkv, 1, N,
         D)`` against ``q (B, Hkv, G, N, D)``). Traced.
-    q_descale, k_descale, v_descale, causal, softmax_scale, window
+    q_descale, k_descale, v_descale : float or jax.Array, optional
+        As in :func:`cupyflash.flash_attention_forward_fp8`: a number (static), or a float32 array of one
+        factor per batch entry whose shape broadcasts to the batch shape (per head: ``(B, Hkv, 1)``;
+        traced, its values not checked: positive and finite).
+    causal, softmax_scale, window
         As in :func:`cupyflash.flash_attention_forward_fp8`. Static.
     out_dtype : jnp.bfloat16 or jnp.float16, optional
     return_lse : bool, optional
@@ -874,11 +881,28 @@ def flash_attention_fp8(q, k, v, *, q_descale: float = 1.0, k_descale: float = 1
         if x.dtype != jnp.float8_e4m3fn:
             raise TypeError(f"{name} must have dtype float8_e4m3fn, got {x.dtype}")
     prob = check_forward(*(_stand_in(x) for x in (q, k, v)), causal, softmax_scale, window, supported=FLOAT8_DTYPES)
-    kw = dict(causal=prob.causal, softmax_scale=prob.scale, window=prob.window,
-              **{name: float8._check_descale(name, value) for name, value in
-                 (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))})
+    kw = dict(causal=prob.causal, softmax_scale=prob.scale, window=prob.window)
+    arrays = {}   # the per-entry descales, operands after q, k, v
+    for name, value in zip(float8.DESCALES, (q_descale, k_descale, v_descale)):
+        if isinstance(value, (jax.Array, numpy.ndarray)):   # (a tracer is a jax.Array)
+            arrays[name] = _descale_operand(name, value, prob.batch_shape)
+        else:
+            kw[name] = float8._check_descale(name, value)
     o_dtype = float8._check_out_dtype(numpy.dtype(out_dtype))
     stats = jax.ShapeDtypeStruct((*prob.batch_shape, prob.Nq), jnp.float32)
     results = (jax.ShapeDtypeStruct((*prob.batch_shape, prob.Nq, prob.D), o_dtype), stats, stats)
-    o, m, l = jax.ffi.ffi_call(FP8_TARGET, results, vmap_method="broadcast_all")(q, k, v, **{OPTIONS: json.dumps(kw)})
+    o, m, l = jax.ffi.ffi_call(FP8_TARGET, results, vmap_method="broadcast_all")(
+        q, k, v, *arrays.values(), **{OPTIONS: json.dumps({"keywords": kw, "operands": list(arrays)})})
     return (o, _lse(m, l)) if return_lse else o
+
+
+def _descale_operand(name: str, value, batch_shape: tuple):
+    """A per-entry descale as the float8 target's operand: float32, its shape broadcasting to the batch
+    shape (checked here, as the call's other shapes are)."""
+    if value.dtype != jnp.float32:   # (before jnp.asarray, which would take a float64 one to float32)
+        raise TypeError(f"{name} must be a number or a float32 array, got dtype {value.dtype}")
+    value = jnp.asarray(value)
+    if value.ndim > len(batch_shape) or any(n not in (1, b) for n, b in zip(value.shape[::-1], batch_shape[::-1])):
+        raise ValueError(f"{name} of shape {tuple(value.shape)} does not broadcast to the batch shape "
+                         f"{tuple(batch_shape)}")
+    return value

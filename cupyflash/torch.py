@@ -889,12 +889,12 @@ def flash_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 FLOAT8_DTYPES = {torch.float8_e4m3fn: numpy.dtype(numpy.uint8), torch.uint8: numpy.dtype(numpy.uint8)}
 
 
-def flash_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_descale: float = 1.0,
-                        k_descale: float = 1.0, v_descale: float = 1.0, out_dtype: torch.dtype = torch.bfloat16,
-                        causal: bool = False, softmax_scale: Optional[float] = None, window=None,
-                        layout: str = "bhnd", return_lse: bool = False):
-    """Attention of float8 e4m3 torch tensors with per-tensor descales (FlashAttention-3's FP8 forward). No
-    gradient.
+def flash_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_descale=1.0, k_descale=1.0,
+                        v_descale=1.0, out_dtype: torch.dtype = torch.bfloat16, causal: bool = False,
+                        softmax_scale: Optional[float] = None, window=None, layout: str = "bhnd",
+                        return_lse: bool = False):
+    """Attention of float8 e4m3 torch tensors with descales per tensor or per head (FlashAttention-3's FP8
+    forward). No gradient.
 
     Parameters
     ----------
@@ -902,7 +902,11 @@ def flash_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
     k, v : torch.Tensor, shape (B, Hkv, Nk, D) (``bnhd``: (B, Nk, Hkv, D))
         ``torch.float8_e4m3fn`` (or its bits as ``torch.uint8``), on one CUDA device or the CPU, any
         strides with a contiguous last axis; ``Hq`` a multiple of ``Hkv`` (GQA).
-    q_descale, k_descale, v_descale, causal, softmax_scale, window
+    q_descale, k_descale, v_descale : float or torch.Tensor, optional
+        A number, or FlashAttention-3's per-head descales: a float32 tensor of shape ``(B, Hkv)`` (or one
+        broadcasting to it) on q's device, its values positive and finite (not read on the GPU). As
+        :func:`cupyflash.flash_attention_forward_fp8` defines them. Default 1.
+    causal, softmax_scale, window
         As in :func:`cupyflash.flash_attention_forward_fp8`.
     out_dtype : torch.float16 or torch.bfloat16, optional
     layout : {'bhnd', 'bnhd'}, optional
@@ -931,6 +935,8 @@ def flash_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
         raise ValueError(f"q's heads must be a multiple of k's and v's, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)} ({layout})")
     G = Hq // Hkv
+    descales = {name: _descale_array(name, x, B, Hkv, device) for name, x in
+                (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))}
     o = torch.empty_strided(tuple(q.shape), _output_strides(q.shape, order), dtype=out_dtype, device=q.device)
     m, l = (torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device) for _ in range(2))
     out = (_tensor_array("o", o, {out_dtype: DTYPES[out_dtype]}, order, device),
@@ -939,8 +945,19 @@ def flash_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
     # GQA: q's heads as (Hkv, G), k's and v's with a broadcast axis of 1
     out = tuple(x.reshape(B, Hkv, G, *x.shape[2:]) for x in out)
     with _torch_stream(device):
-        float8.flash_attention_forward_fp8(q_.reshape(B, Hkv, G, Nq, D), k_[:, :, None], v_[:, :, None],
-                                           q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+        float8.flash_attention_forward_fp8(q_.reshape(B, Hkv, G, Nq, D), k_[:, :, None], v_[:, :, None], **descales,
                                            out_dtype=DTYPES[out_dtype], causal=causal, softmax_scale=softmax_scale,
                                            window=window, out=out)
     return (o, torch.log(l).add_(m)) if return_lse else o
+
+
+def _descale_array(name: str, x, B: int, Hkv: int, device):
+    """A descale as the float8 call takes it: a number as it is; a per-head tensor broadcasting to ``(B, Hkv)``
+    as an array ``(B, Hkv, 1)`` over its memory (q's heads as ``(Hkv, G)``)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    try:
+        x = x.expand(B, Hkv)
+    except RuntimeError:
+        raise ValueError(f"{name} must broadcast to (B, Hkv) = {(B, Hkv)}, got shape {tuple(x.shape)}") from None
+    return _tensor_array(name, x, {torch.float32: DTYPES[torch.float32]}, (0, 1), device)[:, :, None]

@@ -399,6 +399,36 @@ def test_torch_float8_tensors_give_what_cupyflash_gives(device, layout):
                      <= slack + 1e-5 * (1 + numpy.abs(want_m)))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_gpu)])
+def test_torch_per_head_descales_give_what_cupyflash_gives(device):
+    """FlashAttention-3's per-head descales as torch tensors ((B, Hkv), and (1, Hkv) broadcasting to it), GQA:
+    o as flash_attention_forward_fp8 with the same factors as (B, Hkv, 1) arrays; a shape that does not
+    broadcast is refused naming the argument and both shapes."""
+    torch = pytest.importorskip("torch")
+    from cupyflash.torch import flash_attention_fp8
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(shape, generator=g).to(torch.float8_e4m3fn)
+               for shape in ((2, 4, 40, 64), (2, 2, 50, 64), (2, 2, 50, 64)))
+    qd = torch.tensor([[0.5, 2.0], [1.5, 0.25]])
+    kd = torch.tensor([[3.0, 0.75]])
+    want_o, _, _ = flash_attention_forward_fp8(
+        *(x.view(torch.uint8).numpy().view(E4M3).reshape(shape) for x, shape in
+          ((q, (2, 2, 2, 40, 64)), (k, (2, 2, 1, 50, 64)), (v, (2, 2, 1, 50, 64)))),
+        q_descale=qd.numpy()[:, :, None], k_descale=kd.numpy()[:, :, None], v_descale=0.5, out_dtype="float16")
+    o = flash_attention_fp8(*(x.to(device) for x in (q, k, v)), q_descale=qd.to(device), k_descale=kd.to(device),
+                            v_descale=0.5, out_dtype=torch.float16)
+    got = o.float().cpu().numpy().reshape(want_o.shape)
+    vmax = numpy.abs(as_float32(v.view(torch.uint8).numpy())).max() * 0.5
+    tolerance = 0 if device == "cpu" else (UNIT + 2.0 ** -7) * vmax
+    assert numpy.abs(got - want_o.astype(numpy.float32)).max() <= tolerance
+    with pytest.raises(ValueError, match=r"q_descale must broadcast to \(B, Hkv\) = \(2, 2\), got shape \(3,\)"):
+        flash_attention_fp8(*(x.to(device) for x in (q, k, v)), q_descale=torch.ones(3, device=device))
+    with pytest.raises(TypeError, match="v_descale must have dtype torch.float32"):
+        flash_attention_fp8(*(x.to(device) for x in (q, k, v)), v_descale=torch.ones(2, 2, dtype=torch.float64,
+                                                                                      device=device))
+
+
 # ---------------------------------------------------------------------------
 # cupyflash.jax
 
@@ -427,6 +457,42 @@ def test_jax_float8_arrays_inside_jit_give_what_cupyflash_gives(device):
     assert numpy.all(numpy.abs(numpy.asarray(lse) - (want_m + numpy.log(want_l))) <= slack + 1e-5 * (1 + numpy.abs(want_m)))
     with pytest.raises(TypeError, match="q must have dtype float8_e4m3fn"):
         flash_attention_fp8(numpy.zeros((2, 8, 16), numpy.float16), k[0, 0], v[0, 0])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_gpu)])
+def test_jax_per_entry_descales_are_traced_operands(device):
+    """Per-entry descales as JAX arrays inside jax.jit: o as flash_attention_forward_fp8 with the same arrays;
+    new values run the same trace; a float64 or a shape that does not broadcast is refused."""
+    jax = pytest.importorskip("jax")
+    from cupyflash.jax import flash_attention_fp8
+
+    try:
+        on = jax.devices(device)[0]
+    except RuntimeError:
+        pytest.skip(f"no {device} backend in JAX")
+    rng = numpy.random.default_rng(11)
+    q, k, v = float8_inputs(rng, (2, 2, 3, 30, 64), (2, 2, 1, 45, 64))
+    traces = []
+
+    def attend(q, k, v, qd, vd):
+        traces.append(1)
+        return flash_attention_fp8(q, k, v, causal=True, q_descale=qd, k_descale=1.5, v_descale=vd)
+
+    step = jax.jit(attend)
+    for seed in (0, 1):
+        qd, vd = (numpy.random.default_rng(seed).uniform(0.25, 4, shape).astype(numpy.float32)
+                  for shape in ((2, 2, 1), (2, 1, 1)))
+        want_o, _, _ = flash_attention_forward_fp8(q, k, v, causal=True, q_descale=qd, k_descale=1.5, v_descale=vd)
+        o = step(*(jax.device_put(x, on) for x in (q, k, v, qd, vd)))
+        vmax = numpy.abs(as_float32(v)).max() * vd.max()
+        tolerance = 0 if device == "cpu" else (UNIT + 2.0 ** -7) * vmax
+        assert numpy.abs(numpy.asarray(o).astype(numpy.float32) - want_o.astype(numpy.float32)).max() <= tolerance
+    assert len(traces) == 1
+    with pytest.raises(TypeError, match="q_descale must be a number or a float32 array, got dtype float64"):
+        flash_attention_fp8(q, k, v, q_descale=numpy.ones((2, 2, 1)))
+    with pytest.raises(ValueError, match=r"k_descale of shape \(3, 1\) does not broadcast to the batch shape "
+                                         r"\(2, 2, 3\)"):
+        flash_attention_fp8(q, k, v, k_descale=numpy.ones((3, 1), numpy.float32))
 
 
 def test_a_like_call_runs_the_kept_plan_with_or_without_out(monkeypatch):
