@@ -64,7 +64,7 @@ class Flag:
         A call with no modifier may take it: ``all_tile_configs`` lists its families both ways.
     pair_tiles : bool
         It reads or draws a value per pair in the inner loop: the Hopper forward takes smaller K/V tiles
-        (``_tiles.PAIR_BLOCK_C``).
+        and the Hopper backward smaller Q tiles (``_tiles.PAIR_BLOCK_C``, ``PAIR_BLOCK_R``).
     scores : bool
         It changes the scores: the Hopper backward takes them in units of the scale (``RawMods``), so a
         call whose scale is 0 runs the portable backward (``_launch.backward_kernel``).

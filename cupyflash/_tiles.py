@@ -52,7 +52,8 @@ How tiles are chosen (``choose_tiles``):
   variable-length sequences, a paged K/V cache, the deterministic backward) are the rows of
   ``_flags.FLAGS``: compile-time flags of a specialisation in the families a row compiles
   (``with_flags``), a bit of the run-time word ``uses`` elsewhere. They change no tile size but the
-  Hopper forward's B_c under per-pair work (``PAIR_BLOCK_C``). ``specialisation_count`` counts the
+  Hopper forward's B_c and the Hopper backward's B_r under per-pair work (``PAIR_BLOCK_C``,
+  ``PAIR_BLOCK_R``). ``specialisation_count`` counts the
   specialisations that can exist.
 """
 
@@ -423,8 +424,8 @@ def _bwd_tiles(kernel, head_dim, name, smem_limit):
 
 def _bwd_sm90_tiles(kernel, head_dim, name, smem_limit):
     d_pad = -(-head_dim_bucket(head_dim) // 64) * 64
-    # a producer warpgroup and two consumers of 64 keys each; 128 queries per step at D = 64,
-    # 64 at D = 128 (dK_j, dV_j, S_ij^T and dP_ij^T share the registers)
+    # a producer warpgroup and two consumers of 64 keys each; 128 queries per step at D = 64 (64 under
+    # per-pair work: PAIR_BLOCK_R), 64 at D = 128 (dK_j, dV_j, S_ij^T and dP_ij^T share the registers)
     return _first_fit((TileConfig(kernel, name, d_pad, 128 if d_pad <= 64 else 64, 128, 12, d_pad),), smem_limit)
 
 
@@ -511,10 +512,12 @@ PRECISION_OF = {code: name for name, code in FP32_PRODUCTS.items()}
 TILE_MAP_KERNELS = _flags.MAIN
 TILE_MAP_ENTRIES = ("flash_tile_map", "flash_tile_lists")
 
-# K/V tile rows of the Hopper forward that reads a bias or a mask, or draws dropout's keep set (the flags
-# with ``pair_tiles``): each consumer thread loads (or draws) one value per score it holds, and at
-# B_c = 128 (D <= 128) that spills hundreds of bytes (NVRTC 13)
+# K/V tile rows of the Hopper forward, and Q tile rows of the Hopper backward, that read a bias or a mask,
+# or draw dropout's keep set (the flags with ``pair_tiles``): each consumer thread loads (or draws) one value
+# per score it holds, and at B_c = 128 (the forward, D <= 128) or B_r = 128 (the backward, D <= 64) that
+# spills hundreds of bytes (NVRTC 13)
 PAIR_BLOCK_C = {"fwd_sm90": 64}
+PAIR_BLOCK_R = {"bwd_sm90": 64}
 
 
 def _flag_sets(kernel: str, names) -> tuple:
@@ -537,12 +540,14 @@ def _flag_sets(kernel: str, names) -> tuple:
 def with_flags(cfg: TileConfig, names) -> TileConfig:
     """``cfg`` with the flags among ``names`` (``_flags.FLAGS``) that its family compiles in, and no
     others: those it reads at run time and those it does not read are left to the run-time word. With
-    per-pair work (a bias, a mask, dropout) the Hopper forward takes smaller K/V tiles (``PAIR_BLOCK_C``)."""
+    per-pair work (a bias, a mask, dropout) the Hopper forward takes smaller K/V tiles (``PAIR_BLOCK_C``)
+    and the Hopper backward smaller Q tiles (``PAIR_BLOCK_R``)."""
     on = _flag_sets(cfg.kernel, names)
-    block_c = cfg.block_c
+    block_r, block_c = cfg.block_r, cfg.block_c
     if any(_flags.BY_NAME[name].pair_tiles for name in on):
+        block_r = min(block_r, PAIR_BLOCK_R.get(cfg.kernel, block_r))
         block_c = min(block_c, PAIR_BLOCK_C.get(cfg.kernel, block_c))
-    return replace(cfg, flags=on, block_c=block_c)
+    return replace(cfg, flags=on, block_r=block_r, block_c=block_c)
 
 
 def with_user(cfg: TileConfig, user: Optional[UserCode]) -> TileConfig:

@@ -7,7 +7,8 @@
 // and sums dQ_i on chip over the CTA's keys before one bulk add per row.
 //
 // One CTA per (K/V tile j of B_C keys, batch*head), walking the Q tiles i of B_R rows (128 at
-// D = 64, where the products are small, 64 at D = 128, where registers are). Three warpgroups:
+// D = 64, where the products are small, but 64 under per-pair values, which take registers too; 64 at
+// D = 128, where registers are). Three warpgroups:
 //
 //   producer   warpgroup 0 copies K_j, V_j once, then Q_i, dO_i and the row statistics into a
 //              ring of STAGES buffers and scans the causal diagonal for inf and NaN (bwd_sm90.cuh);

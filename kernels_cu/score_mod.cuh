@@ -621,7 +621,8 @@ struct PairTile {
 
     // ... of array `a` (16-bit or bytes) indexed (accumulator row, column), Nq rows by Nk columns: one
     // load per word where the warp's pairs lie inside the lengths and the array's rows keep two pairs
-    // aligned (a column stride of 1), else one per value
+    // aligned (a column stride of 1), else one per value (TRANSPOSED: one a row where a column stride of
+    // 0 makes them all one)
     template <typename T>
     __host__ __device__ __forceinline__ static void pair_words(unsigned (&w)[NT][2], const Pairs<const T>& a, int Nq,
                                                                int Nk, int r0, int c0, int lane) {
@@ -635,6 +636,22 @@ struct PairTile {
                 const T* row = a.ptr + (i64)(r0 + g + 8 * h) * a.si + c0 + 2 * t;
 #pragma unroll
                 for (int n = 0; n < NT; ++n) w[n][h] = *reinterpret_cast<const Two*>(row + 8 * n);
+            }
+        } else if (TRANSPOSED && r0 + 16 <= Nq && c0 + 8 * NT <= Nk) {
+            // rows of keys, inside the lengths: a word's two pairs are two queries a.sj apart, no bounds to
+            // test; a column stride of 0 (a key-padding mask, the same for every query) one load a row
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const T* row = a.ptr + (i64)(r0 + g + 8 * h) * a.si + (i64)(c0 + 2 * t) * a.sj;
+                if (a.sj == 0) {
+                    const unsigned value = row[0];
+#pragma unroll
+                    for (int n = 0; n < NT; ++n) w[n][h] = value | value << (8 * sizeof(T));
+                } else {
+#pragma unroll
+                    for (int n = 0; n < NT; ++n)
+                        w[n][h] = (unsigned)row[(i64)(8 * n) * a.sj] | (unsigned)row[(i64)(8 * n + 1) * a.sj] << (8 * sizeof(T));
+                }
             }
         } else {
 #pragma unroll
