@@ -619,10 +619,10 @@ struct PairTile {
     }
     __device__ __forceinline__ bool kept(int n, int e) const { return (keep[n][e / 2] >> (8 * (e % 2))) & 0xffu; }
 
-    // ... of array `a` (16-bit or bytes) indexed (accumulator row, column), Nq rows by Nk columns: one
-    // load per word where the warp's pairs lie inside the lengths and the array's rows keep two pairs
-    // aligned (a column stride of 1), else one per value (TRANSPOSED: one a row where a column stride of
-    // 0 makes them all one)
+    // ... of array `a` (16-bit or bytes) indexed (accumulator row, column), Nq rows by Nk columns: where
+    // the warp's pairs lie inside the lengths, one load per word if the array's rows keep two pairs aligned
+    // (a column stride of 1), else (TRANSPOSED) two without bounds tests, or one per row if a column stride
+    // of 0 makes the row one value; elsewhere one per value, tested against the lengths
     template <typename T>
     __host__ __device__ __forceinline__ static void pair_words(unsigned (&w)[NT][2], const Pairs<const T>& a, int Nq,
                                                                int Nk, int r0, int c0, int lane) {
