@@ -86,11 +86,11 @@ static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the s
 // (RawMods), and dS_ij^T is by scale S_ij^T (o ds'/ds of the softcap). Dropout: Pf holds Z o P^T and
 // dS^T = P^T o (Z o dP^T - D_i). A bias's and a boolean mask's pairs come from `pairs`, loaded under the
 // tile's products (score_mod.cuh: PairsOfTile).
-template <bool MASKED, typename PairsAhead>
+template <bool MASKED, typename Ahead>
 __device__ __forceinline__ void probabilities(unsigned (&Pf)[B_R / 16][4], unsigned (&dSf)[B_R / 16][4],
                                               const acc_t (&S)[B_R / 8][4], const acc_t (&dP)[B_R / 8][4],
                                               const acc_t* st, const Mask& mask, const EntryMods& mods,
-                                              const PairsAhead& pairs, int q0, int key0, acc_t scale) {
+                                              const Ahead& pairs, int q0, int key0, acc_t scale) {
     const RawMods raw(mods, scale);
     const acc_t unit_log2 = (SCORE_MODS ? raw.unit : scale) * (acc_t)LOG2E;
     acc_t base[2];

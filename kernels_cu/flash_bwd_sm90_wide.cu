@@ -87,10 +87,10 @@ static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the s
 // (RawMods); Pg gets
 // P_ij^T o ds'/ds of the softcap, the factor dS_ij^T = Pg o (dP_ij^T - D_i) needs. A bias's and a boolean
 // mask's pairs come from `pairs`, loaded under K_j Q_i^T (score_mod.cuh: PairsOfTile).
-template <bool MASKED, typename PairsAhead>
+template <bool MASKED, typename Ahead>
 __device__ __forceinline__ void probabilities(acc_t (&S)[B_R / 8][4], acc_t (&Pg)[CHAIN ? B_R / 8 : 1][4],
                                               const acc_t* st, const Mask& mask, const EntryMods& mods,
-                                              const PairsAhead& pairs, int q0, int key0, acc_t scale) {
+                                              const Ahead& pairs, int q0, int key0, acc_t scale) {
     const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
     const RawMods raw(mods, scale);
     const acc_t unit_log2 = (SCORE_MODS ? raw.unit : scale) * (acc_t)LOG2E;
