@@ -246,6 +246,8 @@ def dbias_terms(do, v, P, bias_shape):
 @example(("float64", (2, 250, 40), (2, 330, 40), True, None), (30, None), ("keys", "full"), 4, True, 5.0)
 @example(("float16", (2, 4, 300, 256), (2, 4, 300, 256), False, None), (None, None), ("shared", "shared"), 5, False,
          None)
+@example(("float16", (2, 3, 700, 64), (2, 3, 650, 64), False, None), (None, None), ("full", "keys"), 6, False, None)
+@example(("bfloat16", (1, 2, 600, 256), (1, 2, 640, 256), True, None), (None, None), ("heads", "keys"), 7, True, None)
 def test_backward_with_bias_and_mask_matches_reference(gpu_schedule, problem, window, kinds, seed, deterministic,
                                                        softcap):
     """dq, dk, dv by the twice-naive rule; dbias against the reference."""

@@ -54,12 +54,14 @@ int main() {
 # (transposed, bytes, Nq, Nk, si, sj, offset, r0, c0): aligned rows inside the lengths; ragged row and key
 # edges; an odd offset or row stride (no pair loads); a key stride of 2 and 0; a query stride of 0 (one
 # row for all); a key-padding-like (1, N) row; tiles of keys inside the lengths (two queries' pairs a word,
-# and with a query stride of 0, one load a row); each with rows of queries and of keys
+# and with a query stride of 0, one load a row); a keys-major array (rows of keys: one load a word); each with
+# rows of queries and of keys
 CASES = [(tr, b, *case) for tr in (0, 1) for b in (0, 1) for case in (
     (100, 200, 200, 1, 0, 16, 64), (100, 200, 200, 1, 0, 96, 128), (37, 70, 70, 1, 0, 32, 64),
     (100, 200, 200, 1, 1, 16, 64), (100, 200, 201, 1, 0, 16, 64), (100, 200, 400, 2, 0, 16, 64),
     (50, 80, 0, 1, 0, 16, 0), (50, 80, 0, 1, 0, 48, 64), (30, 90, 90, 0, 0, 0, 0), (64, 64, 64, 1, 2, 48, 0),
-    (200, 100, 100, 1, 0, 16, 64), (200, 100, 0, 1, 1, 16, 64), (200, 100, 1, 0, 0, 80, 128))]
+    (200, 100, 100, 1, 0, 16, 64), (200, 100, 0, 1, 1, 16, 64), (200, 100, 1, 0, 0, 80, 128),
+    (64, 64, 1, 64, 0, 16, 0))]
 
 
 def expected(transposed, bytes_, Nq, Nk, si, sj, off, r0, c0) -> numpy.ndarray:
