@@ -363,15 +363,16 @@ def _run_kvcache(call: _xla_ffi.Call, on_gpu: bool):
     """One call of the K/V cache's target: its operands q, k_cache, v_cache, cache_seqlens, then those the
     attribute names (k, v, block_table, alibi_slopes); its results o, m, l and the caches, which alias the
     caches given (XLA's ``input_output_aliases``): the new keys are written into those, then attended."""
-    kw, names = _parsed_kvcache(call.attrs[OPTIONS])
+    kw, names = _parsed_call(call.attrs[OPTIONS])
     with _buffers(call, on_gpu) as (args, rets):
         kvcache.flash_attention_with_kvcache(args[0], rets[3], rets[4], args[3], out=FreshOut(rets[:3]), **kw,
                                              **dict(zip(names, args[4:])))
 
 
 @functools.lru_cache(maxsize=256)
-def _parsed_kvcache(text: str) -> tuple:
-    """``(keywords, operand names)`` of the K/V cache call's ``OPTIONS`` text, parsed once per text."""
+def _parsed_call(text: str) -> tuple:
+    """``(keywords, names of the optional operands)`` of the K/V cache's or the float8 call's ``OPTIONS`` text,
+    parsed once per text."""
     parsed = json.loads(text)
     kw = parsed["keywords"]
     kw["window"] = tuple(kw["window"])
@@ -379,22 +380,12 @@ def _parsed_kvcache(text: str) -> tuple:
 
 
 def _run_fp8(call: _xla_ffi.Call, on_gpu: bool):
-    """One call of the float8 target: operands q, k, v (float8 e4m3, as their bits), results o, m, l (o's dtype
-    the call's out_dtype)."""
-    kw, names = _parsed_fp8(call.attrs[OPTIONS])
+    """One call of the float8 target: operands q, k, v (float8 e4m3, as their bits), then the per-entry descales
+    the attribute names; results o, m, l (o's dtype the call's out_dtype)."""
+    kw, names = _parsed_call(call.attrs[OPTIONS])
     with _buffers(call, on_gpu) as (args, rets):
         float8.flash_attention_forward_fp8(*args[:3], out_dtype=rets[0].dtype, out=FreshOut(rets), **kw,
                                            **dict(zip(names, args[3:])))
-
-
-@functools.lru_cache(maxsize=256)
-def _parsed_fp8(text: str) -> tuple:
-    """``(keywords, names of the descales after q, k, v among the operands)`` of the float8 call's
-    ``OPTIONS`` text, parsed once per text."""
-    parsed = json.loads(text)
-    kw = parsed["keywords"]
-    kw["window"] = tuple(kw["window"])
-    return kw, tuple(parsed["operands"])
 
 
 # (target, platform as JAX names it, whether the handler runs CuPy)
@@ -885,7 +876,7 @@ def flash_attention_fp8(q, k, v, *, q_descale=1.0, k_descale=1.0, v_descale=1.0,
     arrays = {}   # the per-entry descales, operands after q, k, v
     for name, value in zip(float8.DESCALES, (q_descale, k_descale, v_descale)):
         if isinstance(value, (jax.Array, numpy.ndarray)):   # (a tracer is a jax.Array)
-            arrays[name] = _descale_operand(name, value, prob.batch_shape)
+            arrays[name] = _descale_operand(name, value, prob)
         else:
             kw[name] = float8._check_descale(name, value)
     o_dtype = float8._check_out_dtype(numpy.dtype(out_dtype))
@@ -896,13 +887,10 @@ def flash_attention_fp8(q, k, v, *, q_descale=1.0, k_descale=1.0, v_descale=1.0,
     return (o, _lse(m, l)) if return_lse else o
 
 
-def _descale_operand(name: str, value, batch_shape: tuple):
+def _descale_operand(name: str, value, prob):
     """A per-entry descale as the float8 target's operand: float32, its shape broadcasting to the batch
-    shape (checked here, as the call's other shapes are)."""
+    shape (``check_per_entry`` on a stand-in, as the modifiers' arrays are checked)."""
     if value.dtype != jnp.float32:   # (before jnp.asarray, which would take a float64 one to float32)
         raise TypeError(f"{name} must be a number or a float32 array, got dtype {value.dtype}")
-    value = jnp.asarray(value)
-    if value.ndim > len(batch_shape) or any(n not in (1, b) for n, b in zip(value.shape[::-1], batch_shape[::-1])):
-        raise ValueError(f"{name} of shape {tuple(value.shape)} does not broadcast to the batch shape "
-                         f"{tuple(batch_shape)}")
-    return value
+    check_per_entry(name, _stand_in(value), prob, dtype=numpy.float32)
+    return jnp.asarray(value)

@@ -39,6 +39,22 @@ def score_slack(q, k, descales, softmax_scale=None):
     return ACCUMULATION * scale * (qf @ numpy.swapaxes(kf, -1, -2)).max(axis=-1)
 
 
+def assert_bridge_o(o, want_o, v, v_descale, device):
+    """A bridge's ``o`` against flash_attention_forward_fp8's NumPy path on the same values: equal on the CPU
+    (that path), within P~'s rounding to float8 (and o's own) of ``max |v_descale · v|`` on CUDA."""
+    vmax = numpy.abs(as_float32(v)).max() * v_descale
+    tolerance = 0 if device == "cpu" else (UNIT + 2.0 ** -7) * vmax
+    assert numpy.abs(numpy.asarray(o).astype(numpy.float32) - want_o.astype(numpy.float32)).max() <= tolerance
+
+
+def jax_device(jax, device: str):
+    """JAX's first device of platform ``device``; the test skips where JAX has none."""
+    try:
+        return jax.devices(device)[0]
+    except RuntimeError:
+        pytest.skip(f"no {device} backend in JAX")
+
+
 def descaled_reference(q, k, v, descales, **kw):
     """The float64 reference of ``descale · x`` for float8 (or uint8 bits) q, k, v."""
     return reference.attention_forward(*(as_float32(x).astype(numpy.float64) * d for x, d in zip((q, k, v), descales)),
@@ -389,10 +405,7 @@ def test_torch_float8_tensors_give_what_cupyflash_gives(device, layout):
     if layout == "bnhd":
         o = o.transpose(1, 2)
     assert o.dtype == torch.float16 and o.shape == (2, 8, 70, 64) and lse.shape == (2, 8, 70)
-    got = o.float().cpu().numpy().reshape(want_o.shape)
-    vmax = numpy.abs(as_float32(v.view(torch.uint8).numpy())).max() * 0.5
-    tolerance = 0 if device == "cpu" else (UNIT + 2.0 ** -7) * vmax
-    assert numpy.abs(got - want_o.astype(numpy.float32)).max() <= tolerance
+    assert_bridge_o(o.float().cpu().numpy().reshape(want_o.shape), want_o, v.view(torch.uint8).numpy(), 0.5, device)
     inputs = [x.view(torch.uint8).numpy() for x in (q, k)]
     slack = 0 if device == "cpu" else 3 * score_slack(inputs[0].reshape(2, 2, 4, 70, 64), inputs[1][:, :, None], (1, 1, 1))
     assert numpy.all(numpy.abs(lse.cpu().numpy().reshape(want_m.shape) - (want_m + numpy.log(want_l)))
@@ -418,10 +431,7 @@ def test_torch_per_head_descales_give_what_cupyflash_gives(device):
         q_descale=qd.numpy()[:, :, None], k_descale=kd.numpy()[:, :, None], v_descale=0.5, out_dtype="float16")
     o = flash_attention_fp8(*(x.to(device) for x in (q, k, v)), q_descale=qd.to(device), k_descale=kd.to(device),
                             v_descale=0.5, out_dtype=torch.float16)
-    got = o.float().cpu().numpy().reshape(want_o.shape)
-    vmax = numpy.abs(as_float32(v.view(torch.uint8).numpy())).max() * 0.5
-    tolerance = 0 if device == "cpu" else (UNIT + 2.0 ** -7) * vmax
-    assert numpy.abs(got - want_o.astype(numpy.float32)).max() <= tolerance
+    assert_bridge_o(o.float().cpu().numpy().reshape(want_o.shape), want_o, v.view(torch.uint8).numpy(), 0.5, device)
     with pytest.raises(ValueError, match=r"q_descale must broadcast to \(B, Hkv\) = \(2, 2\), got shape \(3,\)"):
         flash_attention_fp8(*(x.to(device) for x in (q, k, v)), q_descale=torch.ones(3, device=device))
     with pytest.raises(TypeError, match="v_descale must have dtype torch.float32"):
@@ -439,10 +449,7 @@ def test_jax_float8_arrays_inside_jit_give_what_cupyflash_gives(device):
     jax = pytest.importorskip("jax")
     from cupyflash.jax import flash_attention_fp8
 
-    try:
-        on = jax.devices(device)[0]
-    except RuntimeError:
-        pytest.skip(f"no {device} backend in JAX")
+    on = jax_device(jax, device)
     rng = numpy.random.default_rng(10)
     q, k, v = float8_inputs(rng, (2, 2, 4, 60, 64), (2, 2, 1, 75, 64))
     want_o, want_m, want_l = flash_attention_forward_fp8(q, k, v, causal=True, q_descale=2.0, v_descale=0.5)
@@ -450,9 +457,7 @@ def test_jax_float8_arrays_inside_jit_give_what_cupyflash_gives(device):
                                                        return_lse=True))
     o, lse = step(*(jax.device_put(x, on) for x in (q, k, v)))
     assert o.dtype == ml_dtypes.bfloat16 and o.shape == want_o.shape
-    vmax = numpy.abs(as_float32(v)).max() * 0.5
-    tolerance = 0 if device == "cpu" else (UNIT + 2.0 ** -7) * vmax
-    assert numpy.abs(numpy.asarray(o).astype(numpy.float32) - want_o.astype(numpy.float32)).max() <= tolerance
+    assert_bridge_o(o, want_o, v, 0.5, device)
     slack = 0 if device == "cpu" else 3 * score_slack(q, k, (2.0, 1.0, 1.0))
     assert numpy.all(numpy.abs(numpy.asarray(lse) - (want_m + numpy.log(want_l))) <= slack + 1e-5 * (1 + numpy.abs(want_m)))
     with pytest.raises(TypeError, match="q must have dtype float8_e4m3fn"):
@@ -466,10 +471,7 @@ def test_jax_per_entry_descales_are_traced_operands(device):
     jax = pytest.importorskip("jax")
     from cupyflash.jax import flash_attention_fp8
 
-    try:
-        on = jax.devices(device)[0]
-    except RuntimeError:
-        pytest.skip(f"no {device} backend in JAX")
+    on = jax_device(jax, device)
     rng = numpy.random.default_rng(11)
     q, k, v = float8_inputs(rng, (2, 2, 3, 30, 64), (2, 2, 1, 45, 64))
     traces = []
@@ -484,9 +486,7 @@ def test_jax_per_entry_descales_are_traced_operands(device):
                   for shape in ((2, 2, 1), (2, 1, 1)))
         want_o, _, _ = flash_attention_forward_fp8(q, k, v, causal=True, q_descale=qd, k_descale=1.5, v_descale=vd)
         o = step(*(jax.device_put(x, on) for x in (q, k, v, qd, vd)))
-        vmax = numpy.abs(as_float32(v)).max() * vd.max()
-        tolerance = 0 if device == "cpu" else (UNIT + 2.0 ** -7) * vmax
-        assert numpy.abs(numpy.asarray(o).astype(numpy.float32) - want_o.astype(numpy.float32)).max() <= tolerance
+        assert_bridge_o(o, want_o, v, vd.max(), device)
     assert len(traces) == 1
     with pytest.raises(TypeError, match="q_descale must be a number or a float32 array, got dtype float64"):
         flash_attention_fp8(q, k, v, q_descale=numpy.ones((2, 2, 1)))
