@@ -125,19 +125,21 @@ class Expr:
         """``render("float")``: the expression in CUDA C for float32 kernels."""
         return self.render("float")
 
-    def render(self, real: str = "float", fast: bool = False) -> str:
+    def render(self, real: str = "float", fast: bool = False, fast_division: bool | None = None) -> str:
         """The expression in CUDA C, fully parenthesised, its float arithmetic in ``real`` ("float":
         literals as ``1.5f`` and the functions' float forms, ``expf``; "double": ``1.5`` and ``exp``);
         ints as ``long long``. ``fast`` (float only; the kernels of 16-bit inputs): the functions of
-        ``FAST`` as the hardware's approximations and float division ``x / y`` as ``x * __fdividef(1.0f, y)``
-        (a reciprocal the compiler computes once where ``y`` does not change from pair to pair)."""
-        return _render(self, real, fast and real == "float")
+        ``FAST`` as the hardware's approximations and, unless ``fast_division`` is False, float division
+        ``x / y`` as ``x * __fdividef(1.0f, y)`` (a reciprocal the compiler computes once where ``y`` does
+        not change from pair to pair; ``fast_division`` alone: that but C's functions)."""
+        fast_division = fast if fast_division is None else fast_division
+        return _render(self, real, fast and real == "float", fast_division and real == "float")
 
-    def _render(self, real: str, fast: bool) -> str:
+    def _render(self, real: str, fast: bool, fast_division: bool) -> str:
         op, a = self.op, self.args
 
         def sub(x: Expr, kind: str = INT) -> str:   # a subtree, converted to ``real`` where ``kind`` is FLOAT
-            text = x.render(real, fast)
+            text = x.render(real, fast, fast_division)
             return f"(({real}){text})" if kind == FLOAT and x.kind == INT else text
 
         if op == "num":
@@ -161,7 +163,7 @@ class Expr:
             return f"(!{sub(a[0])})"
         if op == "neg":
             return f"(-{sub(a[0])})"
-        if fast and op == "/" and self.kind == FLOAT:   # a divisor the loop does not change: one reciprocal
+        if fast_division and op == "/" and self.kind == FLOAT:   # a divisor the loop does not change: one reciprocal
             return f"({sub(a[0], FLOAT)} * __fdividef(1.0f, {sub(a[1], FLOAT)}))"
         return f"({sub(a[0])} {op} {sub(a[1])})"
 
@@ -174,8 +176,8 @@ FAST = {"tanhf": "tanh_acc", "expf": "__expf", "logf": "__logf", "powf": "__powf
 
 
 @lru_cache(maxsize=1024)
-def _render(expr: Expr, real: str, fast: bool) -> str:
-    return expr._render(real, fast)
+def _render(expr: Expr, real: str, fast: bool, fast_division: bool) -> str:
+    return expr._render(real, fast, fast_division)
 
 
 _COMPARE = {"<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal, "==": np.equal,
@@ -460,7 +462,8 @@ class UserCode:
 def user_code(user: UserMods, real: str, array_types: dict, fast: bool = False) -> UserCode:
     """The ``UserCode`` of ``user`` for kernels computing in ``real`` ("float" or "double"), its arrays
     read as ``array_types`` (name: a value of GPU_ARRAY_TYPES) in the order of ``user.args``; ``fast``:
-    score_mod and mask_mod rendered for the kernels of 16-bit inputs (``Expr.render``)."""
+    score_mod and mask_mod rendered for the kernels of 16-bit inputs (``Expr.render``), score_mod_grad with
+    their division but C's functions."""
     if len(user.args) > MAX_ARGS:
         raise ExprError(f"mod_args holds {len(user.args)} names; the kernels take at most {MAX_ARGS}")
     decls = []
@@ -473,7 +476,8 @@ def user_code(user: UserMods, real: str, array_types: dict, fast: bool = False) 
         else:
             decls.append(f"const long long {name} = (long long)args.slot[{slot}];")
     mask_names = user.mask.names if user.mask is not None else frozenset()
-    # score_mod_grad keeps C's functions: 1 - tanh.approx(x)^2 would lose itself where tanh saturates
-    return UserCode(*(None if x is None else x.render(real, fast and x is not user.grad)
+    # score_mod_grad keeps C's functions: 1 - tanh.approx(x)^2 would lose itself where tanh saturates; its
+    # divisions take the reciprocal (2 ulp), hoisted where the divisor is the same for every pair
+    return UserCode(*(None if x is None else x.render(real, fast and x is not user.grad, fast)
                       for x in (user.score, user.grad, user.mask)),
                     " ".join(decls), "b" in mask_names, any(name in array_types for name in mask_names))

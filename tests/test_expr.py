@@ -183,3 +183,18 @@ def test_the_fast_form_takes_the_hardware_approximations_of_float_functions_and_
     assert "(s * __fdividef(1.0f, c))" in fast
     assert "tanhf(" in tree.render("float") and "__fdividef" not in tree.render("float")
     assert tree.render("double", fast=True) == tree.render("double")
+    # score_mod_grad's form: the division's reciprocal, C's functions
+    grad = tree.render("float", fast_division=True)
+    assert "tanhf(" in grad and "expf(" in grad and "tanh_acc" not in grad and "(s * __fdividef(1.0f, c))" in grad
+    assert tree.render("double", fast_division=True) == tree.render("double")
+
+
+def test_score_mod_grad_keeps_c_functions_but_takes_the_fast_division_for_16_bit_kernels():
+    """user_code(fast=True): score_mod in the fast form, score_mod_grad with C's tanhf and the division's
+    reciprocal; without fast (float32, float64 kernels) both as C writes them."""
+    user = _expr.user_mods("c * tanhf(s / c)", "1 - tanhf(s / c) * tanhf(s / c)", None, {"c": 30.0})
+    fast = _expr.user_code(user, "float", {}, fast=True)
+    assert "tanh_acc(" in fast.score and "__fdividef(1.0f, c)" in fast.score
+    assert "tanhf(" in fast.grad and "tanh_acc" not in fast.grad and "__fdividef(1.0f, c)" in fast.grad
+    plain = _expr.user_code(user, "float", {})
+    assert "__fdividef" not in plain.score + plain.grad and "tanh_acc" not in plain.score
