@@ -631,11 +631,17 @@ struct PairTile {
         const int g = lane / 4, t = lane % 4;
         const bool aligned = a.sj == 1 && a.si % 2 == 0 && reinterpret_cast<unsigned long long>(a.ptr) % sizeof(Two) == 0;
         if (aligned && r0 + 16 <= Nq && c0 + 8 * NT <= Nk) {
+            if (a.si == 0) {   // one row for all (a key-padding mask): the lane's two rows load once
+                const T* row = a.ptr + c0 + 2 * t;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const T* row = a.ptr + (i64)(r0 + g + 8 * h) * a.si + c0 + 2 * t;
+                for (int n = 0; n < NT; ++n) w[n][0] = w[n][1] = *reinterpret_cast<const Two*>(row + 8 * n);
+            } else {
 #pragma unroll
-                for (int n = 0; n < NT; ++n) w[n][h] = *reinterpret_cast<const Two*>(row + 8 * n);
+                for (int h = 0; h < 2; ++h) {
+                    const T* row = a.ptr + (i64)(r0 + g + 8 * h) * a.si + c0 + 2 * t;
+#pragma unroll
+                    for (int n = 0; n < NT; ++n) w[n][h] = *reinterpret_cast<const Two*>(row + 8 * n);
+                }
             }
         } else if (TRANSPOSED && r0 + 16 <= Nq && c0 + 8 * NT <= Nk) {
             // rows of keys, inside the lengths: a word's two pairs are two queries a.sj apart, no bounds to
