@@ -85,11 +85,12 @@ static_assert(SMEM_BYTES == FLASH_SMEM_BYTES, "host and device disagree on the s
 // (a row that saw no key has lse = inf: P = 0 too)
 // With modifiers (score_mod.cuh) the exponent takes the modified score in the modifiers' units
 // (RawMods); Pg gets
-// P_ij^T o ds'/ds of the softcap, the factor dS_ij^T = Pg o (dP_ij^T - D_i) needs.
-template <bool MASKED>
+// P_ij^T o ds'/ds of the softcap, the factor dS_ij^T = Pg o (dP_ij^T - D_i) needs. A bias's and a boolean
+// mask's pairs come from `pairs`, loaded under K_j Q_i^T (score_mod.cuh: PairsOfTile).
+template <bool MASKED, typename Ahead>
 __device__ __forceinline__ void probabilities(acc_t (&S)[B_R / 8][4], acc_t (&Pg)[CHAIN ? B_R / 8 : 1][4],
-                                              const acc_t* st, const Mask& mask, const EntryMods& mods, int q0,
-                                              int key0, acc_t scale) {
+                                              const acc_t* st, const Mask& mask, const EntryMods& mods,
+                                              const Ahead& pairs, int q0, int key0, acc_t scale) {
     const int lane = threadIdx.x % WARP_SIZE, g = lane / 4, t = lane % 4;
     const RawMods raw(mods, scale);
     const acc_t unit_log2 = (SCORE_MODS ? raw.unit : scale) * (acc_t)LOG2E;
@@ -101,7 +102,7 @@ __device__ __forceinline__ void probabilities(acc_t (&S)[B_R / 8][4], acc_t (&Pg
         const float2 lse = *reinterpret_cast<const float2*>(st + qc);
         const acc_t neg_lse[2] = {-lse.x, -lse.y};
         acc_t grad[4];
-        if (SCORE_MODS && mods.modifies()) modify_raw_quad<true, true>(S[nn], grad, raw, base, key0, q0, nn);
+        if (SCORE_MODS && mods.modifies()) modify_raw_quad<true, true>(S[nn], grad, raw, base, key0, q0, nn, pairs);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             S[nn][e] = (MASKED && !mask.visible(q0 + qc + e % 2, key0 + g + (e / 2) * 8))
@@ -121,14 +122,17 @@ __device__ __forceinline__ void issue_grad(acc_t (&G)[DP / 8][4], const unsigned
     wgmma_commit();
 }
 
-// S (64, B_R) = A_j B_i^T of a consumer, waited for: K_j Q_i^T or V_j dO_i^T (both K-major)
-__device__ __forceinline__ void scores(acc_t (&S)[B_R / 8][4], const elem_t* s_A, const elem_t* s_B) {
+// S (64, B_R) = A_j B_i^T of a consumer, waited for: K_j Q_i^T or V_j dO_i^T (both K-major); `under()` runs
+// while the product is in flight
+template <typename Under>
+__device__ __forceinline__ void scores(acc_t (&S)[B_R / 8][4], const elem_t* s_A, const elem_t* s_B, Under under) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < DP / 16; ++kk)
         Wgmma<B_R>::ss(S, sw128_desc(s_A + sw128_offset<B_C>(0, kk * 16), 16, SW_ATOM_BYTES),
                        sw128_desc(s_B + sw128_offset<B_R>(0, kk * 16), 16, SW_ATOM_BYTES), kk > 0);
     wgmma_commit();
+    under();
     wgmma_wait<0>();
     wgmma_pin(S);
 }
@@ -202,11 +206,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
         acc_t X[B_R / 8][4];                           // S_ij^T -> P_ij^T (c = 0), dP_ij^T -> dS_ij^T (c = 1)
         unsigned A[B_R / 16][4];                       // P^T or dS^T as A fragments
         if (c == 0) {
-            scores(X, s_K, s_Qs);
+            PairsOfTile<B_R / 8, true> pairs;           // a bias's and a mask's pairs of S_ij^T
+            scores(X, s_K, s_Qs, [&] { pairs.load(mods, key0, q0); });
             // A tile whose pairs are all visible (most of them) takes the path without the mask
             acc_t Pg[CHAIN ? B_R / 8 : 1][4];           // P^T o ds'/ds of the softcap and score_mod
-            if (mask.full(q0, B_R, key0, 16)) probabilities<false>(X, Pg, st, mask, mods, q0, key0, scale);
-            else                         probabilities<true>(X, Pg, st, mask, mods, q0, key0, scale);
+            if (mask.full(q0, B_R, key0, 16)) probabilities<false>(X, Pg, st, mask, mods, pairs, q0, key0, scale);
+            else                         probabilities<true>(X, Pg, st, mask, mods, pairs, q0, key0, scale);
             // dropout: a dropped pair's W goes to consumer 1 negated (W >= 0; its sign bit is the keep
             // bit), and dV_j takes Z o P^T
 #pragma unroll
@@ -222,7 +227,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_bwd_sm90_wide(co
             frag_to_a(A, X);
             issue_grad(G, A, s_dOs);                   // dV_j += (Z o P_ij)^T dO_i
         } else {
-            scores(X, s_V, s_dOs);
+            scores(X, s_V, s_dOs, [] {});
             named_barrier_sync(P_WRITTEN, CONSUMER_THREADS);
             // dS^T = W o (Z o dP^T - D_i), Z = 1 / (1 - p) or 0 from W's sign under dropout, else 1
             auto ds = [&](acc_t W, acc_t dp, acc_t D_i) {
