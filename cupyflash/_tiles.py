@@ -518,6 +518,11 @@ TILE_MAP_ENTRIES = ("flash_tile_map", "flash_tile_lists")
 # spills hundreds of bytes (NVRTC 13)
 PAIR_BLOCK_C = {"fwd_sm90": 64}
 PAIR_BLOCK_R = {"bwd_sm90": 64}
+# ... but for these per-pair flags alone, by (family, head-dim bucket): the family's own B_c, measured faster
+# than PAIR_BLOCK_C's (H100, RESULTS.md, twenty-first session: D 64 mask 1.03-1.12x, though it spills 352
+# bytes; D 128 bias 1.21-1.28x and mask 1.10-1.18x, spill-free). Slower at B_c = 128: D 64 bias 0.85-0.92x,
+# D 64 dropout 0.89-0.98x; D 128 dropout even
+PAIR_WIDE_C = {("fwd_sm90", 64): {("mask",)}, ("fwd_sm90", 128): {("bias",), ("mask",)}}
 
 
 def _flag_sets(kernel: str, names) -> tuple:
@@ -540,13 +545,15 @@ def _flag_sets(kernel: str, names) -> tuple:
 def with_flags(cfg: TileConfig, names) -> TileConfig:
     """``cfg`` with the flags among ``names`` (``_flags.FLAGS``) that its family compiles in, and no
     others: those it reads at run time and those it does not read are left to the run-time word. With
-    per-pair work (a bias, a mask, dropout) the Hopper forward takes smaller K/V tiles (``PAIR_BLOCK_C``)
-    and the Hopper backward smaller Q tiles (``PAIR_BLOCK_R``)."""
+    per-pair work (a bias, a mask, dropout) the Hopper forward takes smaller K/V tiles (``PAIR_BLOCK_C``,
+    but for ``PAIR_WIDE_C``) and the Hopper backward smaller Q tiles (``PAIR_BLOCK_R``)."""
     on = _flag_sets(cfg.kernel, names)
     block_r, block_c = cfg.block_r, cfg.block_c
-    if any(_flags.BY_NAME[name].pair_tiles for name in on):
+    pairs = tuple(name for name in on if _flags.BY_NAME[name].pair_tiles)
+    if pairs:
         block_r = min(block_r, PAIR_BLOCK_R.get(cfg.kernel, block_r))
-        block_c = min(block_c, PAIR_BLOCK_C.get(cfg.kernel, block_c))
+        if pairs not in PAIR_WIDE_C.get((cfg.kernel, cfg.d_pad), ()):
+            block_c = min(block_c, PAIR_BLOCK_C.get(cfg.kernel, block_c))
     return replace(cfg, flags=on, block_r=block_r, block_c=block_c)
 
 

@@ -129,3 +129,18 @@ def test_the_device_code_of_every_row_takes_both_forms():
     text = "\n".join(p.read_text() for p in sorted(_compile.kernel_dir().glob("*.cu*")))
     for flag in _flags.FLAGS:
         assert re.search(rf"SWITCH_ON\({flag.name.upper()},|{flag.define} == FLASH_AT_RUN_TIME", text), flag.name
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+def test_per_pair_work_takes_the_smaller_kv_tiles_but_where_measured_faster_without(head_dim):
+    """The Hopper forward under a bias, a mask or dropout takes PAIR_BLOCK_C's K/V tiles, but for the
+    per-pair flags alone that PAIR_WIDE_C keeps at the family's own (the head-dim bucket's entry)."""
+    cfg = _tiles.choose_tiles("fwd_sm90", head_dim, "float16", SM90_SMEM)
+    wide = _tiles.PAIR_WIDE_C[("fwd_sm90", cfg.d_pad)]
+    for names in [("bias",), ("mask",), ("dropout",), ("bias", "mask"), ("mask", "dropout"), ("softcap", "mask")]:
+        pairs = tuple(n for n in names if _flags.BY_NAME[n].pair_tiles)
+        got = _tiles.with_flags(cfg, names)
+        assert got.block_c == (cfg.block_c if pairs in wide else _tiles.PAIR_BLOCK_C["fwd_sm90"]), names
+        assert got.block_r == cfg.block_r
+    assert _tiles.with_flags(cfg, ("softcap", "alibi")).block_c == cfg.block_c   # no per-pair work
+    assert ("mask",) in wide and ("dropout",) not in wide
