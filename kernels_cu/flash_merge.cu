@@ -26,8 +26,8 @@ __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(
 struct alignas(16) Vec { elem_t x[VEC]; };
 
 // the most parts whose blocks a lane holds in registers at once: 4 takes 48 registers a thread where 8 took 60,
-// more rows in flight per SM (H100: 2 parts 0.55 -> 0.67 of a copy's bandwidth, 4 parts 0.78 -> 0.86 at 65536
-// rows; 8 parts, now the other path, 0.89 -> 0.83 at 2M rows; RESULTS.md, twenty-first session)
+// more rows in flight per SM (H100, fp16, D 128: 2 parts 1.16-1.22x, 4 parts 1.09-1.12x; 8 parts, now the
+// other path, 0.93-1.01x; RESULTS.md, twenty-first session)
 constexpr int AHEAD = 4;
 
 // acc += w_p o_p over the parts in order, where `adds` (a seen part: an empty one adds nothing, not 0 · NaN)
