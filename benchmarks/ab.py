@@ -3,7 +3,7 @@ kernel slower than it was?
 
     python benchmarks/ab.py --base ../old-checkout [--tree NAME=PATH ...] [--sweep protocol variants]
                             [--variants bias mask ...] [--dtypes fp16 bf16] [--head-dims 64 128]
-                            [--seqlens ...] [--rounds 2] [--schedule v1]
+                            [--seqlens ...] [--rounds 2] [--schedule v1] [--deterministic]
 
 Each checkout's ``cupyflash/`` is imported under a name of its own (``cupyflash_base``,
 ``cupyflash_<NAME>``; without ``--tree``, this checkout as ``head``), beside its own ``kernels_cu/``,
@@ -83,11 +83,12 @@ def cases(sweeps, dtypes, head_dims, seqlens, variant_seqlens, names=VARIANTS[1:
                                 yield ("variants", variant, dtype, D, N, causal)
 
 
-def make_case(case, small: bool = False, schedule: str = "auto"):
+def make_case(case, small: bool = False, schedule: str = "auto", deterministic: bool = False):
     """``(inputs, forward kwargs, backward extra kwargs, offsets or None)`` of a case (``small``: at
-    ``WARM_N``) under forward ``schedule``; for ``varlen``: q, k, v, do as (H, total, D) views of (total, H,
-    D) memory and the sequences' int32 offsets (variants.py's lengths)."""
+    ``WARM_N``) under forward ``schedule``, the backward ``deterministic`` or not; for ``varlen``: q, k, v, do
+    as (H, total, D) views of (total, H, D) memory and the sequences' int32 offsets (variants.py's lengths)."""
     _, variant, dtype, D, N, causal = case
+    order = {"deterministic": True} if deterministic else {}
     H = bench.HIDDEN // D
     if variant == "varlen":
         lengths = (numpy.random.default_rng(0).integers(WARM_N // 4, WARM_N + 1, 4) if small
@@ -99,11 +100,11 @@ def make_case(case, small: bool = False, schedule: str = "auto"):
         cu = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths)]), dtype=numpy.int32)
         longest = int(lengths.max())
         kw = dict(causal=causal, max_seqlen_q=longest, max_seqlen_k=longest, schedule=schedule)
-        return bench.Inputs(q, k, v, do, causal), kw, {}, cu
+        return bench.Inputs(q, k, v, do, causal), kw, order, cu
     N = WARM_N if small else N
     cfg = bench.protocol_config(dtype, D, N, causal)
     x = bench.make_inputs(cfg, bench.SEED)
-    kw, extra = dict(causal=causal, schedule=schedule), {}
+    kw, extra = dict(causal=causal, schedule=schedule), dict(order)
     rng = cupy.random.default_rng(1)
     if variant == "window":
         kw["window"] = (256, 0)
@@ -151,9 +152,9 @@ def calls(flash, x, kw, extra, offsets) -> dict:
 
 def _warm(job) -> str:
     """Compile what ``case`` needs in both checkouts (a worker process): one small forward and backward."""
-    roots, case, schedule = job
+    roots, case, schedule, deterministic = job
     try:
-        x, kw, extra, offsets = make_case(case, small=True, schedule=schedule)
+        x, kw, extra, offsets = make_case(case, small=True, schedule=schedule, deterministic=deterministic)
         for label, root in roots.items():
             for call in calls(load_tree(label, Path(root)), x, kw, extra, offsets).values():
                 call()
@@ -163,9 +164,9 @@ def _warm(job) -> str:
         return f"{case}: {bench.short(error)}"
 
 
-def time_case(trees, case, rounds: int, schedule: str = "auto") -> dict:
+def time_case(trees, case, rounds: int, schedule: str = "auto", deterministic: bool = False) -> dict:
     """``{mode: {label: ms}}`` of one case, the checkouts alternating."""
-    x, kw, extra, offsets = make_case(case, schedule=schedule)
+    x, kw, extra, offsets = make_case(case, schedule=schedule, deterministic=deterministic)
     runs = {label: calls(flash, x, kw, extra, offsets) for label, flash in trees.items()}
     clock = bench.cupy_clock()
     times = {mode: {label: [] for label in trees} for mode in ("fwd", "bwd")}
@@ -190,6 +191,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", nargs="+", choices=tuple(bench.DTYPES), default=["fp16", "bf16"])
     parser.add_argument("--schedule", choices=("auto", "v1", "v2"), default="auto",
                         help="the forward schedule of every call (the API's schedule=)")
+    parser.add_argument("--deterministic", action="store_true", help="every backward with deterministic=True")
     parser.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--variant-seqlens", nargs="+", type=int, default=[1024, 4096])
@@ -208,21 +210,21 @@ def main(argv=None) -> int:
 
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             warm_cases = sorted({(c[0], c[1], c[2], c[3], 0, c[5]) for c in points})
-            for error in pool.map(_warm, [(roots, c, args.schedule) for c in warm_cases]):
+            for error in pool.map(_warm, [(roots, c, args.schedule, args.deterministic) for c in warm_cases]):
                 if error:
                     print("compile-ahead:", error, flush=True)
     trees = {label: load_tree(label, Path(root)) for label, root in roots.items()}
     others = [label for label in trees if label != "base"]
     gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     print(f"base {roots['base']}; " + "; ".join(f"{t} {roots[t]}" for t in others)
-          + f"; schedule {args.schedule}; on {gpu}")
+          + f"; schedule {args.schedule}{'; deterministic backwards' if args.deterministic else ''}; on {gpu}")
     columns = [f"{mode} {t}/base" for mode in ("fwd", "bwd") for t in others]
     print("| sweep | variant | dtype | D | N | causal | fwd base ms | bwd base ms | " + " | ".join(columns) + " |")
     print("|---|---|---|---:|---:|---|---:|---:|" + "---:|" * len(columns))
     ratios = {}
     for case in points:
         try:
-            t = time_case(trees, case, args.rounds, args.schedule)
+            t = time_case(trees, case, args.rounds, args.schedule, args.deterministic)
         except Exception as error:  # noqa: BLE001 - recorded: a case a checkout cannot run
             print(f"| {' | '.join(map(str, case))} | {bench.short(error)} |", flush=True)
             continue
