@@ -795,7 +795,9 @@ def forward_plan(q, k, v, *, schedule: str, precision: str, geometry: MaskGeomet
     # masked: the kernel flags the Q tiles where a masked pair met an inf or NaN, flash_fwd_repair redoes them
     flags = heads * T_r if _masked_pairs(geometry, packed, mods) else 0
     launches = [launch(kernel, grid, cfg.threads, cfg.smem_bytes)]
-    if flags and (cfg.kernel != "fwd_sm90" or kv_splits > 1):   # the Hopper forward repairs its own rows
+    # the Hopper forward repairs its own rows, but under split-KV (the merge writes them after it) and in
+    # its packed-sequence kernels (flash_fwd_sm90.cu: SELF_REPAIR)
+    if flags and (cfg.kernel != "fwd_sm90" or kv_splits > 1 or "varlen" in cfg.flags):
         kernels, repair_grid = _repair(D, q.dtype, flags, mods, used)
         launches.append(launch(kernels["flash_fwd_repair"], repair_grid, KERNELS_THREADS["repair"]))
     tile_map, tile_fields = tile_map_plan(cfg, get_kernels(cfg), mods, geometry, packed, heads, Nq, Nk)

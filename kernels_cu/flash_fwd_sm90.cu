@@ -33,7 +33,10 @@
 //              (setmaxnreg).
 //
 // As the CTA ends, its consumers recompute the rows of the Q tiles its producer flagged (repair.cuh),
-// where flash_fwd_repair would after the kernel: a call with finite inputs pays one barrier for it.
+// where flash_fwd_repair would after the kernel: a call with finite inputs pays one barrier for it. Not
+// in the packed-sequence kernels (SELF_REPAIR): with that code after their loop ptxas moved the loop's
+// warp-uniform work (the sequence's and tile's indices) off the uniform datapath, and the packed forward
+// ran 5-12% slower (RESULTS.md, twenty-first session); flash_fwd_repair follows them.
 //
 // The consumers wait only on tiles and on their turn to issue products (ping-pong: while one
 // runs its softmax another's products keep the tensor cores busy). wgmma is asynchronous, so
@@ -98,6 +101,8 @@ constexpr int CONSUMER_REGS = FLASH_CONSUMER_REGS;
 // Named barriers (0 is __syncthreads): consumer c's turn to issue its products (CONSUMER_TURN + c,
 // c < CONSUMERS), the consumers' repair, every thread's work done, the producer's own
 enum Barrier : int { CONSUMER_TURN = 1, REPAIR = 13, ALL_DONE = 14, PRODUCER = 15 };
+// the consumers recompute the CTA's flagged Q tiles as it ends (the host launches flash_fwd_repair where not)
+constexpr bool SELF_REPAIR = !VARLEN;
 
 static_assert(B_R == 64 * CONSUMERS && FLASH_WARPS % 4 == 0, "one producer warpgroup, 64 query rows per consumer");
 static_assert(CONSUMERS >= 2 && CONSUMER_TURN + CONSUMERS <= REPAIR, "ping-pong consumers and their barriers");
@@ -336,7 +341,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
             kv += w.visits.count();
         }
         cp_async_wait<0>();   // no copy outlives its thread
-        named_barrier_arrive(ALL_DONE, NTHREADS);   // every flag is set
+        if constexpr (SELF_REPAIR) named_barrier_arrive(ALL_DONE, NTHREADS);   // every flag is set
     } else {
         // consumers: warpgroup c = wg - 1 owns rows 64c .. 64c+63 of each Q_i
         setmaxnreg_inc<CONSUMER_REGS>();
@@ -519,8 +524,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) flash_fwd_sm90(const _
         // The Q tiles this CTA flagged, recomputed here rather than by flash_fwd_repair after the kernel
         // (a launch fewer a call), once the producer has scanned its last V_j and every consumer has
         // written its rows. Under split-KV the rows are the merge's, after this kernel: flash_fwd_repair's.
-        named_barrier_sync(ALL_DONE, NTHREADS);
-        if (splits == 1 && *s_flagged) repair_own_tiles(p, (i64)heads * T_r, T_r, warp);
+        if constexpr (SELF_REPAIR) {
+            named_barrier_sync(ALL_DONE, NTHREADS);
+            if (splits == 1 && *s_flagged) repair_own_tiles(p, (i64)heads * T_r, T_r, warp);
+        }
     }
 }
 
