@@ -514,8 +514,8 @@ TILE_MAP_ENTRIES = ("flash_tile_map", "flash_tile_lists")
 
 # K/V tile rows of the Hopper forward, and Q tile rows of the Hopper backward, that read a bias or a mask,
 # or draw dropout's keep set (the flags with ``pair_tiles``): each consumer thread loads (or draws) one value
-# per score it holds, and at B_c = 128 (the forward, D <= 128) or B_r = 128 (the backward, D <= 64) that
-# spills hundreds of bytes (NVRTC 13)
+# per score it holds, and at B_c = 128 (the forward at D 64, and with two per-pair flags at D 128) or
+# B_r = 128 (the backward, D <= 64) that spills hundreds of bytes (NVRTC 13)
 PAIR_BLOCK_C = {"fwd_sm90": 64}
 PAIR_BLOCK_R = {"bwd_sm90": 64}
 # ... but for these per-pair flags alone, by (family, head-dim bucket): the family's own B_c, measured faster
