@@ -88,7 +88,7 @@ def make_case(case, small: bool = False, schedule: str = "auto", deterministic: 
     ``WARM_N``) under forward ``schedule``, the backward ``deterministic`` or not; for ``varlen``: q, k, v, do
     as (H, total, D) views of (total, H, D) memory and the sequences' int32 offsets (variants.py's lengths)."""
     _, variant, dtype, D, N, causal = case
-    order = {"deterministic": True} if deterministic else {}
+    extra = {"deterministic": True} if deterministic else {}   # the backward's own keywords
     H = bench.HIDDEN // D
     if variant == "varlen":
         lengths = (numpy.random.default_rng(0).integers(WARM_N // 4, WARM_N + 1, 4) if small
@@ -100,11 +100,11 @@ def make_case(case, small: bool = False, schedule: str = "auto", deterministic: 
         cu = cupy.asarray(numpy.concatenate([[0], numpy.cumsum(lengths)]), dtype=numpy.int32)
         longest = int(lengths.max())
         kw = dict(causal=causal, max_seqlen_q=longest, max_seqlen_k=longest, schedule=schedule)
-        return bench.Inputs(q, k, v, do, causal), kw, order, cu
+        return bench.Inputs(q, k, v, do, causal), kw, extra, cu
     N = WARM_N if small else N
     cfg = bench.protocol_config(dtype, D, N, causal)
     x = bench.make_inputs(cfg, bench.SEED)
-    kw, extra = dict(causal=causal, schedule=schedule), dict(order)
+    kw = dict(causal=causal, schedule=schedule)
     rng = cupy.random.default_rng(1)
     if variant == "window":
         kw["window"] = (256, 0)

@@ -935,8 +935,8 @@ def flash_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
         raise ValueError(f"q's heads must be a multiple of k's and v's, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)} ({layout})")
     G = Hq // Hkv
-    descales = {name: _descale_array(name, x, B, Hkv, device) for name, x in
-                (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))}
+    descales = {name: _descale_array(name, x, B, Hkv, device)
+                for name, x in zip(float8.DESCALES, (q_descale, k_descale, v_descale))}
     o = torch.empty_strided(tuple(q.shape), _output_strides(q.shape, order), dtype=out_dtype, device=q.device)
     m, l = (torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device) for _ in range(2))
     out = (_tensor_array("o", o, {out_dtype: DTYPES[out_dtype]}, order, device),
